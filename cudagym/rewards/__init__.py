@@ -1,0 +1,1 @@
+"""Milestone reward, verdict types and the evaluator that produces them."""

@@ -1,0 +1,72 @@
+"""The milestone reward: -1 failed, +1 correct, +2 faster than eager, +3 faster than both."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from cudagym.rewards.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
+
+
+class RewardConfig(BaseModel):
+    """Reward values and speed thresholds (a speedup must exceed 1 + margin)."""
+
+    fail: float = -1.0
+    correct: float = 1.0
+    faster_than_eager: float = 2.0
+    faster_than_compile: float = 3.0
+    eager_margin: float = 0.05
+    compile_margin: float = 0.05
+
+
+def milestone_verdict(
+    compile_result: CompileResult,
+    verify_result: VerifyResult | None,
+    profile_result: ProfileResult | None,
+    config: RewardConfig | None = None,
+) -> Verdict:
+    """Combine the step results into a `Verdict` with its reward and reasons."""
+    cfg = config or RewardConfig()
+    reasons: list[str] = []
+    base = dict(compile_result=compile_result, verify_result=verify_result, profile_result=profile_result)
+
+    if not compile_result.ok:
+        reasons.append("did not compile: " + ("; ".join(compile_result.errors[:3]) or "see log"))
+        return Verdict(reward=cfg.fail, milestone="failed", compiled=False, correct=False, reasons=reasons,
+                       error="\n".join(compile_result.errors) or compile_result.log, error_kind="compile_error", **base)
+    assert verify_result is not None
+    audit = verify_result.audit
+    if not verify_result.ok:
+        reasons.extend(verify_result.reasons or ["not correct"])
+        return Verdict(reward=cfg.fail, milestone="failed", compiled=True, correct=verify_result.correct, audit=audit,
+                       reasons=reasons, error=verify_result.error, error_kind=verify_result.error_kind, **base)
+    reasons.append(f"correct on {verify_result.trials_passed}/{verify_result.trials} trials; audit ({audit.mode if audit else '-'}) passed")
+    timing = dict(audit=audit)
+    if profile_result is None or not profile_result.ok:
+        why = profile_result.error if profile_result else "not profiled"
+        if profile_result is not None and profile_result.error_kind is not None and profile_result.error_kind.value != "internal":
+            reasons.extend(profile_result.reasons or [f"profile failed: {why}"])
+            return Verdict(reward=cfg.fail, milestone="failed", compiled=True, correct=False, reasons=reasons,
+                           error=why, error_kind=profile_result.error_kind, **timing, **base)
+        reasons.append(f"no speed milestone: profile unavailable ({why})")
+        return Verdict(reward=cfg.correct, milestone="correct", compiled=True, correct=True, reasons=reasons, **timing, **base)
+
+    p = profile_result
+    timing.update(
+        eager_ms=p.eager.median_ms if p.eager else None,
+        compile_ms=p.compiled.median_ms if p.compiled else None,
+        candidate_ms=p.candidate.median_ms if p.candidate else None,
+        speedup_vs_eager=p.speedup_vs_eager,
+        speedup_vs_compile=p.speedup_vs_compile,
+    )
+    beats_eager = p.speedup_vs_eager is not None and p.speedup_vs_eager > 1 + cfg.eager_margin
+    beats_compile = p.speedup_vs_compile is not None and p.speedup_vs_compile > 1 + cfg.compile_margin
+    fmt = lambda s: "n/a" if s is None else f"{s:.3f}x"  # noqa: E731
+    reasons.append(f"speedup vs eager {fmt(p.speedup_vs_eager)} (needs > {1 + cfg.eager_margin:.2f}x)")
+    reasons.append(f"speedup vs torch.compile {fmt(p.speedup_vs_compile)} (needs > {1 + cfg.compile_margin:.2f}x)")
+    if beats_eager and beats_compile:
+        return Verdict(reward=cfg.faster_than_compile, milestone="faster_than_compile", compiled=True, correct=True,
+                       reasons=reasons, **timing, **base)
+    if beats_eager:
+        return Verdict(reward=cfg.faster_than_eager, milestone="faster_than_eager", compiled=True, correct=True,
+                       reasons=reasons, **timing, **base)
+    return Verdict(reward=cfg.correct, milestone="correct", compiled=True, correct=True, reasons=reasons, **timing, **base)

@@ -1,0 +1,158 @@
+"""Result types of compile, verify, profile and the final verdict.
+
+Every result carries its reasons: a reward is never a bare number. Times are in milliseconds
+(`_ms`) or seconds (`_s`) as named.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+AuditMode = Literal["strict", "permissive"]
+
+
+class ErrorKind(str, Enum):
+    """Why a job failed, as the agent and the reward see it."""
+
+    COMPILE = "compile_error"
+    EXCEPTION = "exception"  # the candidate raised
+    CRASH = "crash"  # the worker died (segfault, abort, illegal memory access)
+    TIMEOUT = "timeout"
+    MEMORY = "memory_limit"
+    PROCESS_LIMIT = "process_limit"
+    SANDBOX = "sandbox_violation"  # wrote outside the workspace, network, ...
+    MISMATCH = "mismatch"  # wrong output values
+    OUTPUT_FORMAT = "output_format"  # wrong type/shape/dtype/device
+    AUDIT = "audit"  # forbidden op or rule broken
+    TAMPER = "tamper"  # harness, timer or result channel tampered with
+    IMPLAUSIBLE = "implausible"  # faster than the roofline floor
+    INTERNAL = "internal"  # a harness failure: not the candidate's fault
+
+
+class TimingStats(BaseModel):
+    """Statistics of repeated timed calls, in milliseconds."""
+
+    n: int
+    median_ms: float
+    mean_ms: float
+    min_ms: float
+    max_ms: float
+    iqr_ms: float
+    cv: float  # stdev / mean of the calls
+
+    @classmethod
+    def from_samples(cls, samples_ms: list[float]) -> TimingStats:
+        import statistics
+
+        s = sorted(samples_ms)
+        n = len(s)
+        if n == 0:
+            raise ValueError("no samples")
+        q1, q3 = (statistics.quantiles(s, n=4)[0], statistics.quantiles(s, n=4)[2]) if n >= 2 else (s[0], s[0])
+        mean = statistics.fmean(s)
+        sd = statistics.pstdev(s) if n > 1 else 0.0
+        return cls(
+            n=n,
+            median_ms=statistics.median(s),
+            mean_ms=mean,
+            min_ms=s[0],
+            max_ms=s[-1],
+            iqr_ms=q3 - q1,
+            cv=(sd / mean) if mean > 0 else 0.0,
+        )
+
+
+class CompileResult(BaseModel):
+    ok: bool
+    seconds: float = 0.0
+    cached: bool = False  # nothing was compiled: every object came from the build cache
+    artifact_dir: str | None = None  # holds libkernels.so and/or kernel_ext*.so
+    compiled: list[str] = Field(default_factory=list)  # sources compiled this time
+    reused: list[str] = Field(default_factory=list)  # sources taken from the cache
+    errors: list[str] = Field(default_factory=list)  # "file:line: message", trimmed
+    log: str = ""  # trimmed compiler output
+    inline_modules: list[str] = Field(default_factory=list)  # load_inline modules pre-built
+
+
+class AuditResult(BaseModel):
+    mode: AuditMode
+    passed: bool
+    forbidden_ops: list[str] = Field(default_factory=list)
+    ops_seen: dict[str, int] = Field(default_factory=dict)
+    own_kernel_share: float | None = None  # share of device time in the candidate's kernels
+    reasons: list[str] = Field(default_factory=list)
+
+
+class VerifyResult(BaseModel):
+    ok: bool  # correct, audit passed, no rule broken
+    correct: bool = False
+    trials: int = 0
+    trials_passed: int = 0
+    max_abs_error: float | None = None
+    audit: AuditResult | None = None
+    error_kind: ErrorKind | None = None
+    error: str | None = None  # the candidate's own traceback / crash message, trimmed
+    reasons: list[str] = Field(default_factory=list)
+    seconds: float = 0.0
+
+
+class ProfileResult(BaseModel):
+    ok: bool
+    candidate: TimingStats | None = None
+    eager: TimingStats | None = None
+    compiled: TimingStats | None = None  # torch.compile baseline
+    speedup_vs_eager: float | None = None
+    speedup_vs_compile: float | None = None
+    roofline_floor_ms: float | None = None
+    baselines_cached: bool = False
+    telemetry: dict[str, Any] = Field(default_factory=dict)
+    ncu: dict[str, Any] | None = None
+    error_kind: ErrorKind | None = None
+    error: str | None = None
+    reasons: list[str] = Field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Verdict(BaseModel):
+    """The final judgement of a submission: reward plus everything it was computed from."""
+
+    reward: float
+    milestone: Literal["failed", "correct", "faster_than_eager", "faster_than_compile"]
+    compiled: bool
+    correct: bool
+    audit: AuditResult | None = None
+    eager_ms: float | None = None
+    compile_ms: float | None = None  # the torch.compile baseline's time, not compile seconds
+    candidate_ms: float | None = None
+    speedup_vs_eager: float | None = None
+    speedup_vs_compile: float | None = None
+    reasons: list[str] = Field(default_factory=list)
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    compile_result: CompileResult | None = None
+    verify_result: VerifyResult | None = None
+    profile_result: ProfileResult | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The flat JSON object of `cudagym check --json`."""
+        return {
+            "reward": self.reward,
+            "milestone": self.milestone,
+            "compiled": self.compiled,
+            "correct": self.correct,
+            "audit": None
+            if self.audit is None
+            else {"mode": self.audit.mode, "passed": self.audit.passed, "reasons": self.audit.reasons,
+                  "forbidden_ops": self.audit.forbidden_ops},
+            "eager_ms": self.eager_ms,
+            "compile_ms": self.compile_ms,
+            "candidate_ms": self.candidate_ms,
+            "speedup_vs_eager": self.speedup_vs_eager,
+            "speedup_vs_compile": self.speedup_vs_compile,
+            "reasons": self.reasons,
+            "error": self.error,
+            "error_kind": self.error_kind.value if self.error_kind else None,
+        }
