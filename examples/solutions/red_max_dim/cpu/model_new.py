@@ -1,0 +1,24 @@
+"""red_max_dim on the CPU: a row-wise max in C++."""
+
+import ctypes
+
+import torch
+import torch.nn as nn
+
+from cudagym.runtime import kernel_library, ptr
+
+_lib = kernel_library()
+_lib.max_lastdim.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+_lib.max_lastdim.restype = None
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        cols = x.size(-1)
+        out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
+        _lib.max_lastdim(ptr(x), ptr(out), x.numel() // cols, cols)
+        return out
