@@ -1,14 +1,72 @@
-"""Compiling a workspace's kernels (being implemented; the interface below is fixed)."""
+"""Compiling a workspace's kernels into one artifact directory.
+
+`Toolchain(cache_dir, config).build(workspace, target)` compiles every source under `kernels/`
+into an object, links the objects, and returns a `CompileResult` whose `artifact_dir` holds
+either `libkernels.so` (sources with `extern "C"` launchers, called through ctypes) or the torch
+extension `kernel_ext<EXT_SUFFIX>` (when a `kernels/*_binding.cpp` exists). See
+`cudagym.runtime` for how a candidate reaches them.
+
+Flags (one place: `_CompilePlan`):
+
+- C++ (``.cpp .cc .c``): ``g++ -O3 -std=c++17 -fPIC -fopenmp -march=native -Ikernels``;
+- CUDA (``.cu``, CUDA target only): ``nvcc -O3 -std=c++17 -Xcompiler -fPIC -arch=<arch>
+  -ccbin <g++> -Ikernels``; the arch is `config.cuda_arch`, else the GPU's (``sm_XY``, with the
+  ``a`` suffix from Hopper on: ``sm_90a``), else ``sm_90a``;
+- ``*_binding.cpp`` add what `torch.utils.cpp_extension` gives its own JIT builds: its include
+  paths (plus CUDA's on the CUDA target), Python's include dir,
+  ``-DTORCH_EXTENSION_NAME=kernel_ext -DTORCH_API_INCLUDE_EXTENSION_H``, the
+  ``_GLIBCXX_USE_CXX11_ABI`` torch was built with, and the pybind11 ABI flags where that torch
+  still defines them; the other sources of such a workspace get the include paths only;
+- link: ``g++ -shared -fopenmp`` (+ ``-lcudart`` with CUDA objects); with a binding, torch's
+  libraries (``-lc10 -ltorch -ltorch_cpu -ltorch_python``, + ``-lc10_cuda -ltorch_cuda``) and
+  rpaths to torch's and CUDA's library directories.
+
+Why a content-addressed cache instead of ninja (which `load_inline` uses): ninja decides what to
+rebuild from file mtimes inside one build directory. Every episode has its own workspace, and RL
+rollouts write the same files again and again (a rewrite with identical content gets a new
+mtime), so ninja would recompile sources that did not change and could share nothing between
+workspaces. Here an object is named by the hash of what determines it (compiler identity, flags,
+source bytes, the bytes of every header under `kernels/`, torch's version for bindings), and a
+linked artifact by the hash of its objects and link flags, so an unchanged source is compiled
+once per cache, whichever workspace or episode it appears in, and only an edited file is
+recompiled. Compilers run with the workspace as working directory and workspace-relative paths,
+so flags and diagnostics are the same for every workspace. Writes go to a temporary name and
+are renamed into place, so concurrent builds of the same key are safe.
+
+Compilers run with a scrubbed environment (PATH, HOME and TMPDIR in the workspace's
+`.build/tmp`, LANG/LC_ALL=C), in their own process group (killed on `config.timeout_s`), and
+inside ``unshare --net`` where that works, so a compile cannot reach the network.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sysconfig
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from cudagym.errors import ToolchainError
 from cudagym.rewards.verdict import CompileResult
+from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target
+
+CACHE_FORMAT = "cudagym-build-v1"  # bump to invalidate every cached object and artifact
+BINDING_SUFFIX = "_binding.cpp"
+MAX_LOG_LINES = 200
 
 
 class ToolchainConfig(BaseModel):
@@ -16,19 +74,458 @@ class ToolchainConfig(BaseModel):
 
     cxx: str = "g++"
     nvcc: str = "nvcc"
-    cuda_arch: str | None = None  # e.g. "sm_90a"; None: detected from the GPU
-    timeout_s: float = 180.0
-    max_jobs: int = 4
+    cuda_arch: str | None = None  # e.g. "sm_90a"; None: detected from the GPU (sm_90a without one)
+    timeout_s: float = 180.0  # per compiler call
+    max_jobs: int = 4  # sources compiled in parallel
     extra_cflags: list[str] = []
     extra_cuda_cflags: list[str] = []
     max_error_lines: int = 40
+    cxx_std: str = "c++17"
+    isolate_network: bool = True  # run compilers under `unshare --net` where it works
+
+
+# -- diagnostics -----------------------------------------------------------------------------
+
+_GCC_DIAG = re.compile(
+    r"^(?P<file>[^\s:][^:]*?):(?P<line>\d+)(?::\d+)?: (?P<sev>fatal error|error|warning|note): (?P<msg>.*)$"
+)
+_NVCC_DIAG = re.compile(
+    r"^(?P<file>[^\s(][^(]*?)\((?P<line>\d+)\): (?P<sev>catastrophic error|error|warning|remark)"
+    r"(?: #[\w-]+)?: (?P<msg>.*)$"
+)
+_TOOL_ERROR = re.compile(
+    r"^(?:\S*/)?(?P<tool>g\+\+|gcc|c\+\+|cc1plus|nvcc|ptxas|ld|collect2|cicc)(?:\s+(?:fatal|error))?\s*:"
+    r"\s*(?:(?:fatal )?error:\s*)?(?P<msg>.*)$"
+)
+_ERROR_WORD = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)
+_LINK_ERROR = re.compile(r"(undefined reference to .*|multiple definition of .*|cannot find -l\S+)")
+_NOISE = re.compile(
+    r"(In instantiation of|required from|required by substitution|In file included from|"
+    r"^\s+from |In function |In member function |At global scope:|In lambda function|"
+    r"^compilation terminated|Detected \d+ compilation errors?|errors? detected in the compilation)"
+)
+
+
+def relativize(text: str, replacements: dict[str, str]) -> str:
+    """Replace each absolute path prefix in `text` by its short name (longest prefix first)."""
+    for prefix in sorted(replacements, key=len, reverse=True):
+        if prefix:
+            text = text.replace(prefix, replacements[prefix])
+    return text
+
+
+def parse_diagnostics(output: str, max_lines: int) -> list[str]:
+    """Readable error lines (`file:line: error: message`) from gcc / nvcc / linker output.
+
+    Warnings, notes and template-instantiation chains are dropped; duplicates are collapsed.
+    `output` should already be relativized.
+    """
+    errors: list[str] = []
+    for raw in output.splitlines():
+        line = raw.rstrip()
+        if not line or _NOISE.search(line):
+            continue
+        m = _GCC_DIAG.match(line) or _NVCC_DIAG.match(line)
+        if m:
+            sev = m["sev"]
+            if sev in ("warning", "note", "remark"):
+                continue
+            sev = "error" if sev == "catastrophic error" else sev
+            entry = f"{m['file']}:{m['line']}: {sev}: {m['msg'].strip()}"
+        elif (lm := _LINK_ERROR.search(line)) and ("ld" in line or ".o" in line or "in function" in line):
+            entry = f"link: error: {lm.group(1).strip()}"
+        elif (tm := _TOOL_ERROR.match(line)) and _ERROR_WORD.search(line):
+            msg = tm["msg"].strip()
+            if not msg or msg.startswith("ld returned"):
+                continue
+            entry = f"{tm['tool']}: error: {msg}"
+        else:
+            continue
+        if entry not in errors:
+            errors.append(entry)
+        if len(errors) >= max_lines:
+            break
+    return errors
+
+
+def trim_log(output: str, max_lines: int = MAX_LOG_LINES) -> str:
+    """The compiler output without instantiation noise, at most `max_lines` lines."""
+    lines = [ln.rstrip() for ln in output.splitlines() if ln.strip() and not _NOISE.search(ln)]
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines)"]
+    return "\n".join(lines)
+
+
+# -- running compilers -----------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    returncode: int
+    output: str
+    timed_out: bool = False
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> _Run:
+    """Run `argv` in its own process group; kill the whole group on timeout."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        return _Run(-signal.SIGKILL, out.decode(errors="replace"), timed_out=True)
+    return _Run(proc.returncode, out.decode(errors="replace"))
+
+
+def _sha256(*parts: bytes | str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+# -- the toolchain ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Compile:
+    """One source to compile: `argv + ['-c', rel, '-o', out]`, run in the workspace root."""
+
+    rel: str
+    argv: list[str]
+    key: str
+
+    def object_path(self, cache_dir: Path) -> Path:
+        return cache_dir / "objects" / f"{self.key}.o"
+
+
+@dataclass
+class _Plan:
+    compiles: list[_Compile]
+    link_argv: list[str]  # linker + flags; objects and `-o` are added
+    link_libs: list[str]  # after the objects
+    output_name: str
+    errors: list[str] = field(default_factory=list)
 
 
 class Toolchain:
-    def __init__(self, cache_dir: Path, config: ToolchainConfig | None = None): ...
+    """Builds workspaces through a content-addressed object and artifact cache at `cache_dir`.
 
+    One `Toolchain` may build many workspaces, from many threads; compiler identities and
+    probes are computed once per instance. `build` never raises for the candidate's mistakes
+    (they come back as `CompileResult.errors`); it raises `ToolchainError` when a compiler it
+    needs cannot be run at all.
+    """
+
+    def __init__(self, cache_dir: Path, config: ToolchainConfig | None = None):
+        self.cache_dir = Path(cache_dir).resolve()
+        self.config = config or ToolchainConfig()
+        (self.cache_dir / "objects").mkdir(parents=True, exist_ok=True)
+        (self.cache_dir / "artifacts").mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._identities: dict[str, str] = {}
+        self._paths: dict[str, str] = {}
+        self._unshare: bool | None = None
+        self._cuda_home: str | None = None
+        self._arch: str | None = None
+
+    # -- public ------------------------------------------------------------------------------
     def build(self, workspace: Workspace, target: Target) -> CompileResult:
-        raise NotImplementedError
+        """Compile and link `workspace`'s kernels for `target`; see the module docstring."""
+        start = time.perf_counter()
+        target = Target(target)
+        sources = workspace.kernel_sources()
+        if not sources:
+            return CompileResult(ok=True, seconds=time.perf_counter() - start, cached=True)
+        plan = self._plan(workspace, target, sources)
+        if plan.errors:
+            return CompileResult(ok=False, seconds=time.perf_counter() - start, errors=plan.errors,
+                                 log="\n".join(plan.errors))
+
+        tmp = workspace.build_dir / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = self._env(tmp)
+        pending = [c for c in plan.compiles if not c.object_path(self.cache_dir).is_file()]
+        reused = [c.rel for c in plan.compiles if c not in pending]
+        logs: dict[str, str] = {}
+        errors: list[str] = []
+        if pending:
+            with ThreadPoolExecutor(max_workers=max(1, self.config.max_jobs)) as pool:
+                runs = list(pool.map(lambda c: self._compile(c, workspace, env), pending))
+            for c, (ok, log, errs) in zip(pending, runs, strict=True):
+                if log:
+                    logs[c.rel] = log
+                errors.extend(errs)
+        compiled = [c.rel for c in pending]
+        log = "\n".join(logs[r] for r in sorted(logs))
+        if errors:
+            return CompileResult(ok=False, seconds=time.perf_counter() - start, compiled=compiled,
+                                 reused=reused, errors=errors[: self.config.max_error_lines], log=log)
+
+        artifact, linked, link_log, link_errors = self._link(plan, workspace, env)
+        log = "\n".join(x for x in (log, link_log) if x)
+        return CompileResult(
+            ok=not link_errors,
+            seconds=time.perf_counter() - start,
+            cached=not compiled and not linked and not link_errors,
+            artifact_dir=str(artifact) if artifact else None,
+            compiled=compiled,
+            reused=reused,
+            errors=link_errors[: self.config.max_error_lines],
+            log=log,
+        )
 
     async def abuild(self, workspace: Workspace, target: Target) -> CompileResult:
-        raise NotImplementedError
+        """`build` in a worker thread, for trainers running many episodes concurrently."""
+        return await asyncio.to_thread(self.build, workspace, target)
+
+    @property
+    def cuda_arch(self) -> str:
+        """The `-arch` of CUDA compiles: configured, else the GPU's, else `sm_90a`."""
+        if self.config.cuda_arch:
+            return self.config.cuda_arch
+        if self._arch is None:
+            self._arch = detect_cuda_arch() or "sm_90a"
+        return self._arch
+
+    # -- planning ----------------------------------------------------------------------------
+    def _plan(self, ws: Workspace, target: Target, sources: list[Path]) -> _Plan:
+        cfg = self.config
+        rels = [p.relative_to(ws.root).as_posix() for p in sources]
+        cuda_rels = [r for r in rels if r.endswith(".cu")]
+        if target == Target.CPU and cuda_rels:
+            return _Plan([], [], [], "", errors=[
+                f"{r}: error: .cu sources need the CUDA target; on the CPU target write C++ "
+                f"(.cpp) kernels" for r in cuda_rels
+            ])
+        with_cuda = target == Target.CUDA
+        has_binding = any(r.endswith(BINDING_SUFFIX) for r in rels)
+
+        headers = _sha256(*(part for h in ws.kernel_headers()
+                            for part in (h.relative_to(ws.root).as_posix(), h.read_bytes())))
+        cxx = self._resolve(cfg.cxx)
+        cxx_id = self._identity(cfg.cxx, native=True)
+        cxx_flags = ["-O3", f"-std={cfg.cxx_std}", "-fPIC", "-fopenmp", "-march=native", "-Ikernels",
+                     *cfg.extra_cflags]
+        torch_inc: list[str] = []
+        binding_defs: list[str] = []
+        torch_version = ""
+        if has_binding:
+            torch_inc, binding_defs, torch_version = self._torch_compile_flags(with_cuda)
+
+        compiles: list[_Compile] = []
+        for path, rel in zip(sources, rels, strict=True):
+            src = path.read_bytes()
+            if rel.endswith(".cu"):
+                nvcc = self._resolve(cfg.nvcc)
+                argv = [nvcc, "-O3", f"-std={cfg.cxx_std}", "-Xcompiler", "-fPIC", f"-arch={self.cuda_arch}",
+                        "-ccbin", cxx, "-Ikernels", *torch_inc, *cfg.extra_cuda_cflags]
+                ident = self._identity(cfg.nvcc) + cxx_id
+            else:
+                extra = binding_defs if rel.endswith(BINDING_SUFFIX) else []
+                argv = [cxx, *cxx_flags, *torch_inc, *extra]
+                ident = cxx_id
+            key = _sha256(CACHE_FORMAT, ident, "\0".join(argv), rel, src, headers,
+                          torch_version if torch_inc else "")
+            compiles.append(_Compile(rel, argv, key))
+
+        link_argv = [cxx, "-shared", "-fopenmp"]
+        libs: list[str] = []
+        if has_binding:
+            import torch.utils.cpp_extension as cpp
+
+            lib = cpp.TORCH_LIB_PATH
+            libs += [f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+            if with_cuda:
+                libs += ["-lc10_cuda", "-ltorch_cuda"]
+            libs.append(f"-Wl,-rpath,{lib}")
+            output = EXTENSION_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+        else:
+            output = LIBRARY_NAME
+        if with_cuda and (cuda_rels or has_binding):
+            cuda_lib = self._cuda_lib_dir()
+            libs += [f"-L{cuda_lib}", "-lcudart", f"-Wl,-rpath,{cuda_lib}"]
+        return _Plan(compiles, link_argv, libs, output)
+
+    def _torch_compile_flags(self, with_cuda: bool) -> tuple[list[str], list[str], str]:
+        """(include flags, binding defines, torch version), as torch's own JIT builds use them."""
+        import warnings
+
+        import torch
+        import torch.utils.cpp_extension as cpp
+
+        dirs = list(cpp.include_paths("cpu"))
+        if with_cuda:
+            dirs.append(os.path.join(self._cuda_home_dir(), "include"))
+        py_inc = sysconfig.get_path("include", scheme="posix_prefix")
+        if py_inc:
+            dirs.append(py_inc)
+        inc = [f for d in dirs for f in ("-isystem", d)]
+        defs = [f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        pybind = getattr(cpp, "_get_pybind11_abi_build_flags", None)
+        if pybind is not None:  # empty (and deprecated) from torch 2.10 on: pybind11 handles its ABI
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                defs += list(pybind())
+        return inc, defs, torch.__version__
+
+    # -- compiling and linking ---------------------------------------------------------------
+    def _compile(self, c: _Compile, ws: Workspace, env: dict[str, str]) -> tuple[bool, str, list[str]]:
+        final = c.object_path(self.cache_dir)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        run = _run(self._wrap([*c.argv, "-c", c.rel, "-o", str(tmp)]), ws.root, env, self.config.timeout_s)
+        repl = self._replacements(ws)
+        repl[str(tmp)] = f"{c.rel}.o"
+        out = relativize(run.output, repl)
+        if run.timed_out:
+            tmp.unlink(missing_ok=True)
+            return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"]
+        if run.returncode != 0 or not tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error(c.rel, out, run)
+            return False, trim_log(out), errs
+        os.replace(tmp, final)  # atomic: a concurrent build of the same key writes the same bytes
+        return True, trim_log(out), []
+
+    def _link(self, plan: _Plan, ws: Workspace, env: dict[str, str]) -> tuple[Path | None, bool, str, list[str]]:
+        """Link the plan's objects into `artifacts/<key>/`; returns (dir, linked now, log, errors)."""
+        key = _sha256(CACHE_FORMAT, self._identity(self.config.cxx, native=True), "\0".join(plan.link_argv),
+                      "\0".join(plan.link_libs), plan.output_name, *(c.key for c in plan.compiles))
+        final = self.cache_dir / "artifacts" / key
+        if (final / plan.output_name).is_file():
+            return final, False, "", []
+        staging = self.cache_dir / "artifacts" / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        objects = [str(c.object_path(self.cache_dir)) for c in plan.compiles]
+        argv = [*plan.link_argv, "-o", str(staging / plan.output_name), *objects, *plan.link_libs]
+        run = _run(self._wrap(argv), ws.root, env, self.config.timeout_s)
+        repl = self._replacements(ws)
+        repl.update({str(c.object_path(self.cache_dir)): f"{c.rel}.o" for c in plan.compiles})
+        repl[str(staging)] = "<artifact>"
+        out = relativize(run.output, repl)
+        if run.timed_out or run.returncode != 0 or not (staging / plan.output_name).is_file():
+            shutil.rmtree(staging, ignore_errors=True)
+            if run.timed_out:
+                return None, True, trim_log(out), [f"link: error: timed out after {self.config.timeout_s:g} s"]
+            errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error("link", out, run)
+            return None, True, trim_log(out), errs
+        try:
+            os.rename(staging, final)
+        except OSError:  # another build linked the same key first: use theirs
+            shutil.rmtree(staging, ignore_errors=True)
+        return final, True, trim_log(out), []
+
+    # -- environment and probes --------------------------------------------------------------
+    def _env(self, tmp: Path) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": str(tmp),
+                "TMPDIR": str(tmp), "LANG": "C", "LC_ALL": "C"}
+
+    def _wrap(self, argv: list[str]) -> list[str]:
+        return ["unshare", "--net", *argv] if self._network_isolation() else argv
+
+    def _network_isolation(self) -> bool:
+        if not self.config.isolate_network:
+            return False
+        with self._lock:
+            if self._unshare is None:
+                try:
+                    r = subprocess.run(["unshare", "--net", "true"], capture_output=True, timeout=10)
+                    self._unshare = r.returncode == 0
+                except (OSError, subprocess.TimeoutExpired):
+                    self._unshare = False
+            return self._unshare
+
+    def _resolve(self, compiler: str) -> str:
+        with self._lock:
+            if compiler not in self._paths:
+                found = shutil.which(compiler)
+                if found is None:
+                    raise ToolchainError(f"compiler {compiler!r} was not found on PATH; install it or set "
+                                         f"ToolchainConfig.{'nvcc' if 'nvcc' in compiler else 'cxx'}")
+                self._paths[compiler] = os.path.realpath(found)
+            return self._paths[compiler]
+
+    def _identity(self, compiler: str, native: bool = False) -> str:
+        """Path and `--version` of `compiler` (+ what `-march=native` means on this host)."""
+        path = self._resolve(compiler)
+        tag = f"{compiler}|{native}"
+        with self._lock:
+            if tag in self._identities:
+                return self._identities[tag]
+        try:
+            ident = path + "\n" + subprocess.run([path, "--version"], capture_output=True, text=True,
+                                                 timeout=60).stdout
+            if native:
+                # the cc1 command line shows the concrete -march/-mtune/feature flags of this CPU
+                probe = subprocess.run([path, "-march=native", "-E", "-v", "-x", "c++", "/dev/null"],
+                                       capture_output=True, text=True, timeout=60)
+                ident += "\n".join(ln for ln in probe.stderr.splitlines() if "cc1" in ln and "-march=" in ln)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ToolchainError(f"cannot run compiler {path}: {e}") from e
+        with self._lock:
+            self._identities[tag] = ident
+        return ident
+
+    def _cuda_home_dir(self) -> str:
+        """CUDA_HOME, else the installation the configured nvcc belongs to (nvcc may be a wrapper)."""
+        if self._cuda_home is None:
+            home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+            if not home:
+                nvcc = self._resolve(self.config.nvcc)
+                with tempfile.TemporaryDirectory() as d:
+                    probe = Path(d) / "probe.cu"
+                    probe.touch()
+                    r = subprocess.run([nvcc, "--dryrun", "-c", str(probe), "-o", str(Path(d) / "p.o")],
+                                       capture_output=True, text=True, timeout=60)
+                m = re.search(r"^#\$ TOP=(.+)$", r.stdout + r.stderr, re.MULTILINE)
+                home = os.path.normpath(m.group(1)) if m else os.path.dirname(os.path.dirname(nvcc))
+            self._cuda_home = home
+        return self._cuda_home
+
+    def _cuda_lib_dir(self) -> str:
+        home = self._cuda_home_dir()
+        lib64 = os.path.join(home, "lib64")
+        return lib64 if os.path.isdir(lib64) else os.path.join(home, "lib")
+
+    def _replacements(self, ws: Workspace) -> dict[str, str]:
+        repl = {str(ws.root) + "/": "", str(ws.root): ".", str(self.cache_dir): "<cache>"}
+        try:
+            import torch
+
+            repl[os.path.dirname(torch.__file__)] = "<torch>"
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+        if self._cuda_home:
+            repl[self._cuda_home] = "<cuda>"
+        return repl
+
+
+def _fallback_error(rel: str, output: str, run: _Run) -> list[str]:
+    """When no diagnostic could be parsed: the last lines of the output, or the exit status."""
+    tail = [ln.strip() for ln in output.splitlines() if ln.strip()][-3:]
+    if tail:
+        return [f"{rel}: error: {ln}" for ln in tail]
+    return [f"{rel}: error: the compiler exited with status {run.returncode}"]
+
+
+def detect_cuda_arch() -> str | None:
+    """`sm_XY` of GPU 0 (`sm_XYa` from Hopper on, to allow arch-specific features), or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+    except Exception:  # noqa: BLE001 - no usable GPU is not an error here
+        return None
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
