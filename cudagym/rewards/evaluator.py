@@ -1,16 +1,34 @@
-"""The evaluator: compile → verify → profile → milestone reward (being implemented)."""
+"""The evaluator: compile → verify → profile → milestone reward.
+
+One `Evaluator` serves many episodes: it owns the build cache (`Toolchain`), the sandbox with
+its spare workers, and the baseline cache. Every check runs in a fresh sandboxed worker; the
+evaluator compares outputs and computes statistics itself, out of the candidate's reach.
+
+Sync methods call the async ones; the async ones are safe to run concurrently.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
+import threading
+import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from cudagym.rewards.milestone import RewardConfig
-from cudagym.rewards.verdict import AuditMode, CompileResult, ProfileResult, Verdict, VerifyResult
-from cudagym.sandbox.toolchain import ToolchainConfig
+from cudagym.rewards.compare import compare_outputs
+from cudagym.rewards.milestone import RewardConfig, milestone_verdict
+from cudagym.rewards.verdict import (
+    AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, TimingStats, Verdict, VerifyResult,
+)
+from cudagym.sandbox.base import JobOutcome, Sandbox
+from cudagym.sandbox.baselines import BaselineCache
+from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
+from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
+from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task
 
@@ -20,27 +38,278 @@ def default_cache_dir() -> Path:
 
 
 class EvaluatorConfig(BaseModel):
+    """Everything that decides a verdict, in one place."""
+
     target: Literal["auto", "cuda", "cpu"] = "auto"
     mode: AuditMode = "strict"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     toolchain: ToolchainConfig = Field(default_factory=ToolchainConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    timing: TimingConfig = Field(default_factory=TimingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    compile_baseline: bool = True  # measure torch.compile (the +3 milestone needs it)
+    roofline_slack: float = 0.5  # a time below slack x the roofline floor is implausible
+    spare_workers: int = 1
+
+
+def resolve_target(target: str) -> Target:
+    if target == "auto":
+        return Target.CUDA if gpu_count() > 0 else Target.CPU
+    return Target(target)
+
+
+_KIND = {k.value: k for k in ErrorKind}
+
+
+def _outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
+    """The failure an outcome describes, or None if the worker reported a result."""
+    if o.channel_error:
+        return ErrorKind.TAMPER, f"{what}: {o.channel_error}"
+    if o.memory_exceeded:
+        return ErrorKind.MEMORY, f"{what}: the worker exceeded its memory limit and was killed"
+    if o.timed_out:
+        return ErrorKind.TIMEOUT, f"{what}: timed out and was killed"
+    if o.final is None:
+        if o.process_limited:
+            return ErrorKind.PROCESS_LIMIT, f"{what}: the process limit was hit and the worker was killed"
+        sig = -o.returncode if o.returncode and o.returncode < 0 else None
+        tail = "\n".join(o.output.strip().splitlines()[-15:])
+        return ErrorKind.CRASH, (f"{what}: the worker crashed" + (f" (signal {sig})" if sig else f" (exit {o.returncode})")
+                                 + (f"\n{tail}" if tail else ""))
+    if not o.final.get("ok"):
+        kind = _KIND.get(str(o.final.get("kind")), ErrorKind.EXCEPTION)
+        if o.process_limited and kind in (ErrorKind.EXCEPTION, ErrorKind.CRASH):
+            kind = ErrorKind.PROCESS_LIMIT
+        return kind, str(o.final.get("error", "failed"))
+    return None
 
 
 class Evaluator:
     """compile / verify / profile / evaluate a workspace for a task; async forms `a*`."""
 
-    def __init__(self, config: EvaluatorConfig | None = None): ...
+    def __init__(self, config: EvaluatorConfig | None = None, sandbox: Sandbox | None = None):
+        from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+
+        self.config = config or EvaluatorConfig()
+        self._target = resolve_target(self.config.target)
+        cache = Path(self.config.cache_dir)
+        cache.mkdir(parents=True, exist_ok=True)
+        self.toolchain = Toolchain(cache / "build", self.config.toolchain)
+        self.sandbox = sandbox or LocalSandbox(LocalSandboxConfig(spare_workers=self.config.spare_workers),
+                                               home=cache / "home")
+        self.baselines = BaselineCache(cache / "baselines")
+        self._baseline_locks: dict[str, threading.Lock] = {}
+        self._sync_loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def target(self) -> Target: ...
+    def target(self) -> Target:
+        return self._target
 
-    async def acompile(self, task: Task, workspace: Workspace) -> CompileResult: ...
-    async def averify(self, task: Task, workspace: Workspace) -> VerifyResult: ...
-    async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult: ...
-    async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict: ...
-    def compile(self, task: Task, workspace: Workspace) -> CompileResult: ...
-    def verify(self, task: Task, workspace: Workspace) -> VerifyResult: ...
-    def profile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult: ...
-    def evaluate(self, task: Task, workspace: Workspace) -> Verdict: ...
-    def close(self) -> None: ...
+    @property
+    def device(self) -> str:
+        return "cuda" if self._target == Target.CUDA else "cpu"
+
+    @property
+    def device_name(self) -> str:
+        return gpu_names()[0] if self._target == Target.CUDA and gpu_names() else cpu_name()
+
+    def _job(self, kind: str, task: Task, ws: Workspace | None, **kw: Any) -> Job:
+        return Job(kind=kind, nonce=secrets.token_hex(16), task_id=task.id, task_code=task.code, dtype=task.dtype,
+                   device=self.device, workspace=str(ws.root) if ws else "", cache_dir=str(self.config.cache_dir / "build"),
+                   mode=self.config.mode, seed=secrets.randbits(62), verify=self.config.verify,
+                   timing=self.config.timing, limits=self.config.limits, **kw)
+
+    # -- compile ----------------------------------------------------------------------------
+    async def acompile(self, task: Task, workspace: Workspace) -> CompileResult:
+        """Build kernels/ (content-addressed cache) and pre-build any load_inline modules."""
+        t0 = time.perf_counter()
+        result = await self.toolchain.abuild(workspace, self._target)
+        if not result.ok:
+            return result
+        src = workspace.model_new.read_text(errors="replace") if workspace.model_new.is_file() else ""
+        if "cpp_extension" in src or "load_inline" in src:
+            task = task.for_target(self._target)
+            job = self._job("compile_inline", task, workspace, artifact_dir=result.artifact_dir,
+                            inline_build_root=str(workspace.build_dir / "inline"),
+                            writable=[str(self.config.cache_dir / "build" / "inline")])
+            job.limits = job.limits.model_copy(update={"timeout_s": self.config.toolchain.timeout_s * 3})
+            (self.config.cache_dir / "build" / "inline").mkdir(parents=True, exist_ok=True)
+            outcome = await self.sandbox.run(job, self.device)
+            failure = _outcome_failure(outcome, "compiling model_new.py")
+            if failure:
+                return result.model_copy(update={"ok": False, "errors": [failure[1]], "log": outcome.output[-4000:],
+                                                 "seconds": time.perf_counter() - t0})
+            built = outcome.final.get("built", []) if outcome.final else []
+            result = result.model_copy(update={"inline_modules": [b[0] for b in built],
+                                               "cached": result.cached and not built})
+        return result.model_copy(update={"seconds": time.perf_counter() - t0})
+
+    # -- verify -----------------------------------------------------------------------------
+    async def averify(self, task: Task, workspace: Workspace) -> VerifyResult:
+        """Correctness over fresh secret-seeded trials plus the op audit, in a fresh worker."""
+        t0 = time.perf_counter()
+        task = task.for_target(self._target)
+        built = await self.toolchain.abuild(workspace, self._target)
+        if not built.ok:
+            return VerifyResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors),
+                                reasons=["does not compile"], seconds=time.perf_counter() - t0)
+        outcome = await self.sandbox.run(self._job("verify", task, workspace, artifact_dir=built.artifact_dir), self.device)
+        return self._verify_result(task, outcome, time.perf_counter() - t0)
+
+    def _verify_result(self, task: Task, o: JobOutcome, seconds: float) -> VerifyResult:
+        failure = _outcome_failure(o, "verify")
+        if failure:
+            kind, msg = failure
+            audit = AuditResult(mode=self.config.mode, passed=False, reasons=[msg]) if kind in (
+                ErrorKind.AUDIT, ErrorKind.TAMPER) else None
+            out = o.output.strip()
+            if out and kind not in (ErrorKind.CRASH,):
+                msg += "\n--- output ---\n" + out[-2000:]
+            return VerifyResult(ok=False, error_kind=kind, error=msg, audit=audit,
+                                reasons=[msg.splitlines()[0] if msg else kind.value], seconds=seconds)
+        final = o.final or {}
+        cmp = compare_outputs(o.tensors, task.effective_tolerance)
+        ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
+        forbidden = list(final.get("forbidden") or [])
+        audit_reasons: list[str] = []
+        share = final.get("own_kernel_share")
+        if self.config.mode == "strict":
+            passed = not forbidden
+            if forbidden:
+                audit_reasons.append("strict mode: ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
+                                     + " (only your own kernels plus allocation/view ops are allowed)")
+        else:
+            passed = share is not None and share >= self.config.verify.min_own_share
+            if not passed:
+                audit_reasons.append(f"permissive mode: your own kernels did {0 if share is None else share:.0%} of the "
+                                     f"work (needs >= {self.config.verify.min_own_share:.0%})")
+        audit = AuditResult(mode=self.config.mode, passed=passed, forbidden_ops=forbidden, ops_seen=ops,
+                            own_kernel_share=share, reasons=audit_reasons)
+        correct = cmp.kind is None and cmp.passed == cmp.trials and cmp.trials >= self.config.verify.trials
+        reasons = list(cmp.reasons) + audit_reasons
+        kind = None
+        if not correct:
+            kind = ErrorKind(cmp.kind or "mismatch")
+        elif not passed:
+            kind = ErrorKind.AUDIT
+        return VerifyResult(ok=correct and passed, correct=correct, trials=cmp.trials, trials_passed=cmp.passed,
+                            max_abs_error=cmp.max_abs_error, audit=audit, error_kind=kind,
+                            error="\n".join(reasons) or None, reasons=reasons, seconds=seconds)
+
+    # -- profile ----------------------------------------------------------------------------
+    async def abaselines(self, task: Task) -> dict[str, Any]:
+        """Eager and torch.compile timings of the reference (measured once, then cached)."""
+        task = task.for_target(self._target)
+        key = BaselineCache.key(task.digest, self.device_name, self.config.timing, self.config.compile_baseline)
+        cached = self.baselines.get(key)
+        if cached is not None:
+            return {**cached, "cached": True}
+        lock = self._baseline_locks.setdefault(key, threading.Lock())
+        while not lock.acquire(blocking=False):
+            await asyncio.sleep(0.05)
+        try:
+            cached = self.baselines.get(key)
+            if cached is not None:
+                return {**cached, "cached": True}
+            cache = self.config.cache_dir
+            job = self._job("baseline", task, None, with_compile_baseline=self.config.compile_baseline,
+                            writable=[str(cache / "inductor"), str(cache / "home")])
+            job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600)})
+            o = await self.sandbox.run(job, self.device)
+            failure = _outcome_failure(o, "baseline")
+            if failure:
+                return {"error": failure[1], "cached": False}
+            f = o.final or {}
+            value = {k: f.get(k) for k in ("eager_ms", "compile_ms", "compile_error", "bytes", "flops", "device_name")}
+            self.baselines.put(key, value)
+            return {**value, "cached": False}
+        finally:
+            lock.release()
+
+    async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
+        """Time the candidate against cached baselines; re-check outputs of timed calls."""
+        t0 = time.perf_counter()
+        task = task.for_target(self._target)
+        built = await self.toolchain.abuild(workspace, self._target)
+        if not built.ok:
+            return ProfileResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors))
+        base = await self.abaselines(task)
+        if "error" in base:
+            return ProfileResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"baseline failed: {base['error']}",
+                                 seconds=time.perf_counter() - t0)
+        o = await self.sandbox.run(self._job("profile", task, workspace, artifact_dir=built.artifact_dir), self.device)
+        failure = _outcome_failure(o, "profile")
+        if failure:
+            return ProfileResult(ok=False, error_kind=failure[0], error=failure[1], reasons=[failure[1].splitlines()[0]],
+                                 seconds=time.perf_counter() - t0)
+        cmp = compare_outputs(o.tensors, task.effective_tolerance)
+        if cmp.kind is not None:
+            why = "outputs of timed calls are wrong: " + "; ".join(cmp.reasons[:3])
+            return ProfileResult(ok=False, error_kind=ErrorKind.MISMATCH, error=why, reasons=[why],
+                                 seconds=time.perf_counter() - t0)
+        final = o.final or {}
+        cand = TimingStats.from_samples(final["candidate_ms"])
+        eager = TimingStats.from_samples(base["eager_ms"]) if base.get("eager_ms") else None
+        comp = TimingStats.from_samples(base["compile_ms"]) if base.get("compile_ms") else None
+        bw, flops = peaks_for(self.device_name if self._target == Target.CUDA else "cpu")
+        floor_ms = max((base.get("bytes") or 0) / bw, (base.get("flops") or 0) / flops) * 1e3
+        reasons: list[str] = []
+        if base.get("compile_error"):
+            reasons.append(f"torch.compile baseline unavailable: {base['compile_error'][:200]}")
+        result = ProfileResult(
+            ok=True, candidate=cand, eager=eager, compiled=comp,
+            speedup_vs_eager=eager.median_ms / cand.median_ms if eager and cand.median_ms > 0 else None,
+            speedup_vs_compile=comp.median_ms / cand.median_ms if comp and cand.median_ms > 0 else None,
+            roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
+            telemetry=final.get("telemetry") or {}, reasons=reasons,
+        )
+        if floor_ms > 0 and cand.median_ms < self.config.roofline_slack * floor_ms:
+            why = (f"implausible: {cand.median_ms:.4f} ms is below the roofline floor of this problem "
+                   f"({floor_ms:.4f} ms at the device's peak bandwidth/FLOP rate)")
+            result = result.model_copy(update={"ok": False, "error_kind": ErrorKind.IMPLAUSIBLE, "error": why,
+                                               "reasons": [*reasons, why]})
+        if ncu and self._target == Target.CUDA:
+            from cudagym.sandbox.ncu import ncu_summary
+
+            result = result.model_copy(update={"ncu": await ncu_summary(self, task, workspace, built.artifact_dir)})
+        return result.model_copy(update={"seconds": time.perf_counter() - t0})
+
+    # -- the whole pipeline -----------------------------------------------------------------
+    async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:
+        """compile → verify → profile → milestone reward (what `submit` does)."""
+        c = await self.acompile(task, workspace)
+        if not c.ok:
+            return milestone_verdict(c, None, None, self.config.reward)
+        v = await self.averify(task, workspace)
+        p = await self.aprofile(task, workspace) if v.ok else None
+        return milestone_verdict(c, v, p, self.config.reward)
+
+    # -- sync forms ---------------------------------------------------------------------------
+    def _sync(self, coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        raise RuntimeError("use the async form (await evaluator.a...) inside a running event loop")
+
+    def compile(self, task: Task, workspace: Workspace) -> CompileResult:
+        return self._sync(self.acompile(task, workspace))
+
+    def verify(self, task: Task, workspace: Workspace) -> VerifyResult:
+        return self._sync(self.averify(task, workspace))
+
+    def profile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
+        return self._sync(self.aprofile(task, workspace, ncu))
+
+    def evaluate(self, task: Task, workspace: Workspace) -> Verdict:
+        return self._sync(self.aevaluate(task, workspace))
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+    def __enter__(self) -> Evaluator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,43 @@
+"""The sandbox interface: run one `Job` in a fresh isolated worker and return what it reported."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from cudagym.sandbox.protocol import Job
+
+
+@dataclass
+class JobOutcome:
+    """What came back from one worker. `final` is None when the worker died or was killed."""
+
+    final: dict[str, Any] | None
+    tensors: list[tuple[dict[str, Any], bytes]] = field(default_factory=list)
+    started: dict[str, Any] | None = None
+    returncode: int | None = None
+    timed_out: bool = False
+    memory_exceeded: bool = False
+    process_limited: bool = False
+    channel_error: str | None = None  # malformed or forged frames
+    output: str = ""  # the worker's stdout+stderr (the candidate's prints), trimmed
+    seconds: float = 0.0
+
+
+class Sandbox(abc.ABC):
+    """Runs jobs in fresh worker processes. Implementations: `LocalSandbox` (this host)."""
+
+    @abc.abstractmethod
+    async def run(self, job: Job, device: str) -> JobOutcome:
+        """Run `job` on `device` ("cpu" or "cuda:N") in a fresh worker; never raises for the
+        candidate's failures (crash, hang, limits): those are described in the outcome."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop spare workers."""
+
+    @property
+    @abc.abstractmethod
+    def isolation(self) -> dict[str, bool]:
+        """Which isolation features are active (landlock, network namespace, pid cgroup, ...)."""

@@ -1,0 +1,68 @@
+"""GPUs of this host, seen through NVML (no CUDA context in the evaluator's process)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def gpu_names() -> tuple[str, ...]:
+    """Names of the visible NVIDIA GPUs, honouring CUDA_VISIBLE_DEVICES; () without any."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                     for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no NVML: no GPU
+        return ()
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        idx = [int(x) for x in vis.split(",") if x.strip().isdigit()]
+        names = [names[i] for i in idx if i < len(names)]
+    return tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+
+
+def gpu_count() -> int:
+    return len(gpu_names())
+
+
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+# Peak figures for the roofline floor: memory bandwidth (bytes/s) and the highest dense
+# tensor-core rate (FLOP/s), so that the floor is a true lower bound on time.
+PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (4.8e12, 9.9e14),
+    "H100": (3.35e12, 9.9e14),
+    "A100": (2.04e12, 3.12e14),
+    "L40S": (8.64e11, 3.66e14),
+    "A10": (6.0e11, 1.25e14),
+    "L4": (3.0e11, 1.21e14),
+    "B200": (8.0e12, 2.25e15),
+}
+_UNKNOWN_GPU = (1.0e13, 5.0e15)
+_CPU = (1.0e12, 1.0e14)  # generous: no host gets near these
+
+
+def peaks_for(device_name: str) -> tuple[float, float]:
+    if device_name == "cpu" or not device_name:
+        return _CPU
+    for key, val in PEAKS.items():
+        if key in device_name.upper():
+            return val
+    return _UNKNOWN_GPU

@@ -1,0 +1,494 @@
+"""What a worker does with one job: load the reference and the candidate, check, time, report.
+
+Runs inside the sandboxed worker process, next to the candidate's code, so it trusts nothing
+the candidate can reach: it sends raw outputs and raw timings to the parent, which compares and
+computes statistics; it keeps references to the timing and synchronization functions captured
+before any candidate code runs and reports any replacement as tampering.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import types
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cudagym import runtime
+from cudagym.sandbox.protocol import Job, encode_frame
+from cudagym.sandbox.timing import DeviceTimer, run_timed_loop
+
+# Identity snapshot, taken at import (before any candidate code runs) and checked after.
+_WATCHED: dict[str, tuple[Any, str]] = {
+    "torch.cuda.synchronize": (torch.cuda, "synchronize"),
+    "torch.cuda.Event": (torch.cuda, "Event"),
+    "torch.cuda.Event.record": (torch.cuda.Event, "record"),
+    "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time"),
+    "torch.cuda.Event.synchronize": (torch.cuda.Event, "synchronize"),
+    "time.perf_counter": (time, "perf_counter"),
+    "torch.allclose": (torch, "allclose"),
+    "torch.Tensor.copy_": (torch.Tensor, "copy_"),
+    "torch.Tensor.to": (torch.Tensor, "to"),
+    "torch.Tensor.clone": (torch.Tensor, "clone"),
+    "torch.Tensor.__new__": (torch.Tensor, "__new__"),
+    "torch.nn.Module.__call__": (torch.nn.Module, "__call__"),
+    "os.write": (os, "write"),
+}
+_ORIGINALS = {name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()}
+
+# Ops ModelNew.forward may run in strict mode: allocation, views, layout copies, metadata.
+STRICT_ALLOWED = frozenset(
+    """empty empty_like empty_strided new_empty new_empty_strided zeros zeros_like new_zeros
+    ones ones_like full full_like new_full new_ones fill_ zero_ lift_fresh detach alias view
+    _unsafe_view reshape _reshape_alias as_strided permute transpose t expand expand_as squeeze
+    unsqueeze slice select narrow split split_with_sizes chunk unbind unflatten flatten movedim
+    contiguous clone copy_ resize_ record_stream _local_scalar_dense sym_size sym_stride
+    sym_numel is_contiguous size stride dim numel""".split()
+)
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized", "torchvision", "torchaudio",
+                               "_c10d_functional", "c10d", "mkldnn", "onednn", "xformers", "triton"})
+
+
+class CandidateError(Exception):
+    """The candidate's own code failed; `kind` is an ErrorKind value."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _failure_kind(e: BaseException) -> str:
+    """Sandbox refusals (writes outside the workspace, network) are named as such."""
+    import errno
+
+    if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EROFS)):
+        return "sandbox_violation"
+    if isinstance(e, BlockingIOError) or (isinstance(e, OSError) and e.errno == errno.EAGAIN):
+        return "process_limit"
+    if isinstance(e, MemoryError) or "can't allocate memory" in str(e):
+        return "memory_limit"
+    return "exception"
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every ATen op executed at the dispatcher while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forbidden_ops(ops: Counter[str]) -> list[str]:
+    out = []
+    for name in ops:
+        ns, _, base = name.partition("::")
+        if ns in _TORCH_NAMESPACES and base not in STRICT_ALLOWED:
+            out.append(name)
+    return sorted(out)
+
+
+class Channel:
+    """The result pipe to the parent."""
+
+    def __init__(self, fd: int, nonce: str):
+        self._fd, self._nonce = fd, nonce
+        self._write = os.write
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        data = encode_frame(header, payload)
+        view = memoryview(data)
+        while view:
+            n = self._write(self._fd, view)
+            view = view[n:]
+
+    def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor) -> None:
+        c = t.detach().to("cpu").contiguous()
+        raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+        self.send({"type": "tensor", "role": role, "trial": trial, "index": index,
+                   "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape)}, raw)
+
+    def final(self, body: dict[str, Any]) -> None:
+        self.send({"type": "final", "nonce": self._nonce, **body})
+
+
+# -- loading ----------------------------------------------------------------------------------
+def candidate_traceback(exc: BaseException, roots: list[str]) -> str:
+    """The exception with only the frames from the candidate's own files."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    keep = [f for f in tb if any(f.filename.startswith(r) for r in roots) or f.filename.startswith("<candidate")]
+    lines = traceback.format_list(keep) if keep else []
+    return ("Traceback (candidate frames):\n" + "".join(lines) if lines else "") + "".join(
+        traceback.format_exception_only(type(exc), exc)
+    ).strip()[-4000:]
+
+
+def load_reference(job: Job) -> types.ModuleType:
+    mod = types.ModuleType("cudagym_reference")
+    mod.__file__ = f"<reference {job.task_id}>"
+    exec(compile(job.task_code, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - the task is trusted
+    return mod
+
+
+def load_candidate(job: Job) -> types.ModuleType:
+    ws = job.workspace
+    if job.artifact_dir:
+        os.environ[runtime.ENV_VAR] = job.artifact_dir
+        sys.path.insert(0, job.artifact_dir)
+    sys.path.insert(0, ws)
+    path = Path(ws) / "model_new.py"
+    if not path.is_file():
+        raise CandidateError("exception", "model_new.py does not exist: write it first")
+    spec = importlib.util.spec_from_file_location("model_new", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["model_new"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001
+        raise CandidateError(_failure_kind(e), "importing model_new.py failed:\n" + candidate_traceback(e, [ws])) from None
+    if not isinstance(getattr(mod, "ModelNew", None), type):
+        raise CandidateError("exception", "model_new.py must define a class ModelNew(nn.Module)")
+    return mod
+
+
+def check_tamper() -> None:
+    for name, (obj, attr) in _WATCHED.items():
+        if getattr(obj, attr, None) is not _ORIGINALS[name]:
+            raise CandidateError("tamper", f"{name} was replaced by the candidate")
+    g = globals()
+    for name, fn in _HARNESS_FUNCS.items():
+        if g.get(name) is not fn:
+            raise CandidateError("tamper", f"the harness function {name} was replaced by the candidate")
+
+
+class Problem:
+    """Reference and candidate models built from the same init inputs, plus input generation."""
+
+    def __init__(self, job: Job, with_candidate: bool):
+        self.job = job
+        self.device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.ref_mod = load_reference(job)
+        self.init_seed = secrets.randbits(62)
+        torch.manual_seed(self.init_seed)
+        with torch.device(self.device):
+            init = list(self.ref_mod.get_init_inputs())
+            self.ref = self.ref_mod.Model(*init)
+        self.cand = None
+        if with_candidate:
+            cand_mod = load_candidate(job)
+            cls = cand_mod.ModelNew
+            if issubclass(cls, self.ref_mod.Model) or any(
+                c.__name__ == "Model" and c.__module__ in ("model", "cudagym_reference") for c in cls.__mro__
+            ):
+                raise CandidateError("audit", "ModelNew must not be (a subclass of) the reference Model")
+            torch.manual_seed(self.init_seed)
+            try:
+                with torch.device(self.device):
+                    self.cand = cls(*init)
+            except Exception as e:  # noqa: BLE001
+                raise CandidateError(_failure_kind(e), "ModelNew(*get_init_inputs()) failed:\n"
+                                     + candidate_traceback(e, [job.workspace])) from None
+            try:
+                self.cand.load_state_dict(self.ref.state_dict())
+            except Exception as e:  # noqa: BLE001
+                raise CandidateError("exception", "ModelNew's parameters must match Model's "
+                                     f"(load_state_dict failed): {str(e)[:1500]}") from None
+            self.cand.to(self.device)
+            check_tamper()
+
+    def inputs(self, seed: int, scale: float = 1.0) -> list[Any]:
+        torch.manual_seed(seed)
+        with torch.device(self.device):
+            args = list(self.ref_mod.get_inputs())
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                a = a.to(self.device)
+                if scale != 1.0 and a.is_floating_point():
+                    a = a * scale
+            out.append(a)
+        return out
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            _ORIGINALS["torch.cuda.synchronize"]()
+
+
+def clone_args(args: list[Any]) -> list[Any]:
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def as_outputs(out: Any, who: str) -> list[torch.Tensor]:
+    """The output as a list of plain tensors; anything else is an error of `who`."""
+    items = list(out) if isinstance(out, (tuple, list)) else [out]
+    for t in items:
+        if type(t) is not torch.Tensor:
+            raise CandidateError("output_format", f"{who} returned {type(t).__module__}.{type(t).__qualname__}, "
+                                 "not a plain torch.Tensor")
+        if t.layout != torch.strided or (t.numel() and t.untyped_storage().data_ptr() == 0):
+            raise CandidateError("output_format", f"{who} returned a tensor without real storage")
+    return items
+
+
+def _live_helpers() -> tuple[int, int]:
+    import psutil
+
+    return threading.active_count(), len(psutil.Process().children(recursive=True))
+
+
+def poison_allocator(device: torch.device, nbytes: int) -> None:
+    """Fill soon-to-be-reused allocator memory with NaN so unwritten outputs cannot pass."""
+    n = max(nbytes // 4, 1 << 16)
+    buf = torch.empty(n, dtype=torch.float32, device=device)
+    buf.fill_(float("nan"))
+    del buf
+
+
+# -- jobs -------------------------------------------------------------------------------------
+def run_verify(job: Job, ch: Channel) -> None:
+    p = Problem(job, with_candidate=True)
+    rng = secrets.SystemRandom()
+    trials = job.verify.trials
+    orders = ["candidate_first"] * (trials // 2) + ["reference_first"] * (trials - trials // 2)
+    rng.shuffle(orders)
+    ops: Counter[str] = Counter()
+    out_bytes = 1 << 20
+    for t in range(trials):
+        scale = 0.5 if (job.verify.scaled_trial and t == trials - 1) else 1.0
+        base = p.inputs(rng.getrandbits(62), scale)
+        order = orders[t]
+
+        def run_reference() -> None:
+            args = clone_args(base)
+            out = as_outputs(p.ref(*args), "the reference")
+            p.sync()
+            for i, o in enumerate(out):
+                ch.send_tensor("reference", t, i, o)
+            params = {q.data_ptr() for q in list(p.ref.parameters()) + list(p.ref.buffers())}
+            for o in out:  # poison freed output memory before the candidate runs
+                if o.is_floating_point() and o.data_ptr() not in params and o._base is None:
+                    o.fill_(float("nan"))
+            del out, args
+
+        if order == "reference_first":
+            run_reference()
+        args = clone_args(base)
+        poison_allocator(p.device, out_bytes)
+        before = _live_helpers()
+        rec = OpRecorder()
+        try:
+            with torch.no_grad(), rec:
+                out = p.cand(*args)
+            p.sync()
+        except CandidateError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(_failure_kind(e), "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
+        check_tamper()
+        ops.update(rec.ops)
+        outs = as_outputs(out, "ModelNew.forward")
+        after = _live_helpers()
+        if after[1] > before[1]:
+            raise CandidateError("audit", "ModelNew.forward left child processes running after it returned")
+        if after[0] > before[0]:
+            raise CandidateError("audit", "ModelNew.forward left threads running after it returned")
+        snap = [o.detach().to("cpu", copy=True) for o in outs]
+        out_bytes = sum(o.numel() * o.element_size() for o in outs)
+        for i, o in enumerate(snap):
+            ch.send_tensor("candidate", t, i, o)
+        if order == "candidate_first":
+            run_reference()
+        time.sleep(job.verify.settle_ms / 1e3)
+        p.sync()
+        for o, s in zip(outs, snap):
+            if not torch.equal(o.detach().to("cpu"), s) and not (s.is_floating_point() and torch.isnan(s).any()):
+                raise CandidateError("audit", "an output of ModelNew.forward changed after forward returned "
+                                     "(work finishing in the background)")
+        del outs, out, snap, args
+    own_share = None
+    if job.mode == "permissive":
+        own_share = own_kernel_share(p, job)
+    check_tamper()
+    ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
+              "own_kernel_share": own_share})
+
+
+def _own_symbols(job: Job) -> set[str]:
+    """Function names defined in the candidate's compiled libraries (from `nm`)."""
+    libs = set()
+    roots = [r for r in (job.artifact_dir, job.workspace, str(Path(job.cache_dir) / "inline")) if r]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1] if line.strip() else ""
+            if path.endswith(".so") and any(path.startswith(r) for r in roots):
+                libs.add(path)
+    names: set[str] = set()
+    for lib in libs:
+        try:
+            r = subprocess.run(["nm", "-C", "--defined-only", lib], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        for line in r.stdout.splitlines():
+            parts = line.split(" ", 2)
+            if len(parts) == 3 and parts[1] in "TtWw":
+                names.add(parts[2].split("(")[0].split("<")[0].split("::")[-1].strip())
+    return {n for n in names if n}
+
+
+def own_kernel_share(p: Problem, job: Job) -> float:
+    """Share of the forward's compute done by the candidate's own kernels (permissive mode)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = p.inputs(secrets.randbits(62))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if p.device.type == "cuda" else [])
+    with torch.no_grad():
+        p.cand(*clone_args(args))
+        p.sync()
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            p.cand(*clone_args(args))
+            p.sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    events = prof.events()
+    if p.device.type == "cuda":
+        own = _own_symbols(job)
+        total = mine = 0.0
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                dur = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                total += dur
+                base = e.name.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "").strip()
+                if base in own:
+                    mine += dur
+        return mine / total if total > 0 else 0.0
+    torch_us = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::")
+                   and e.name.split("::")[1] not in STRICT_ALLOWED)
+    return max(0.0, 1.0 - torch_us / wall_us) if wall_us > 0 else 0.0
+
+
+def _telemetry() -> dict[str, Any]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        idx = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+        h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h)
+        out = {
+            "gpu_name": pynvml.nvmlDeviceGetName(h),
+            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+            "temperature_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+            "utilization_pct": util.gpu,
+            "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            "throttle_reasons": int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)),
+        }
+        pynvml.nvmlShutdown()
+        return out
+    except Exception as e:  # noqa: BLE001 - telemetry is best effort
+        return {"error": str(e)[:200]}
+
+
+def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str) -> list[float]:
+    rng = secrets.SystemRandom()
+    timer = DeviceTimer(p.device, job.timing.flush_l2)
+    sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
+    kept: list[tuple[list[Any], list[torch.Tensor]]] = []
+    recheck_at: set[int] = set()
+
+    def keep(i: int, args: list[Any], out: Any) -> None:
+        if not recheck_at:
+            recheck_at.update(rng.sample(range(job.timing.min_calls), min(job.timing.recheck_calls, job.timing.min_calls)))
+        if i in recheck_at:
+            kept.append((clone_args(args), [o.detach().clone() for o in as_outputs(out, "ModelNew.forward")]))
+
+    with torch.no_grad():
+        times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
+                               keep if role == "candidate" else None)
+    if role == "candidate":
+        check_tamper()
+        for t, (args, outs) in enumerate(kept):
+            for i, o in enumerate(outs):
+                ch.send_tensor("candidate", t, i, o)
+            with torch.no_grad():
+                ref_out = as_outputs(p.ref(*args), "the reference")
+            for i, o in enumerate(ref_out):
+                ch.send_tensor("reference", t, i, o)
+    return times
+
+
+def roofline_inputs(p: Problem) -> dict[str, float]:
+    """Bytes moved (inputs + outputs) and FLOPs of one reference call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = p.inputs(secrets.randbits(62))
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        out = as_outputs(p.ref(*args), "the reference")
+    nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    nbytes += sum(o.numel() * o.element_size() for o in out)
+    return {"bytes": float(nbytes), "flops": float(counter.get_total_flops())}
+
+
+def run_profile(job: Job, ch: Channel) -> None:
+    p = Problem(job, with_candidate=True)
+    tele0 = _telemetry() if p.device.type == "cuda" else {}
+    times = _timing_run(p, p.cand, job, ch, "candidate")
+    tele1 = _telemetry() if p.device.type == "cuda" else {}
+    ch.final({"ok": True, "candidate_ms": times, "telemetry": {"before": tele0, "after": tele1}})
+
+
+def run_baseline(job: Job, ch: Channel) -> None:
+    p = Problem(job, with_candidate=False)
+    body: dict[str, Any] = {"ok": True, "eager_ms": _timing_run(p, p.ref, job, ch, "eager")}
+    body.update(roofline_inputs(p))
+    if job.with_compile_baseline:
+        try:
+            compiled = torch.compile(p.ref)
+            with torch.no_grad():
+                compiled(*p.inputs(secrets.randbits(62)))  # the first call compiles
+            body["compile_ms"] = _timing_run(p, compiled, job, ch, "compiled")
+        except Exception as e:  # noqa: BLE001
+            body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
+    ch.final(body)
+
+
+def run_compile_inline(job: Job, ch: Channel) -> None:
+    from cudagym.sandbox.inline import install_inline_loader
+
+    recorder = install_inline_loader(Path(job.cache_dir), Path(job.inline_build_root or job.workspace))
+    load_candidate(job)
+    ch.final({"ok": True, "built": [list(b) for b in recorder.built]})
+
+
+def run_probe(job: Job, ch: Channel) -> None:
+    """Run `job.probe` as candidate code (used by the sandbox's own tests)."""
+    ns: dict[str, Any] = {}
+    try:
+        exec(compile(job.probe or "", "<candidate probe>", "exec"), ns)  # noqa: S102
+    except Exception as e:  # noqa: BLE001
+        raise CandidateError(_failure_kind(e), candidate_traceback(e, [job.workspace])) from None
+    ch.final({"ok": True, "result": repr(ns.get("RESULT"))[:2000]})
+
+
+_HARNESS_FUNCS = {k: v for k, v in list(globals().items()) if isinstance(v, types.FunctionType)}
+
+JOBS = {"verify": run_verify, "profile": run_profile, "baseline": run_baseline,
+        "compile_inline": run_compile_inline, "probe": run_probe}

@@ -1,0 +1,111 @@
+"""Messages between the evaluator (parent) and a sandboxed worker process.
+
+The parent writes one `Job` as a JSON line to the worker's stdin. The worker answers on a
+dedicated pipe with frames: `[u32 header length][header JSON][u64 payload length][payload]`.
+Tensors travel as raw bytes with dtype and shape in the header, never pickled: the parent
+does not unpickle anything the candidate's process could have written. Output comparison,
+statistics and the verdict are computed in the parent, out of the candidate's reach.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from cudagym.rewards.verdict import AuditMode
+
+JobKind = Literal["verify", "profile", "baseline", "compile_inline", "probe"]
+
+
+class VerifyConfig(BaseModel):
+    """Correctness protocol: trials with fresh secret seeds, half of them candidate-first."""
+
+    trials: int = Field(default=6, ge=5)
+    scaled_trial: bool = True  # one trial with floating inputs scaled x3 (another distribution)
+    min_own_share: float = 0.3  # permissive mode: share of device time in the candidate's kernels
+    settle_ms: float = 20.0  # wait before re-reading an output, to catch work finishing late
+
+
+class TimingConfig(BaseModel):
+    """Timing protocol (see `cudagym.sandbox.timing`)."""
+
+    warmup_calls: int = 5
+    min_calls: int = 20
+    max_calls: int = 200
+    target_ms: float = 400.0  # time budget of the timed loop, excluding flushes
+    input_sets: int = 4  # rotating input buffers, refilled with fresh values before every call
+    recheck_calls: int = 3  # timed calls whose outputs are checked against the reference
+    flush_l2: bool = True
+
+
+class LimitsConfig(BaseModel):
+    """Per-job sandbox limits."""
+
+    timeout_s: float = 120.0
+    memory_mb: int = 8192  # host memory of the worker (resident)
+    max_processes: int = 64  # processes + threads of the job
+    max_file_mb: int = 64
+    network: bool = False
+
+
+class Job(BaseModel):
+    kind: JobKind
+    nonce: str  # echoed in the final frame; a frame without it is a forgery
+    task_id: str
+    task_code: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda" (the worker sees one GPU as cuda:0)
+    workspace: str = ""
+    artifact_dir: str | None = None
+    cache_dir: str = ""
+    inline_build_root: str | None = None  # compile_inline only
+    mode: AuditMode = "strict"
+    seed: int = 0  # secret; never derived from anything the candidate sees
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    timing: TimingConfig = Field(default_factory=TimingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    writable: list[str] = Field(default_factory=list)  # extra writable dirs (baseline: compiler caches)
+    with_compile_baseline: bool = True
+    probe: str | None = None  # probe jobs: python source run as the candidate (tests of the sandbox)
+
+
+_HDR = struct.Struct("<I")
+_LEN = struct.Struct("<Q")
+MAX_HEADER = 1 << 20
+
+
+def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    h = json.dumps(header).encode()
+    return _HDR.pack(len(h)) + h + _LEN.pack(len(payload)) + payload
+
+
+class FrameError(Exception):
+    """A malformed frame: the result channel was written by something other than the harness."""
+
+
+def decode_frames(buf: bytes) -> list[tuple[dict[str, Any], bytes]]:
+    out, i = [], 0
+    while i < len(buf):
+        if i + _HDR.size > len(buf):
+            raise FrameError("truncated frame header")
+        (hl,) = _HDR.unpack_from(buf, i)
+        i += _HDR.size
+        if hl > MAX_HEADER or i + hl + _LEN.size > len(buf):
+            raise FrameError("bad frame header length")
+        try:
+            header = json.loads(buf[i : i + hl])
+        except ValueError:
+            raise FrameError("frame header is not JSON") from None
+        if not isinstance(header, dict):
+            raise FrameError("frame header is not an object")
+        i += hl
+        (pl,) = _LEN.unpack_from(buf, i)
+        i += _LEN.size
+        if i + pl > len(buf):
+            raise FrameError("truncated frame payload")
+        out.append((header, buf[i : i + pl]))
+        i += pl
+    return out

@@ -1,0 +1,64 @@
+"""Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD`.
+
+A worker is started ahead of need (a spare): it imports torch and, on a GPU, creates its CUDA
+context, then blocks until the parent writes one `Job` line on stdin. It applies the job's
+limits (writes confined to the workspace, file size, address space), runs the job, writes
+frames on RESULT_FD and exits. One job per process: nothing survives into the next job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    import torch
+
+    if os.environ.get("CUDAGYM_DEVICE") == "cuda":
+        torch.empty(1, device="cuda")  # create the CUDA context while idle
+    from cudagym.sandbox import harness
+    from cudagym.sandbox.limits import apply_rlimits, restrict_writes
+    from cudagym.sandbox.protocol import Job
+
+    line = sys.stdin.readline()
+    if not line:
+        os._exit(0)
+    job = Job.model_validate_json(line)
+    ch = harness.Channel(fd, job.nonce)
+    try:
+        if job.workspace:
+            os.chdir(job.workspace)
+            tmp = os.path.join(job.workspace, ".build", "tmp")
+            os.makedirs(tmp, exist_ok=True)
+            os.environ["TMPDIR"] = tmp
+        landlocked = restrict_writes([d for d in [job.workspace, *job.writable] if d])
+        apply_rlimits(max_file_mb=job.limits.max_file_mb,
+                      memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
+        ch.send({"type": "started", "landlock": landlocked})
+        if job.kind in ("verify", "profile"):
+            from cudagym.sandbox.inline import install_inline_loader
+
+            install_inline_loader(__import__("pathlib").Path(job.cache_dir), None)
+        harness.JOBS[job.kind](job, ch)
+    except harness.CandidateError as e:
+        ch.final({"ok": False, "kind": e.kind, "error": str(e)})
+    except MemoryError:
+        ch.final({"ok": False, "kind": "memory_limit", "error": "the job ran out of its memory limit"})
+    except BaseException as e:  # noqa: BLE001 - report, never hang
+        msg = f"{type(e).__name__}: {e}"
+        if "can't allocate memory" in msg or "out of memory" in msg:
+            kind = "memory_limit"
+        elif "CUDA error" in msg or "illegal memory access" in msg or "device-side assert" in msg:
+            kind = "crash"  # the candidate's kernel broke the CUDA context
+        else:
+            kind = "internal"
+        ch.final({"ok": False, "kind": kind, "error": msg[-3000:]})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
