@@ -1,7 +1,66 @@
-"""`cudagym run` and `cudagym report` (owned by the episode-runner work; replaced there)."""
+"""`cudagym run` (episodes → trajectory store → results table) and `cudagym report DIR`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add the agent commands to the top-level app."""
+
+    @app.command("run")
+    def run_cmd(
+        tasks: str = typer.Option("bundled", "--tasks", help="Task source: 'bundled', a bundled task id, a task .py file, a KernelBench-style directory or an Ops-6K .parquet."),
+        policy: str = typer.Option("scripted", "--policy", help="'scripted' (replays examples/solutions), 'openai' (an OpenAI-compatible server: OPENAI_BASE_URL, OPENAI_API_KEY, CUDAGYM_MODEL) or 'module:function' (a Python callable)."),
+        episodes: int = typer.Option(1, "--episodes", min=1, help="Episodes per task."),
+        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Run only the first N tasks of the source."),
+        concurrency: int = typer.Option(4, "--concurrency", min=1, help="Episodes running at once (the evaluator queues device work itself)."),
+        target: str = typer.Option("auto", "--target", help="Kernel target: 'auto' (CUDA if a GPU is present, else CPU), 'cuda' or 'cpu'."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Run directory for trajectories and the report (default runs/<timestamp>). Rerun with the same directory to resume."),
+        max_turns: int = typer.Option(30, "--max-turns", min=1, help="Turn budget per episode; at the limit the workspace is scored as it stands."),
+        mode: str = typer.Option("strict", "--mode", help="Op audit: 'strict' (only your kernels plus allocation/view ops in forward) or 'permissive' (torch ops allowed, own kernels must carry the work)."),
+        max_context_tokens: Optional[int] = typer.Option(None, "--max-context-tokens", help="Keep each policy prompt under this many tokens (older tool outputs are elided first)."),
+        tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A tokenizer.json (Hugging Face tokenizers) for exact token counts; default: 4 chars per token."),
+        solutions: Optional[Path] = typer.Option(None, "--solutions", help="Solutions root of the scripted policy (default: examples/solutions of the repository)."),
+        model: Optional[str] = typer.Option(None, "--model", help="Model name for --policy openai (default: $CUDAGYM_MODEL)."),
+        base_url: Optional[str] = typer.Option(None, "--base-url", help="Server URL for --policy openai (default: $OPENAI_BASE_URL)."),
+        tool_mode: str = typer.Option("native", "--tool-mode", help="For --policy openai: 'native' tool calls or 'hermes' <tool_call> text."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the environments' random generators."),
+    ) -> None:
+        """Run a policy over a task set and print the results table."""
+        from rich.console import Console
+
+        from cudagym.agent.report import render_table
+        from cudagym.agent.runner import RunConfig, run
+        from cudagym.errors import CudagymError
+
+        console = Console()
+        try:
+            cfg = RunConfig(tasks=tasks, policy=policy, episodes=episodes, limit=limit, concurrency=concurrency,
+                            target=target, out=out, max_turns=max_turns, mode=mode, max_context_tokens=max_context_tokens,
+                            tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
+                            seed=seed)
+            summary = run(cfg, console)
+        except (CudagymError, ValueError) as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+        console.print(render_table(summary.rows, title=f"cudagym results ({summary.out})"))
+        console.print(f"ran {summary.ran} episodes, skipped {summary.skipped} already complete, "
+                      f"in {summary.seconds:.1f}s; report: {summary.report_md}; plot: {summary.plot}")
+
+    @app.command("report")
+    def report_cmd(
+        run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run directory written by `cudagym run`."),
+    ) -> None:
+        """Print the results table of a run directory and write report.md, report.json and speedup.png."""
+        from rich.console import Console
+
+        from cudagym.agent.report import render_table, write_report
+
+        console = Console()
+        rows, md, png = write_report(run_dir)
+        console.print(render_table(rows, title=f"cudagym results ({run_dir})"))
+        console.print(f"report: {md}; plot: {png}")

@@ -1,0 +1,160 @@
+"""The episode runner: many episodes concurrently, every step stored, resumable, then a report.
+
+Episodes are ``<task_id>@<k>`` for k in 0..episodes-1. Rerunning with the same ``out`` directory
+resumes: complete episodes are skipped, interrupted ones (``.partial`` files) start over.
+All episodes share one `Evaluator`, which leases the GPU (or CPU) work itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from cudagym.agent.context import ContextBudget
+from cudagym.agent.episode import EpisodeResult, run_episode
+from cudagym.agent.policy import CallablePolicy, Policy
+from cudagym.agent.report import GroupStats, write_report
+from cudagym.agent.store import TrajectoryStore
+from cudagym.env.kernel_env import EnvConfig, KernelEnv
+from cudagym.env.tokens import CharEstimate, TokenCounter, TokenizerCounter
+from cudagym.errors import ConfigError
+from cudagym.rewards.verdict import AuditMode
+from cudagym.tasks.model import Task
+
+# settings that define which episodes a run directory holds; a resume must not change them
+_IDENTITY = ("tasks", "policy", "episodes", "limit", "target", "mode", "max_turns")
+
+
+class RunConfig(BaseModel):
+    tasks: str = "bundled"
+    policy: str = "scripted"  # scripted | openai | module:function
+    episodes: int = Field(default=1, ge=1)  # per task
+    limit: int | None = Field(default=None, ge=1)  # first N tasks only
+    concurrency: int = Field(default=4, ge=1)
+    target: Literal["auto", "cuda", "cpu"] = "auto"
+    mode: AuditMode = "strict"
+    out: Path | None = None  # None: runs/<timestamp>
+    max_turns: int = Field(default=30, ge=1)
+    max_context_tokens: int | None = None
+    tokenizer: Path | None = None  # a tokenizer.json for exact token counts
+    solutions: Path | None = None  # scripted policy's solutions root
+    model: str | None = None
+    base_url: str | None = None
+    tool_mode: Literal["native", "hermes"] = "native"
+    seed: int = 0
+
+
+class RunSummary(BaseModel):
+    out: Path
+    ran: int
+    skipped: int
+    restarted: list[str]
+    rows: list[GroupStats]
+    report_md: Path
+    plot: Path
+    seconds: float
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def make_policy(cfg: RunConfig) -> tuple[Policy, bool]:
+    """The policy named by `cfg.policy` and whether it wants the Hermes system prompt."""
+    if cfg.policy == "scripted":
+        from cudagym.agent.scripted import ScriptedPolicy
+
+        return ScriptedPolicy(cfg.solutions), True
+    if cfg.policy == "openai":
+        from cudagym.agent.openai_policy import OpenAIChatPolicy
+
+        p = OpenAIChatPolicy(model=cfg.model, base_url=cfg.base_url, tool_mode=cfg.tool_mode)
+        return p, p.hermes
+    if ":" in cfg.policy:
+        return CallablePolicy.from_spec(cfg.policy), False
+    raise ConfigError(f"unknown policy {cfg.policy!r}: use scripted, openai or module:function")
+
+
+def episode_ids(tasks: list[Task], episodes: int) -> list[tuple[Task, str]]:
+    return [(t, f"{t.id}@{k}") for t in tasks for k in range(episodes)]
+
+
+async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> RunSummary:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cudagym.tasks.loaders import load_tasks
+
+    console = console or Console()
+    t0 = time.perf_counter()
+    out = Path(cfg.out) if cfg.out else default_out_dir()
+    store = TrajectoryStore(out)
+    settings = cfg.model_dump(mode="json")
+    prev = store.read_settings()
+    if prev is not None:
+        changed = [k for k in _IDENTITY if prev.get(k) != settings.get(k)]
+        if changed:
+            raise ConfigError(f"{out} holds a run with different {', '.join(changed)}; use another --out")
+    store.write_settings(settings)
+    restarted = store.clean_partials()
+
+    tasks = load_tasks(cfg.tasks)
+    if cfg.limit:
+        tasks = tasks[: cfg.limit]
+    plan = episode_ids(tasks, cfg.episodes)
+    todo = [(t, e) for t, e in plan if not store.is_complete(e)]
+    skipped = len(plan) - len(todo)
+
+    owns_evaluator = evaluator is None
+    if evaluator is None:
+        from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+
+        evaluator = Evaluator(EvaluatorConfig(target=cfg.target, mode=cfg.mode))
+    policy, hermes = make_policy(cfg)
+    counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
+    budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
+    env_cfg = EnvConfig(target=cfg.target, mode=cfg.mode, max_turns=cfg.max_turns, workspace_root=out / "workspaces")
+    sem = asyncio.Semaphore(cfg.concurrency)
+    console.print(f"[bold]cudagym run[/]: {len(tasks)} tasks x {cfg.episodes} episodes on target "
+                  f"{evaluator.target.value if hasattr(evaluator.target, 'value') else evaluator.target}, "
+                  f"policy {cfg.policy}, out {out}"
+                  + (f" (resuming: {skipped} done, {len(restarted)} restarted)" if prev is not None else ""))
+
+    async def one(task: Task, eid: str, progress: Progress, bar: Any) -> None:
+        async with sem:
+            env = KernelEnv(tasks=[task], evaluator=evaluator, config=env_cfg, token_counter=counter)
+            writer = store.begin(eid)
+            try:
+                result = await run_episode(env, policy, task, eid, hermes_prompt=hermes, context=budget,
+                                           on_step=writer.write, seed=cfg.seed)
+            except Exception as e:  # noqa: BLE001 - one broken episode must not end the run
+                result = EpisodeResult(episode_id=eid, task_id=task.id, status="error", reward=0.0, turns=0,
+                                       seconds=0.0, task={"id": task.id, "source": task.source, "level": task.level},
+                                       error=f"{type(e).__name__}: {e}")
+            finally:
+                env.close()
+            writer.commit(result.model_dump(mode="json"))
+            v = result.verdict or {}
+            progress.update(bar, advance=1, description=f"{eid}: {v.get('milestone', result.status)}")
+
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+            bar = progress.add_task("episodes", total=len(plan), completed=skipped)
+            await asyncio.gather(*(one(t, e, progress, bar) for t, e in todo))
+    finally:
+        await policy.aclose()
+        if owns_evaluator:
+            evaluator.close()
+    rows, md, png = write_report(out)
+    return RunSummary(out=out, ran=len(todo), skipped=skipped, restarted=restarted, rows=rows, report_md=md,
+                      plot=png, seconds=time.perf_counter() - t0)
+
+
+def run(cfg: RunConfig, console: Any = None) -> RunSummary:
+    return asyncio.run(arun(cfg, console))

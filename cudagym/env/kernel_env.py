@@ -1,0 +1,359 @@
+"""`KernelEnv`: the Gymnasium ReAct environment of one kernel-optimization episode.
+
+Contract
+--------
+- ``reset(seed=None, options={"task": <id or Task>})`` starts an episode in a fresh workspace
+  (``model.py`` = the reference, read-only) and returns ``(prompt, info)``: the task prompt, and
+  in ``info`` the tool schemas (``"tools"``, OpenAI function-calling format), the task's
+  metadata (``"task"``), the workspace path and the budgets. Without a task option the task is
+  drawn from the env's task list with the env's RNG (seeded by ``seed``).
+- ``step(action)`` takes text (an LLM turn with ``<tool_call>{...}</tool_call>`` blocks or one
+  bare JSON call) or a structured call (a `ToolCall`, a ``{"name", "arguments"}`` dict, or a list
+  of those), runs the calls in order and returns ``(observation, reward, terminated, truncated,
+  info)``:
+  * observation: the tool results as text, each headed ``[tool]``, long output trimmed to
+    ``max_observation_chars`` keeping error lines. A malformed action, an unknown tool, bad
+    arguments or a refused file operation is an error observation; the episode goes on.
+  * reward: the milestone reward of the verdict at ``submit`` (or at truncation when
+    ``score_on_truncation``), plus shaping rewards if configured; 0 otherwise.
+  * terminated: the agent submitted. truncated: the turn or token budget ran out.
+  * info: ``calls`` (per call: name, ok, seconds, error), ``tool_results`` (per call text),
+    ``verdict`` (summary dict, at the end), ``reward_reasons``, ``timings`` and ``metrics``
+    (per-tool calls/errors/seconds so far).
+- ``areset``/``astep`` are the async forms (for trainers running many episodes in one event
+  loop); ``reset``/``step`` run them on the env's private event loop.
+- The env owns its `Evaluator` unless one is injected (then it is shared and not closed here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import gymnasium as gym
+from gymnasium.spaces import Text
+from pydantic import BaseModel, ConfigDict, Field
+
+from cudagym.env.parsing import parse_action
+from cudagym.env.prompt import task_prompt
+from cudagym.env.tokens import CharEstimate, TokenCounter
+from cudagym.env.tools import ToolContext, Toolbox, ToolResult
+from cudagym.env.format import format_verdict, trim_output
+from cudagym.errors import ConfigError
+from cudagym.rewards.verdict import AuditMode, ErrorKind, Verdict
+from cudagym.sandbox.workspace import Workspace
+from cudagym.tasks.model import Target, Task
+
+MAX_TEXT_CHARS = 1 << 20
+
+
+class UnicodeText(Text):
+    """A `Text` space over all of Unicode.
+
+    Membership accepts any string of allowed length made of Unicode scalar values (no lone
+    surrogates); sampling draws from printable ASCII plus newline and tab (a charset of all
+    1.1M code points would cost seconds to build per env).
+    """
+
+    def __init__(self, max_length: int, *, min_length: int = 0, seed: Any = None):
+        import string
+
+        super().__init__(max_length, min_length=min_length, charset=string.printable, seed=seed)
+
+    def contains(self, x: Any) -> bool:
+        if not isinstance(x, str) or not (self.min_length <= len(x) <= self.max_length):
+            return False
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"UnicodeText({self.min_length}, {self.max_length})"
+
+
+class ShapingConfig(BaseModel):
+    """Optional intermediate rewards, paid once per episode (all 0: off, the default)."""
+
+    first_compile: float = 0.0  # the first successful compile
+    first_correct: float = 0.0  # the first passing verify
+
+
+class EnvConfig(BaseModel):
+    """Budgets and options of `KernelEnv` (the evaluator has its own `EvaluatorConfig`)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    target: Literal["auto", "cuda", "cpu"] = "auto"
+    mode: AuditMode = "strict"
+    max_turns: int = Field(default=30, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # actions + observations, whole episode
+    max_observation_chars: int = Field(default=8000, ge=200)  # per tool result
+    max_calls_per_turn: int = Field(default=8, ge=1)
+    workspace_root: Path | None = None  # None: a temp dir per episode
+    keep_workspaces: bool = False
+    score_on_truncation: bool = True
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+
+
+class KernelEnv(gym.Env[str, Any]):
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(
+        self,
+        tasks: list[Task] | Task | str | None = None,
+        target: Literal["auto", "cuda", "cpu"] | None = None,
+        mode: AuditMode | None = None,
+        *,
+        config: EnvConfig | None = None,
+        evaluator: Any | None = None,
+        token_counter: TokenCounter | None = None,
+        render_mode: str | None = None,
+        **overrides: Any,
+    ):
+        cfg = (config or EnvConfig()).model_copy(update=overrides)
+        if target is not None:
+            cfg = cfg.model_copy(update={"target": target})
+        if mode is not None:
+            cfg = cfg.model_copy(update={"mode": mode})
+        self.config = EnvConfig.model_validate(cfg.model_dump())
+        self.render_mode = render_mode
+        self.tasks = _as_tasks(tasks)
+        if not self.tasks:
+            raise ConfigError("KernelEnv needs at least one task")
+        self._owns_evaluator = evaluator is None
+        if evaluator is None:
+            from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+
+            evaluator = Evaluator(EvaluatorConfig(target=self.config.target, mode=self.config.mode))
+        self.evaluator = evaluator
+        self.target: Target = Target(evaluator.target)
+        self.toolbox = Toolbox()
+        self.counter: TokenCounter = token_counter or CharEstimate()
+        self.observation_space = UnicodeText(MAX_TEXT_CHARS)
+        self.action_space = UnicodeText(MAX_TEXT_CHARS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx: ToolContext | None = None
+        self._workspace_dir: Path | None = None
+        self._turn = 0
+        self._tokens = 0
+        self._done = True
+        self._shaped: set[str] = set()
+        self._last_obs = ""
+        self.verdict: Verdict | None = None
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def task(self) -> Task | None:
+        return self._ctx.task if self._ctx else None
+
+    @property
+    def workspace(self) -> Workspace | None:
+        return self._ctx.workspace if self._ctx else None
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.toolbox.schemas()
+
+    # -- async API -----------------------------------------------------------------------------
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        self._cleanup_workspace()
+        task = self._pick_task((options or {}).get("task"))
+        task = task.for_target(self.target)
+        self._workspace_dir = self._new_workspace_dir(task.id)
+        ws = Workspace.create(self._workspace_dir, task)
+        self._ctx = ToolContext(task=task, workspace=ws, evaluator=self.evaluator,
+                                max_output_chars=self.config.max_observation_chars)
+        self._turn = 0
+        self._done = False
+        self._shaped = set()
+        self.verdict = None
+        prompt = task_prompt(task, self.target)
+        self._tokens = self.counter.count(prompt)
+        self._last_obs = prompt
+        info = {
+            "tools": self.tool_schemas(),
+            "task": {
+                "id": task.id, "source": task.source, "level": task.level, "ops": list(task.ops),
+                "dtype": task.dtype, "target": self.target.value, "sizes": task.sizes,
+            },
+            "workspace": str(ws.root),
+            "max_turns": self.config.max_turns,
+            "max_tokens": self.config.max_tokens,
+            "mode": self.config.mode,
+        }
+        return prompt, info
+
+    async def astep(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        t0 = time.perf_counter()
+        if self._ctx is None or self._done:
+            msg = "Error: the episode is over (or was never started); call reset() to begin a new one."
+            return msg, 0.0, True, False, {"error": "episode_over"}
+        ctx = self._ctx
+        self._turn += 1
+        parsed = parse_action(action)
+        results: list[ToolResult] = []
+        notes: list[str] = []
+        if parsed.error:
+            notes.append(f"Error: {parsed.error}")
+        calls = parsed.calls
+        if len(calls) > self.config.max_calls_per_turn:
+            notes.append(f"Error: at most {self.config.max_calls_per_turn} tool calls per turn; "
+                         f"the last {len(calls) - self.config.max_calls_per_turn} were not run.")
+            calls = calls[: self.config.max_calls_per_turn]
+        terminated = False
+        for i, call in enumerate(calls):
+            result = await self.toolbox.run(ctx, call)
+            results.append(result)
+            if result.terminal:
+                terminated = True
+                if i + 1 < len(calls):
+                    notes.append(f"Note: {len(calls) - i - 1} call(s) after submit were not run.")
+                break
+
+        reward = 0.0
+        reasons: list[str] = []
+        for r in results:  # shaping, paid once per milestone
+            if r.name == "compile" and r.ok and "compile" not in self._shaped and self.config.shaping.first_compile:
+                self._shaped.add("compile")
+                reward += self.config.shaping.first_compile
+                reasons.append(f"shaping: first successful compile {self.config.shaping.first_compile:+g}")
+            if r.name == "verify" and r.ok and "verify" not in self._shaped and self.config.shaping.first_correct:
+                self._shaped.add("verify")
+                reward += self.config.shaping.first_correct
+                reasons.append(f"shaping: first passing verify {self.config.shaping.first_correct:+g}")
+        verdict = next((r.verdict for r in results if r.verdict is not None), None)
+
+        obs = self._render(results, notes)
+        self._tokens += self.counter.count(parsed.text) + self.counter.count(obs)
+        truncated_by = None
+        if not terminated:
+            if self._turn >= self.config.max_turns:
+                truncated_by = "turns"
+            elif self.config.max_tokens is not None and self._tokens >= self.config.max_tokens:
+                truncated_by = "tokens"
+        truncated = truncated_by is not None
+        if truncated and self.config.score_on_truncation:
+            verdict = await self._final_verdict()
+            obs += (f"\n\nThe {'turn' if truncated_by == 'turns' else 'token'} budget is used up; the workspace "
+                    f"was scored as it stands.\n" + format_verdict(verdict, self.config.max_observation_chars))
+        if verdict is not None:
+            reward += verdict.reward
+            reasons.extend(verdict.reasons)
+            self.verdict = verdict
+        self._done = terminated or truncated
+        obs = obs[: MAX_TEXT_CHARS]
+        self._last_obs = obs
+        info = {
+            "turn": self._turn,
+            "task_id": ctx.task.id,
+            "calls": [{"name": r.name, "ok": r.ok, "seconds": round(r.seconds, 6), "error": r.error,
+                       "call_id": r.call_id, **({"internal": r.data["internal"]} if "internal" in r.data else {})}
+                      for r in results],
+            "tool_results": [{"name": r.name, "call_id": r.call_id, "ok": r.ok, "text": r.text} for r in results],
+            "parse_error": parsed.error,
+            "verdict": verdict.summary() if verdict is not None else None,
+            "reward_reasons": reasons,
+            "timings": {"step_s": time.perf_counter() - t0, **{f"{r.name}_s": r.seconds for r in results}},
+            "metrics": {k: dict(v) for k, v in ctx.counters.items()},
+            "tokens": self._tokens,
+            "truncated_by": truncated_by,
+        }
+        return obs, float(reward), terminated, truncated, info
+
+    async def _final_verdict(self) -> Verdict:
+        assert self._ctx is not None
+        try:
+            return await self.evaluator.aevaluate(self._ctx.task, self._ctx.workspace)
+        except Exception as e:  # noqa: BLE001 - a harness failure is not the agent's to see or pay for
+            return Verdict(reward=0.0, milestone="failed", compiled=False, correct=False,
+                           reasons=[f"internal error while scoring: {type(e).__name__}"],
+                           error=f"{type(e).__name__}: {e}", error_kind=ErrorKind.INTERNAL)
+
+    def _render(self, results: list[ToolResult], notes: list[str]) -> str:
+        parts = [f"[{r.name}] {r.text}" for r in results]
+        parts.extend(notes)
+        if not parts:
+            parts.append("Error: no tool call was run.")
+        budget = self.config.max_observation_chars * max(1, len(results))
+        return trim_output("\n\n".join(parts), budget)
+
+    # -- sync API ------------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        return self._run(self.areset(seed=seed, options=options))
+
+    def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return self._run(self.astep(action))
+
+    def render(self) -> str | None:
+        return self._last_obs if self.render_mode == "ansi" else None
+
+    def close(self) -> None:
+        self._cleanup_workspace()
+        self._ctx = None
+        if self._owns_evaluator and self.evaluator is not None:
+            self.evaluator.close()
+            self._owns_evaluator = False
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
+        self._loop = None
+
+    def _run(self, coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise RuntimeError("KernelEnv.reset/step called inside a running event loop: use await env.areset/astep")
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _pick_task(self, choice: Any) -> Task:
+        if isinstance(choice, Task):
+            return choice
+        if isinstance(choice, str):
+            for t in self.tasks:
+                if t.id == choice:
+                    return t
+            try:
+                from cudagym.tasks.loaders import resolve_task
+
+                return resolve_task(choice)
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"unknown task {choice!r}: {e}") from None
+        if choice is not None:
+            raise ConfigError(f"options['task'] must be a task id or a Task, not {type(choice).__name__}")
+        return self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+    def _new_workspace_dir(self, task_id: str) -> Path:
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", task_id)[:80]
+        if self.config.workspace_root is None:
+            return Path(tempfile.mkdtemp(prefix=f"cudagym-{safe}-"))
+        d = Path(self.config.workspace_root) / f"{safe}-{uuid.uuid4().hex[:8]}"
+        d.mkdir(parents=True)
+        return d
+
+    def _cleanup_workspace(self) -> None:
+        if self._workspace_dir is not None and not self.config.keep_workspaces:
+            shutil.rmtree(self._workspace_dir, ignore_errors=True)
+        self._workspace_dir = None
+
+
+def _as_tasks(tasks: list[Task] | Task | str | None) -> list[Task]:
+    if isinstance(tasks, Task):
+        return [tasks]
+    if tasks is None or isinstance(tasks, str):
+        from cudagym.tasks.loaders import bundled_tasks, load_tasks
+
+        return bundled_tasks() if tasks is None else load_tasks(tasks)
+    return list(tasks)
