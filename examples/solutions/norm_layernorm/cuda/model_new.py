@@ -1,0 +1,28 @@
+"""norm_layernorm on the GPU: one block per row, two block reductions (mean, variance), then the write."""
+
+import ctypes
+
+import torch
+import torch.nn as nn
+
+from cudagym.runtime import kernel_library, ptr, stream
+
+_lib = kernel_library()
+_lib.layernorm_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p]
+_lib.layernorm_rows.restype = ctypes.c_int
+
+
+class ModelNew(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, eps=1e-5)  # parameter holder only; never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        cols = x.size(-1)
+        err = _lib.layernorm_rows(ptr(x), ptr(self.norm.weight), ptr(self.norm.bias), ptr(out), x.numel() // cols,
+                                  cols, self.norm.eps, stream())
+        if err:
+            raise RuntimeError(f"layernorm_rows launch failed: CUDA error {err}")
+        return out
