@@ -311,3 +311,95 @@ def test_cpu_binding_builds_an_importable_extension(tmp_path: Path) -> None:
     edited = tc.build(ws, Target.CPU)
     assert edited.ok and edited.compiled == ["kernels/scale.cpp"]
     assert "kernels/ops_binding.cpp" in edited.reused
+
+
+# -- single-file solutions: load_inline through install_inline_loader -------------------------
+
+INLINE_CPP = """
+torch::Tensor twice_plus(torch::Tensor x, double c) {
+    return x * 2 + c;  // CONSTANT
+}
+"""
+
+# what a harness worker does: install the loader, import the candidate (here: call load_inline)
+INLINE_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from cudagym.sandbox.inline import install_inline_loader
+cache, build_root, source = sys.argv[1], sys.argv[2], sys.argv[3]
+rec = install_inline_loader(Path(cache), Path(build_root) if build_root else None)
+from torch.utils.cpp_extension import load_inline
+try:
+    mod = load_inline(name="twice_ext", cpp_sources=source, functions=["twice_plus"])
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__ + ": " + str(e)}))
+    sys.exit(0)
+print(json.dumps({"built": rec.built, "loaded": rec.loaded,
+                  "value": mod.twice_plus(torch.tensor([1.0, 2.0]), 0.5).tolist()}))
+"""
+
+
+def run_inline(cache: Path, build_root: Path | None, source: str) -> dict:
+    import json
+
+    out = subprocess.run([sys.executable, "-c", INLINE_SCRIPT, str(cache), str(build_root or ""), source],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def inline_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    """One load_inline build shared by the tests of this module: (cache, build_root, result)."""
+    root = tmp_path_factory.mktemp("inline")
+    cache, build_root = root / "cache", root / "ws" / ".build" / "inline"
+    return cache, build_root, run_inline(cache, build_root, INLINE_CPP)
+
+
+@pytest.mark.slow
+def test_inline_first_call_builds_into_the_cache(inline_cache: tuple[Path, Path, dict]) -> None:
+    cache, build_root, first = inline_cache
+    assert first["value"] == [2.5, 4.5]
+    assert [name for name, _ in first["built"]] == ["twice_ext"] and first["loaded"] == []
+    key = first["built"][0][1]
+    assert list((cache / "inline" / key).glob("*.so"))
+    assert (build_root / "twice_ext" / "build.ninja").is_file()  # torch's build dir persists
+
+
+@pytest.mark.slow
+def test_inline_cached_module_loads_in_a_fresh_process_without_compiling(
+        inline_cache: tuple[Path, Path, dict]) -> None:
+    cache, build_root, first = inline_cache
+    ninja_log = build_root / "twice_ext" / ".ninja_log"
+    before = ninja_log.stat().st_mtime_ns
+    again = run_inline(cache, None, INLINE_CPP)
+    assert again["value"] == [2.5, 4.5]
+    assert again["built"] == [] and again["loaded"] == first["built"]
+    assert ninja_log.stat().st_mtime_ns == before
+
+
+def test_inline_module_that_was_not_compiled_is_a_clear_error(tmp_path: Path) -> None:
+    from cudagym.sandbox.inline import install_inline_loader
+    import torch.utils.cpp_extension as cpp
+
+    original = cpp.load_inline
+    rec = install_inline_loader(tmp_path / "cache", None)
+    try:
+        with pytest.raises(RuntimeError, match="load_inline module 'never_built' was not compiled: run the "
+                                               "compile tool first"):
+            cpp.load_inline(name="never_built", cpp_sources="int f() { return 1; }", functions=["f"])
+    finally:
+        rec.uninstall()
+    assert cpp.load_inline is original
+
+
+@pytest.mark.slow
+def test_inline_compile_error_is_readable(inline_cache: tuple[Path, Path, dict]) -> None:
+    cache, build_root, _ = inline_cache
+    broken = INLINE_CPP.replace("return x * 2 + c;", "return x * 2 + undefined_c;")
+    res = run_inline(cache, build_root, broken)
+    msg = res["error"]
+    assert msg.startswith("InlineCompileError: load_inline module 'twice_ext' failed to compile:")
+    assert "cpp_sources:3: error: 'undefined_c' was not declared in this scope" in msg, msg
+    assert str(build_root) not in msg and str(cache) not in msg

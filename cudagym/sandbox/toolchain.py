@@ -97,6 +97,7 @@ _TOOL_ERROR = re.compile(
     r"^(?:\S*/)?(?P<tool>g\+\+|gcc|c\+\+|cc1plus|nvcc|ptxas|ld|collect2|cicc)(?:\s+(?:fatal|error))?\s*:"
     r"\s*(?:(?:fatal )?error:\s*)?(?P<msg>.*)$"
 )
+_QUOTES = str.maketrans("\u2018\u2019", "''")  # gcc's UTF-8 quotes, where the locale asks for them
 _ERROR_WORD = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)
 _LINK_ERROR = re.compile(r"(undefined reference to .*|multiple definition of .*|cannot find -l\S+)")
 _NOISE = re.compile(
@@ -131,7 +132,7 @@ def parse_diagnostics(output: str, max_lines: int) -> list[str]:
             if sev in ("warning", "note", "remark"):
                 continue
             sev = "error" if sev == "catastrophic error" else sev
-            entry = f"{m['file']}:{m['line']}: {sev}: {m['msg'].strip()}"
+            entry = f"{m['file']}:{m['line']}: {sev}: {m['msg'].strip().translate(_QUOTES)}"
         elif (lm := _LINK_ERROR.search(line)) and ("ld" in line or ".o" in line or "in function" in line):
             entry = f"link: error: {lm.group(1).strip()}"
         elif (tm := _TOOL_ERROR.match(line)) and _ERROR_WORD.search(line):
