@@ -214,20 +214,12 @@ def _start(ctx: EmitContext, layout: str, n_ops: int) -> State:
 class _MetaRunner:
     """Executes emitted lines on meta tensors at one size (full or small)."""
 
-    def __init__(self, which: int) -> None:
-        import math
-
-        import torch
+    def __init__(self, which: int, base_ns: dict) -> None:
         import torch.nn as nn
-        import torch.nn.functional as F
 
         self.which = which  # 0: full, 1: small
-        with torch.device("meta"):
-            self.mod = nn.Module()
-        self.ns: dict = {"torch": torch, "nn": nn, "F": F, "math": math, "self": self.mod}
-        for name, src in BLOCK_SOURCES.items():
-            exec(compile(src, f"<block {name}>", "exec"), self.ns)  # noqa: S102 - our own source
-        self.x = None
+        self.mod = nn.Module()
+        self.ns = dict(base_ns, self=self.mod)
 
     def run(self, ctx: EmitContext, n_init: int, n_fwd: int, n_inputs: int, x):  # noqa: ANN001, ANN201
         import torch
@@ -248,6 +240,20 @@ class _MetaRunner:
         if not isinstance(out, torch.Tensor):
             raise Reject("forward produced a non-tensor")
         return out, {a.name: ns[a.name] for a in ctx.inputs[n_inputs:]}
+
+
+def _block_namespace() -> dict:
+    """torch, nn, F, math and the helper block classes, for executing emitted lines."""
+    import math
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    ns: dict = {"torch": torch, "nn": nn, "F": F, "math": math}
+    for name, src in BLOCK_SOURCES.items():
+        exec(compile(src, f"<block {name}>", "exec"), ns)  # noqa: S102 - our own source
+    return ns
 
 
 def _next_state(ctx: EmitContext, before: State, full, small, new_consts: list[str]) -> State:  # noqa: ANN001
@@ -279,6 +285,7 @@ class Composer:
         self.config = config or ComposerConfig()
         self.catalog = catalog or default_catalog()
         self.ops = [o for o in self.catalog.ops if self.config.dtype in o.dtypes]
+        self._base_ns = _block_namespace()
 
     def _op_count(self, rng: random.Random) -> int:
         ks = sorted(self.config.op_count_weights)
@@ -301,7 +308,7 @@ class Composer:
         first = self._pick(rng, [o for o in self.ops if not (n_ops > 1 and o.terminal)])
         layout = rng.choice(first.starts)
         state = _start(ctx, layout, n_ops)
-        runners = (_MetaRunner(0), _MetaRunner(1))
+        runners = (_MetaRunner(0, self._base_ns), _MetaRunner(1, self._base_ns))
         xs = []
         for r, w in zip(runners, (0, 1)):
             arg = ctx.inputs[0]
