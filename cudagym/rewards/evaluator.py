@@ -214,8 +214,10 @@ class Evaluator:
                 return {**cached, "cached": True}
             cache = self.config.cache_dir
             job = self._job("baseline", task, None, with_compile_baseline=self.config.compile_baseline,
-                            writable=[str(cache / "inductor"), str(cache / "home")])
-            job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600)})
+                            writable=[str(cache / "home")])
+            # Only the trusted reference runs here; inductor writes large precompiled headers.
+            job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600),
+                                                       "max_file_mb": 4096, "memory_mb": max(job.limits.memory_mb, 16384)})
             o = await self.sandbox.run(job, self.device)
             failure = _outcome_failure(o, "baseline")
             if failure:

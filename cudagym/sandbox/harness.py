@@ -260,6 +260,17 @@ def poison_allocator(device: torch.device, nbytes: int) -> None:
     del buf
 
 
+def prewarm() -> None:
+    """Pay for lazy imports (dynamo via the dispatch mode, psutil, profiler) while idle."""
+    import psutil  # noqa: F401
+    import torch.profiler  # noqa: F401
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
+
+    with OpRecorder():
+        torch.ones(2) + 1
+    _live_helpers()
+
+
 # -- jobs -------------------------------------------------------------------------------------
 def run_verify(job: Job, ch: Channel) -> None:
     p = Problem(job, with_candidate=True)

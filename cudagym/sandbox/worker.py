@@ -10,6 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
+
+
+def _uses_cpp_extension(workspace: str) -> bool:
+    try:
+        return "cpp_extension" in (Path(workspace) / "model_new.py").read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def main() -> None:
@@ -22,25 +31,33 @@ def main() -> None:
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
     from cudagym.sandbox.protocol import Job
 
+    harness.prewarm()
+
     line = sys.stdin.readline()
     if not line:
         os._exit(0)
     job = Job.model_validate_json(line)
     ch = harness.Channel(fd, job.nonce)
     try:
-        if job.workspace:
-            os.chdir(job.workspace)
-            tmp = os.path.join(job.workspace, ".build", "tmp")
+        scratch = job.workspace or (job.writable[0] if job.writable else "")
+        if scratch:
+            os.makedirs(scratch, exist_ok=True)
+            os.chdir(scratch)
+            tmp = os.path.join(scratch, ".build", "tmp") if job.workspace else os.path.join(scratch, "tmp")
             os.makedirs(tmp, exist_ok=True)
             os.environ["TMPDIR"] = tmp
+            tempfile.tempdir = tmp  # gettempdir() may have been cached before
+            if job.kind == "baseline":  # torch.compile's caches, inside the writable scratch
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
+                os.environ["TRITON_CACHE_DIR"] = os.path.join(scratch, "triton")
         landlocked = restrict_writes([d for d in [job.workspace, *job.writable] if d])
         apply_rlimits(max_file_mb=job.limits.max_file_mb,
                       memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
         ch.send({"type": "started", "landlock": landlocked})
-        if job.kind in ("verify", "profile"):
+        if job.kind in ("verify", "profile") and _uses_cpp_extension(job.workspace):
             from cudagym.sandbox.inline import install_inline_loader
 
-            install_inline_loader(__import__("pathlib").Path(job.cache_dir), None)
+            install_inline_loader(Path(job.cache_dir), None)  # load pre-built modules, never build
         harness.JOBS[job.kind](job, ch)
     except harness.CandidateError as e:
         ch.final({"ok": False, "kind": e.kind, "error": str(e)})
