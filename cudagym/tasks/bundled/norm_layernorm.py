@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 BATCH = 32
-SEQ = 512
+SEQ = 1024
 HIDDEN = 1024
 
 

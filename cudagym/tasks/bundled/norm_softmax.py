@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-BATCH = 4096
+BATCH = 8192
 DIM = 4096
 
 
