@@ -489,6 +489,17 @@ def run_compile_inline(job: Job, ch: Channel) -> None:
     ch.final({"ok": True, "built": [list(b) for b in recorder.built]})
 
 
+def run_ncu(job: Job, ch: Channel) -> None:
+    """Run the candidate's forward a few times (the parent's `ncu` records its kernels)."""
+    p = Problem(job, with_candidate=True)
+    args = p.inputs(secrets.randbits(62))
+    with torch.no_grad():
+        for _ in range(3):
+            p.cand(*clone_args(args))
+            p.sync()
+    ch.final({"ok": True, "calls": 3})
+
+
 def run_probe(job: Job, ch: Channel) -> None:
     """Run `job.probe` as candidate code (used by the sandbox's own tests)."""
     ns: dict[str, Any] = {}
@@ -502,4 +513,4 @@ def run_probe(job: Job, ch: Channel) -> None:
 _HARNESS_FUNCS = {k: v for k, v in list(globals().items()) if isinstance(v, types.FunctionType)}
 
 JOBS = {"verify": run_verify, "profile": run_profile, "baseline": run_baseline,
-        "compile_inline": run_compile_inline, "probe": run_probe}
+        "compile_inline": run_compile_inline, "probe": run_probe, "ncu": run_ncu}

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from cudagym.rewards.verdict import AuditMode
 
-JobKind = Literal["verify", "profile", "baseline", "compile_inline", "probe"]
+JobKind = Literal["verify", "profile", "baseline", "compile_inline", "probe", "ncu"]
 
 
 class VerifyConfig(BaseModel):

@@ -1,0 +1,89 @@
+"""`cudagym check`: evaluate one solution for one task and print the verdict."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cudagym.errors import CudagymError
+from cudagym.rewards.verdict import Verdict
+
+
+def check(
+    task: Annotated[str, typer.Argument(help="A task: a KernelBench-format .py file, DIR::ID or DIR/ID of a "
+                                             "directory or parquet, or a bundled task id.")],
+    solution: Annotated[Path, typer.Argument(help="A workspace directory (model_new.py + kernels/) or a single "
+                                                  "model_new.py.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    mode: Annotated[str, typer.Option(help="Op audit: strict (only your kernels + allocation/view ops) or "
+                                           "permissive (torch ops allowed; your kernels must carry the work).")] = "strict",
+    target: Annotated[str, typer.Option(help="auto (GPU if present), cuda or cpu.")] = "auto",
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Build and baseline cache (default ~/.cache/cudagym or "
+                                                           "$CUDAGYM_CACHE).")] = None,
+    no_compile_baseline: Annotated[bool, typer.Option("--no-compile-baseline",
+                                                      help="Skip the torch.compile baseline (no +3 milestone).")] = False,
+) -> None:
+    """Compile, verify and profile SOLUTION for TASK, and print the milestone reward with its reasons."""
+    from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+    from cudagym.sandbox.workspace import Workspace
+    from cudagym.tasks.loaders import resolve_task
+
+    if mode not in ("strict", "permissive"):
+        raise typer.BadParameter("--mode must be strict or permissive")
+    if target not in ("auto", "cuda", "cpu"):
+        raise typer.BadParameter("--target must be auto, cuda or cpu")
+    console = Console(stderr=True)
+    cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline,
+                          **({"cache_dir": cache_dir} if cache_dir else {}))
+    try:
+        t = resolve_task(task)
+        with Evaluator(cfg) as ev, tempfile.TemporaryDirectory(prefix="cudagym-check-") as tmp:
+            t = t.for_target(ev.target)
+            ws = Workspace.from_solution(tmp, t, solution)
+            if not as_json:
+                console.print(f"[bold]{t.id}[/] on the {ev.target.value} target ({ev.device_name}), {mode} mode")
+            with console.status("compiling, verifying, profiling…", spinner="dots") if not as_json else _nullctx():
+                verdict = ev.evaluate(t, ws)
+    except CudagymError as e:
+        if as_json:
+            print(json.dumps({"reward": None, "error": str(e)}))
+        else:
+            console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(verdict.summary()))
+    else:
+        _print_verdict(verdict)
+    raise typer.Exit(0 if verdict.reward > 0 else 1)
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def _print_verdict(v: Verdict) -> None:
+    console = Console()
+    table = Table(show_header=False, box=None)
+    colour = "green" if v.reward > 0 else "red"
+    table.add_row("reward", f"[bold {colour}]{v.reward:+g}[/] ({v.milestone})")
+    table.add_row("compiled / correct", f"{v.compiled} / {v.correct}")
+    if v.audit:
+        table.add_row("audit", f"{v.audit.mode}: {'passed' if v.audit.passed else 'FAILED'}")
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    table.add_row("candidate / eager / torch.compile ms", f"{fmt(v.candidate_ms)} / {fmt(v.eager_ms)} / {fmt(v.compile_ms)}")
+    table.add_row("speedup vs eager / compile", f"{fmt(v.speedup_vs_eager)} / {fmt(v.speedup_vs_compile)}")
+    console.print(table)
+    for r in v.reasons:
+        console.print(f"  • {r}")
+    if v.error and v.reward <= 0:
+        console.print(f"[red]{v.error[:3000]}[/]")
