@@ -87,8 +87,7 @@ def test_nontrivial_keeps_a_loss():
 
 @pytest.mark.parametrize("forward", [
     "        if x.sum() > 0:\n            return x * 2.0\n        return x - 1.0",
-    "        return x * float(x.abs().max().item())",
-    "        return torch.from_numpy(x.numpy() * 2.0)",
+    "        return x * len(x.tolist())",
 ])
 def test_compile_removes_what_does_not_capture_as_one_graph(forward):
     r = check_runtime(_task(forward), CFG)

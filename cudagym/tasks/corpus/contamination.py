@@ -16,9 +16,15 @@ The measure
      matter.
    The result is the pre-order sequence of AST node types, with the (normalized) identifier
    after each `Name`/`Attribute`/`arg`/def node and the literal kind after each `Constant`.
-2. **Score** two files by `difflib.SequenceMatcher(autojunk=False).ratio()` of their token
-   sequences: 2·M/T where M is the number of tokens in matching blocks and T the total length.
-   1.0 means structurally identical after normalization.
+2. **Score** two files by the minimum of two `difflib.SequenceMatcher(autojunk=False).ratio()`
+   values (2·M/T: M tokens in matching blocks, T the total length):
+   - *structure*: the full normalized token sequences;
+   - *operators*: the subsequence of operator tokens — the kept free names and attribute names,
+     lower-cased (`conv2d`, `relu`, `softmax`, `randn`; module names such as `torch` are left
+     out), so `nn.ReLU()` and `F.relu` agree.
+   The structure ratio alone cannot tell a Conv2d→ReLU task from an AvgPool1d→CELU one (the
+   shared boilerplate is most of both files: about 0.95); requiring the operator sequences to
+   agree as well makes 0.9 mean "the same operators, written nearly the same way".
 3. **Prefilter** (`ReferenceIndex`): MinHash over the set of `SHINGLE`-token shingles and an LSH
    index at Jaccard `lsh_threshold` (default 0.5, well below what a 0.9 ratio implies for
    these short files) find candidate reference files; for each candidate the O(1) and O(n)
@@ -41,6 +47,7 @@ from pydantic import BaseModel
 SHINGLE = 3
 NUM_PERM = 64
 _FORMAT_NAMES = {"Model", "forward", "get_inputs", "get_init_inputs", "__init__", "super", "self"}
+_NOT_OPERATORS = _FORMAT_NAMES | {"torch", "nn", "F", "math", "np", "numpy", "functional", "Module"}
 
 
 class Match(BaseModel):
@@ -78,12 +85,24 @@ def _bound_names(tree: ast.AST) -> set[str]:
     return bound - _FORMAT_NAMES
 
 
+class Normalized(BaseModel):
+    """A source's normalized token sequence and its operator subsequence."""
+
+    tokens: list[str]
+    operators: list[str]
+
+
 def normalized_tokens(code: str) -> list[str]:
     """The normalized AST token sequence of `code` (see the module docstring); [] if it does not parse."""
+    return normalize(code).tokens
+
+
+def normalize(code: str) -> Normalized:
+    """Tokens and operators of `code` (see the module docstring); empty if it does not parse."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
-        return []
+        return Normalized(tokens=[], operators=[])
     _strip_docstrings(tree)
     imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     aliases: dict[str, str] = {}
@@ -109,14 +128,22 @@ def normalized_tokens(code: str) -> list[str]:
         return name
 
     out: list[str] = list(import_keys)
+    operators: list[str] = []
 
     def visit(node: ast.AST) -> None:
         out.append(type(node).__name__)
         if isinstance(node, ast.Name):
             out.append(ident(node.id))
+            if node.id not in bound and node.id not in aliases and node.id not in _NOT_OPERATORS:
+                operators.append(node.id.lower())
         elif isinstance(node, ast.Attribute):
             visit(node.value)
-            out.append(ident(node.attr) if node.attr in bound else node.attr)
+            if node.attr in bound:
+                out.append(ident(node.attr))
+            else:
+                out.append(node.attr)
+                if node.attr not in _NOT_OPERATORS:
+                    operators.append(node.attr.lower())
             return
         elif isinstance(node, ast.arg):
             out.append(ident(node.arg))
@@ -135,19 +162,22 @@ def normalized_tokens(code: str) -> list[str]:
 
     for stmt in rest:
         visit(stmt)
-    return out
+    return Normalized(tokens=out, operators=operators)
 
 
-def similarity(a: list[str], b: list[str]) -> float:
-    """Sequence-matcher ratio of two normalized token sequences."""
-    if not a and not b:
+def similarity(a: Normalized, b: Normalized) -> float:
+    """min(structure ratio, operator ratio) of two normalized sources."""
+    if not a.tokens and not b.tokens:
         return 1.0
-    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+    ops = difflib.SequenceMatcher(None, a.operators, b.operators, autojunk=False).ratio()
+    if ops == 0.0:
+        return 0.0
+    return min(ops, difflib.SequenceMatcher(None, a.tokens, b.tokens, autojunk=False).ratio())
 
 
 def code_similarity(code_a: str, code_b: str) -> float:
     """`similarity` of two sources after normalization."""
-    return similarity(normalized_tokens(code_a), normalized_tokens(code_b))
+    return similarity(normalize(code_a), normalize(code_b))
 
 
 def _shingles(tokens: list[str]) -> list[bytes]:
@@ -173,13 +203,14 @@ class ReferenceIndex:
         self.threshold = threshold
         self.lsh = MinHashLSH(threshold=lsh_threshold, num_perm=NUM_PERM)
         self.tokens: dict[str, list[str]] = {}
+        self.operators: dict[str, list[str]] = {}
         self._matchers: dict[str, difflib.SequenceMatcher] = {}
         for name in sorted(files):
-            toks = normalized_tokens(files[name])
-            if not toks:
+            norm = normalize(files[name])
+            if not norm.tokens:
                 continue
-            self.tokens[name] = toks
-            self.lsh.insert(name, _minhash(toks))
+            self.tokens[name], self.operators[name] = norm.tokens, norm.operators
+            self.lsh.insert(name, _minhash(norm.tokens))
         self.stats = {"queries": 0, "candidates": 0, "exact": 0}
 
     @classmethod
@@ -217,20 +248,23 @@ class ReferenceIndex:
 
     def nearest(self, code: str) -> Match:
         """The best-scoring reference file among the prefilter's candidates."""
-        toks = normalized_tokens(code)
+        norm = normalize(code)
         self.stats["queries"] += 1
-        if not toks:
+        if not norm.tokens:
             return Match(file=None, score=0.0)
         best = Match(file=None, score=0.0)
-        for name in sorted(self.lsh.query(_minhash(toks))):
+        for name in sorted(self.lsh.query(_minhash(norm.tokens))):
             self.stats["candidates"] += 1
+            floor = best.score
+            ops = difflib.SequenceMatcher(None, norm.operators, self.operators[name], autojunk=False).ratio()
+            if ops <= floor:
+                continue
             m = self._matcher(name)
-            m.set_seq1(toks)
-            floor = max(best.score, 0.0)
+            m.set_seq1(norm.tokens)
             if m.real_quick_ratio() <= floor or m.quick_ratio() <= floor:
                 continue
             self.stats["exact"] += 1
-            score = m.ratio()
+            score = min(ops, m.ratio())
             if score > best.score:
                 best = Match(file=name, score=round(score, 6))
         return best
