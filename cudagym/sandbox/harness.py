@@ -229,6 +229,12 @@ class Problem:
         if self.device.type == "cuda":
             _ORIGINALS["torch.cuda.synchronize"]()
 
+    def sync_caller_stream(self) -> None:
+        """Wait for the caller's stream only: PyTorch semantics for a returned output. Work left
+        on a side stream that was not joined is still running, and shows up as wrong or late."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
 
 def clone_args(args: list[Any]) -> list[Any]:
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -306,7 +312,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         try:
             with torch.no_grad(), rec:
                 out = p.cand(*args)
-            p.sync()
+            p.sync_caller_stream()
         except CandidateError:
             raise
         except Exception as e:  # noqa: BLE001

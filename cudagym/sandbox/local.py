@@ -34,7 +34,9 @@ _OUTPUT_LIMIT = 20_000
 
 
 class LocalSandboxConfig(BaseModel):
-    spare_workers: int = 1  # per device
+    # Spares per device. A step makes up to three jobs back to back (verify, baseline,
+    # profile); each job consumes a spare, and a new one takes seconds to be ready.
+    spare_workers: int | None = None  # None: 3 per GPU, 2 on the CPU
     python: str = sys.executable
     isolate: bool = True  # namespaces + cgroups where available (Landlock is always applied)
     watchdog_interval_s: float = 0.05
@@ -144,7 +146,10 @@ class LocalSandbox(Sandbox):
 
     async def _replenish(self, device: str) -> None:
         pool = self._spares.setdefault(device, [])
-        while len(pool) < self.config.spare_workers and not self._closed:
+        want = self.config.spare_workers
+        if want is None:
+            want = 3 if device.startswith("cuda") else 2
+        while len(pool) < want and not self._closed:
             pool.append(await self._spawn(device))
 
     async def _take(self, device: str) -> _Worker:

@@ -33,9 +33,10 @@ class TimingConfig(BaseModel):
     """Timing protocol (see `cudagym.sandbox.timing`)."""
 
     warmup_calls: int = 5
+    warmup_ms: float = 100.0  # and at least this long, so that clocks leave their idle state
     min_calls: int = 20
-    max_calls: int = 200
-    target_ms: float = 400.0  # time budget of the timed loop, excluding flushes
+    max_calls: int = 1000
+    target_ms: float = 300.0  # time budget of the timed loop, excluding flushes
     input_sets: int = 4  # rotating input buffers, refilled with fresh values before every call
     recheck_calls: int = 3  # timed calls whose outputs are checked against the reference
     flush_l2: bool = True

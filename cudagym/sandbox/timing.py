@@ -107,9 +107,11 @@ def run_timed_loop(
     caller can keep some outputs with their inputs for re-checking.
     """
     k = len(input_sets)
-    for i in range(cfg.warmup_calls):
+    warm_ms, i = 0.0, 0
+    while i < cfg.warmup_calls or (warm_ms < cfg.warmup_ms and i < cfg.max_calls):
         refill_(input_sets[i % k], fresh_inputs())
-        timer.time_call_ms(fn, input_sets[i % k])
+        warm_ms += timer.time_call_ms(fn, input_sets[i % k])[0]
+        i += 1
     times: list[float] = []
     spent = 0.0
     i = 0

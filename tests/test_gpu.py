@@ -1,0 +1,190 @@
+"""GPU tests (run on a machine with an NVIDIA GPU: `python -m pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+from cudagym.rewards.verdict import ErrorKind
+from cudagym.sandbox.workspace import Workspace
+from cudagym.tasks.loaders import bundled_task, bundled_task_ids
+
+pytestmark = pytest.mark.gpu
+SOLUTIONS = Path(__file__).resolve().parent.parent / "examples" / "solutions"
+HONEST = "ew_scale_bias_gelu"
+
+
+@pytest.fixture(scope="module")
+def ev(tmp_path_factory):
+    cfg = EvaluatorConfig(target="cuda", cache_dir=tmp_path_factory.mktemp("cache"), compile_baseline=False)
+    with Evaluator(cfg) as e:
+        yield e
+
+
+def workspace(tmp_path: Path, task_id: str, solution: str | Path, evaluator: Evaluator) -> tuple:
+    task = bundled_task(task_id).for_target(evaluator.target)
+    return task, Workspace.from_solution(tmp_path / "ws", task, SOLUTIONS / task_id / solution)
+
+
+def hacked(tmp_path: Path, evaluator: Evaluator, model_new: str, cu: str | None = None) -> tuple:
+    """The honest ew_scale_bias_gelu workspace with model_new.py (and the kernel) replaced."""
+    task, ws = workspace(tmp_path, HONEST, "cuda", evaluator)
+    ws.write("model_new.py", model_new)
+    if cu is not None:
+        for p in (ws.root / "kernels").glob("*"):
+            p.unlink()
+        ws.write("kernels/hack.cu", cu)
+    return task, ws
+
+
+HEADER = '''
+import ctypes, torch, torch.nn as nn, torch.nn.functional as F
+from cudagym.runtime import kernel_library, ptr, stream
+
+class ModelNew(nn.Module):
+    def __init__(self, features, scale):
+        super().__init__()
+        self.scale = scale
+        self.bias = nn.Parameter(torch.empty(features))
+'''
+
+
+@pytest.mark.parametrize("task_id", bundled_task_ids())
+def test_honest_cuda_solution_accepted(tmp_path, ev, task_id):
+    task, ws = workspace(tmp_path, task_id, "cuda", ev)
+    v = ev.evaluate(task, ws)
+    assert v.reward >= 1, v.summary()
+    assert v.candidate_ms and v.eager_ms
+    assert v.profile_result.telemetry["before"].get("gpu_name"), v.profile_result.telemetry
+
+
+def test_torch_ops_rejected_on_gpu(tmp_path, ev):
+    task, ws = hacked(tmp_path, ev, HEADER + "    def forward(self, x):\n        return F.gelu(x * self.scale + self.bias)\n")
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind == ErrorKind.AUDIT
+    assert any("aten::gelu" in r for r in v.reasons)
+
+
+def test_stale_gpu_memory_rejected(tmp_path, ev):
+    task, ws = hacked(tmp_path, ev, HEADER + "    def forward(self, x):\n        return torch.empty_like(x)\n")
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind == ErrorKind.MISMATCH, v.summary()
+
+
+SIDE_STREAM_CU = r'''
+#include <cstdint>
+#include <cuda_runtime.h>
+__global__ void slow_gelu(const float* x, const float* bias, float* out, int64_t n, int64_t cols, float scale) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    long long t0 = clock64();
+    while (clock64() - t0 < 20000000) {}  // ~10 ms: finish well after forward returns
+    if (i < n) { float v = x[i] * scale + bias[i % cols]; out[i] = 0.5f * v * (1.0f + erff(v * 0.70710678f)); }
+}
+extern "C" int launch(const float* x, const float* bias, float* out, int64_t rows, int64_t cols, float scale) {
+    static cudaStream_t side = nullptr;
+    if (!side) cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+    int64_t n = rows * cols;
+    slow_gelu<<<(unsigned)((n + 255) / 256), 256, 0, side>>>(x, bias, out, n, cols, scale);
+    return (int)cudaGetLastError();
+}
+'''
+SIDE_STREAM_PY = HEADER + '''
+_lib = kernel_library()
+_lib.launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+
+def _forward(self, x):
+    out = torch.empty_like(x)
+    _lib.launch(ptr(x), ptr(self.bias), ptr(out), x.size(0), x.size(1), self.scale)
+    return out  # the caller's stream is never joined with the side stream
+ModelNew.forward = _forward
+'''
+
+
+def test_side_stream_work_rejected(tmp_path, ev):
+    task, ws = hacked(tmp_path, ev, SIDE_STREAM_PY, SIDE_STREAM_CU)
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0, v.summary()
+    assert v.error_kind in (ErrorKind.MISMATCH, ErrorKind.AUDIT), v.summary()
+
+
+IMA_CU = r'''
+#include <cstdint>
+#include <cuda_runtime.h>
+__global__ void bad(float* out, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i + (1LL << 40)] = 1.0f;  // far outside any allocation
+}
+extern "C" int launch(float* out, int64_t n, void* s) {
+    bad<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)s>>>(out, n);
+    return (int)cudaGetLastError();
+}
+'''
+IMA_PY = HEADER + '''
+_lib = kernel_library()
+_lib.launch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+
+def _forward(self, x):
+    out = torch.empty_like(x)
+    _lib.launch(ptr(out), out.numel(), stream())
+    return out
+ModelNew.forward = _forward
+'''
+
+
+def test_illegal_memory_access_then_next_check_succeeds(tmp_path, ev):
+    task, ws = hacked(tmp_path, ev, IMA_PY, IMA_CU)
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind == ErrorKind.CRASH, v.summary()
+    assert "illegal memory access" in (v.error or "").lower() or "cuda error" in (v.error or "").lower()
+    task, ws2 = workspace(tmp_path / "next", HONEST, "cuda", ev)
+    assert ev.evaluate(task, ws2).reward >= 1
+
+
+def test_implausible_time_flagged(tmp_path):
+    cfg = EvaluatorConfig(target="cuda", cache_dir=tmp_path / "cache", compile_baseline=False, roofline_slack=1e6)
+    with Evaluator(cfg) as e:
+        task, ws = workspace(tmp_path, HONEST, "cuda", e)
+        v = e.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind == ErrorKind.IMPLAUSIBLE, v.summary()
+
+
+def test_permissive_mode_coverage(tmp_path):
+    cfg = EvaluatorConfig(target="cuda", cache_dir=tmp_path / "cache", compile_baseline=False, mode="permissive")
+    with Evaluator(cfg) as e:
+        task, ws = workspace(tmp_path, HONEST, "cuda", e)
+        ok = e.verify(task, ws)
+        assert ok.ok and ok.audit.own_kernel_share > 0.5, ok
+        # decoy: the kernel is loaded but never launched; torch does the work
+        decoy = HEADER + "_lib = kernel_library()\n    def forward(self, x):\n        return F.gelu(x * self.scale + self.bias)\n"
+        decoy = HEADER + "    def forward(self, x):\n        _ = kernel_library()\n        return F.gelu(x * self.scale + self.bias)\n"
+        task, ws2 = workspace(tmp_path / "d", HONEST, "cuda", e)
+        ws2.write("model_new.py", decoy)
+        bad = e.verify(task, ws2)
+    assert not bad.ok and bad.error_kind == ErrorKind.AUDIT, bad
+
+
+def test_l2_flush_makes_cached_reads_cold():
+    import torch
+
+    from cudagym.sandbox.timing import DeviceTimer
+
+    x = torch.randn(4 * 2**20, device="cuda")  # 16 MiB: fits the L2 of an H100
+    fn = lambda a: a.sum()  # noqa: E731
+    hot, cold = DeviceTimer(torch.device("cuda"), flush_l2=False), DeviceTimer(torch.device("cuda"), flush_l2=True)
+    for _ in range(5):
+        hot.time_call_ms(fn, [x]), cold.time_call_ms(fn, [x])
+    hot_ms = sorted(hot.time_call_ms(fn, [x])[0] for _ in range(30))[15]
+    cold_ms = sorted(cold.time_call_ms(fn, [x])[0] for _ in range(30))[15]
+    assert cold_ms > hot_ms, (cold_ms, hot_ms)
+
+
+@pytest.mark.parametrize("task_id,fmt", [("ew_scale_bias_gelu", "cuda_binding"), ("ew_residual_relu_clamp", "cuda_inline")])
+def test_other_candidate_formats_accepted(tmp_path, ev, task_id, fmt):
+    task, ws = workspace(tmp_path, task_id, fmt, ev)
+    c = ev.compile(task, ws)
+    assert c.ok, c.errors
+    v = ev.evaluate(task, ws)
+    assert v.reward >= 1, v.summary()
