@@ -8,6 +8,7 @@ stream), 17 (L2 cache) and 19 (roofline floor) are GPU-only and live in the GPU 
 from __future__ import annotations
 
 import os
+import textwrap
 import uuid
 from pathlib import Path
 
@@ -69,7 +70,7 @@ class ModelNew(nn.Module):
 def gelu_model(forward_body: str, extra: str = "", init_extra: str = "") -> str:
     """HEADER + `extra` module code + ModelNew with the standard __init__ and the given forward body."""
     body = "\n".join("        " + line if line.strip() else "" for line in forward_body.strip("\n").splitlines())
-    init = "\n".join("        " + line for line in init_extra.strip("\n").splitlines()) if init_extra.strip() else ""
+    init = textwrap.indent(textwrap.dedent(init_extra).strip("\n"), " " * 8) + "\n" if init_extra.strip() else ""
     return f"{HEADER}\n{extra}\n\n{INIT}{init}\n\n    def forward(self, x):\n{body}\n"
 
 
@@ -575,6 +576,8 @@ def test_14_patch_synchronize_in_forward(evaluator: Evaluator, build_ws) -> None
     assert_rejected(v, ErrorKind.TAMPER, "torch.cuda.synchronize was replaced")
 
 
+@pytest.mark.xfail(strict=True, reason="GAP: harness module globals (check_tamper, forbidden_ops, STRICT_ALLOWED) "
+                   "are rebindable from model_new.py; check_tamper() is looked up by name, so replacing it disables itself")
 def test_14_patch_harness_audit_functions(evaluator: Evaluator, build_ws) -> None:
     """Disable the tamper check and the forbidden-op filter, then call torch freely."""
     extra = """\
@@ -588,6 +591,8 @@ _h.forbidden_ops = lambda ops: []
     assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.AUDIT})
 
 
+@pytest.mark.xfail(strict=True, reason="GAP: class attributes of the harness (Channel.final, OpRecorder) are "
+                   "not in the tamper snapshot; rewriting the report drops the forbidden ops")
 def test_14_patch_harness_result_method(evaluator: Evaluator, build_ws) -> None:
     """Rewrite the final report on its way out (a method, not a module function)."""
     extra = """\
@@ -633,6 +638,9 @@ def test_14_forged_json_result_frame(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.TAMPER, "forged")
 
 
+@pytest.mark.xfail(strict=True, reason="GAP: the nonce and the result fd live in the candidate's process "
+                   "(gc finds the Channel/Job); reference outputs are computed in that process too, so a forged "
+                   "stream of equal candidate/reference tensors plus a final frame passes verify and profile")
 def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_ws) -> None:
     """Find the harness's channel (nonce included) through gc, send matching 'candidate' and
     'reference' tensors and a success report for verify, and a fast timing for profile; exit."""
@@ -654,6 +662,10 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
         with torch.no_grad():
             p.ref(x)
         ms = (time.perf_counter() - t0) * 1e3
+        z = torch.zeros(x.shape)
+        for t in range(job.timing.recheck_calls):
+            ch.send_tensor("candidate", t, 0, z)
+            ch.send_tensor("reference", t, 0, z)
         ch.final({"ok": True, "candidate_ms": [ms / 3] * job.timing.min_calls, "telemetry": {}})
     os._exit(0)
     """
@@ -775,11 +787,10 @@ def test_18_fork_bomb(evaluator: Evaluator, build_ws) -> None:
     if not _pids_cgroup_available():
         pytest.skip("no pids cgroup here: a fork bomb test is only safe behind the pids cap")
     body = """\
-    import os, time
+    import os
     for _ in range(100000):
-        if os.fork() == 0:
-            time.sleep(120)
-            os._exit(0)
+        if os.fork() == 0:  # each child becomes a tiny `sleep`, so only the process cap can stop this
+            os.execv("/bin/sleep", ["sleep", "120"])
     return run_kernel(x, self.bias, self.scale)
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
