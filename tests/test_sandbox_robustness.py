@@ -128,6 +128,8 @@ def _pids_cgroup_available() -> bool:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="GAP: the memory watchdog sums RSS over the process tree; forked children "
+                   "share the worker's pages copy-on-write, so a fork loop is killed and named memory_limit")
 def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     if not _pids_cgroup_available():
         pytest.skip("no pids cgroup here: forking without bound is only safe behind the pids cap")
@@ -139,8 +141,9 @@ def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None
             os._exit(0)
     """
     v = limited.evaluate(TASK, candidate(build_ws, body))
-    assert_error(v, ErrorKind.PROCESS_LIMIT)
+    assert v.reward == -1 and v.milestone == "failed", v.reasons
     assert_honest_still_rewarded(limited, tmp_path)
+    assert_error(v, ErrorKind.PROCESS_LIMIT)  # the reason must be the process cap, not memory
 
 
 # -- writes outside the workspace ---------------------------------------------------------------
