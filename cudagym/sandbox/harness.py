@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym import runtime
-from cudagym.sandbox.protocol import Job, encode_frame
+from cudagym.sandbox.protocol import Job, encode_frame_head
 from cudagym.sandbox.timing import DeviceTimer, run_timed_loop
 
 # Identity snapshot, taken at import (before any candidate code runs) and checked after.
@@ -108,16 +108,20 @@ class Channel:
         self._fd, self._nonce = fd, nonce
         self._write = os.write
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        data = encode_frame(header, payload)
+    def _write_all(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
             n = self._write(self._fd, view)
             view = view[n:]
 
+    def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+        self._write_all(encode_frame_head(header, len(payload)))
+        if len(payload):
+            self._write_all(payload)
+
     def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor) -> None:
         c = t.detach().to("cpu").contiguous()
-        raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+        raw = memoryview(c.view(torch.uint8).numpy()).cast("B") if c.numel() else b""
         self.send({"type": "tensor", "role": role, "trial": trial, "index": index,
                    "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape)}, raw)
 

@@ -78,16 +78,23 @@ _LEN = struct.Struct("<Q")
 MAX_HEADER = 1 << 20
 
 
-def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+def encode_frame_head(header: dict[str, Any], payload_len: int) -> bytes:
+    """Everything of a frame but its payload (sent separately, without a copy)."""
     h = json.dumps(header).encode()
-    return _HDR.pack(len(h)) + h + _LEN.pack(len(payload)) + payload
+    return _HDR.pack(len(h)) + h + _LEN.pack(payload_len)
+
+
+def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    return encode_frame_head(header, len(payload)) + payload
 
 
 class FrameError(Exception):
     """A malformed frame: the result channel was written by something other than the harness."""
 
 
-def decode_frames(buf: bytes) -> list[tuple[dict[str, Any], bytes]]:
+def decode_frames(buf: bytes | bytearray) -> list[tuple[dict[str, Any], memoryview]]:
+    """Split a result stream into (header, payload) frames; payloads are views, not copies."""
+    view = memoryview(buf)
     out, i = [], 0
     while i < len(buf):
         if i + _HDR.size > len(buf):
@@ -97,7 +104,7 @@ def decode_frames(buf: bytes) -> list[tuple[dict[str, Any], bytes]]:
         if hl > MAX_HEADER or i + hl + _LEN.size > len(buf):
             raise FrameError("bad frame header length")
         try:
-            header = json.loads(buf[i : i + hl])
+            header = json.loads(bytes(view[i : i + hl]))
         except ValueError:
             raise FrameError("frame header is not JSON") from None
         if not isinstance(header, dict):
@@ -107,6 +114,6 @@ def decode_frames(buf: bytes) -> list[tuple[dict[str, Any], bytes]]:
         i += _LEN.size
         if i + pl > len(buf):
             raise FrameError("truncated frame payload")
-        out.append((header, buf[i : i + pl]))
+        out.append((header, view[i : i + pl]))
         i += pl
     return out
