@@ -77,6 +77,8 @@ def _failure_kind(e: BaseException) -> str:
         return "process_limit"
     if isinstance(e, MemoryError) or "can't allocate memory" in str(e):
         return "memory_limit"
+    if "CUDA error" in str(e) or "illegal memory access" in str(e) or "device-side assert" in str(e):
+        return "crash"  # the kernel broke the CUDA context, even if the error surfaced as an exception
     return "exception"
 
 

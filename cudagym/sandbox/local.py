@@ -95,6 +95,9 @@ class LocalSandbox(Sandbox):
             for workers in self._spares.values():
                 for w in workers:
                     self._kill(w)
+                    await w.proc.wait()
+                    w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
+                    os.close(w.result_fd)
             self._spares.clear()
 
         try:
@@ -153,16 +156,20 @@ class LocalSandbox(Sandbox):
         while len(pool) < want and not self._closed:
             pool.append(await self._spawn(device))
 
-    async def _take(self, device: str) -> _Worker:
+    async def _take(self, device: str, replenish: bool = True) -> _Worker:
+        """A spare worker; new spares start now, or after the job when it is a timing job
+        (starting Python and torch beside a timed loop would disturb its host-side timings)."""
         pool = self._spares.setdefault(device, [])
         while pool:
             w = pool.pop(0)
             if w.proc.returncode is None:
-                asyncio.ensure_future(self._replenish(device))
+                if replenish:
+                    asyncio.ensure_future(self._replenish(device))
                 return w
             os.close(w.result_fd)
         w = await self._spawn(device)
-        asyncio.ensure_future(self._replenish(device))
+        if replenish:
+            asyncio.ensure_future(self._replenish(device))
         return w
 
     def _kill(self, w: _Worker) -> None:
@@ -204,7 +211,8 @@ class LocalSandbox(Sandbox):
 
     async def _run_on(self, job: Job, device: str) -> JobOutcome:
         t0 = time.perf_counter()
-        w = await self._take(device)
+        timing = job.kind in ("profile", "baseline")
+        w = await self._take(device, replenish=not timing)
         limits = job.limits
         cgroup = None
         if self.config.isolate:
@@ -274,6 +282,7 @@ class LocalSandbox(Sandbox):
             self._kill(w)  # init of the PID namespace: takes every leftover process with it
             transport.close()
             await w.proc.wait()
+            w.proc._transport.close()  # type: ignore[attr-defined] - release pipes on this loop
             if cgroup is not None:
                 if cgroup.pids_events_max() > 0:
                     outcome.process_limited = True
@@ -282,6 +291,8 @@ class LocalSandbox(Sandbox):
             out = await asyncio.wait_for(out_task, timeout=5)
         except asyncio.TimeoutError:
             out = b""
+        if timing:
+            asyncio.ensure_future(self._replenish(device))
         outcome.output = out.decode(errors="replace")[-_OUTPUT_LIMIT:]
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t0
