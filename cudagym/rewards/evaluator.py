@@ -154,7 +154,23 @@ class Evaluator:
         if not built.ok:
             return VerifyResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors),
                                 reasons=["does not compile"], seconds=time.perf_counter() - t0)
-        outcome = await self.sandbox.run(self._job("verify", task, workspace, artifact_dir=built.artifact_dir), self.device)
+        n = self.config.verify.trials
+        orders = ["candidate_first"] * (n // 2) + ["reference_first"] * (n - n // 2)
+        secrets.SystemRandom().shuffle(orders)
+        plan = dict(init_seed=secrets.randbits(62) | 1, trial_seeds=[secrets.randbits(62) for _ in range(n)],
+                    trial_scales=[0.5 if (self.config.verify.scaled_trial and t == n - 1) else 1.0 for t in range(n)],
+                    trial_orders=orders)
+        cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, **plan)
+        ref_job = self._job("reference", task, None, **plan)
+        outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device), self.sandbox.run(ref_job, self.device))
+        ref_failure = _outcome_failure(ref, "reference")
+        if ref_failure and not _outcome_failure(outcome, "verify"):
+            return VerifyResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"the reference failed: {ref_failure[1]}",
+                                reasons=["the reference itself failed (not the candidate's fault)"],
+                                seconds=time.perf_counter() - t0)
+        # Only the reference-only worker's outputs count; the candidate's process cannot forge them.
+        outcome.tensors = [f for f in outcome.tensors if f[0].get("role") == "candidate"]
+        outcome.tensors += [f for f in ref.tensors if f[0].get("role") == "reference"]
         return self._verify_result(task, outcome, time.perf_counter() - t0)
 
     def _verify_result(self, task: Task, o: JobOutcome, seconds: float) -> VerifyResult:

@@ -170,14 +170,18 @@ def load_candidate(job: Job) -> types.ModuleType:
     return mod
 
 
-def check_tamper() -> None:
+def check_tamper(_watched: Any = None) -> None:
+    """Raise if a watched function, a harness function (or its code) or method was replaced."""
     for name, (obj, attr) in _WATCHED.items():
         if getattr(obj, attr, None) is not _ORIGINALS[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
     g = globals()
-    for name, fn in _HARNESS_FUNCS.items():
-        if g.get(name) is not fn:
+    for name, (fn, code) in _HARNESS_FUNCS.items():
+        if g.get(name) is not fn or fn.__code__ is not code:
             raise CandidateError("tamper", f"the harness function {name} was replaced by the candidate")
+    for (cls, attr), fn in _HARNESS_METHODS.items():
+        if cls.__dict__.get(attr) is not fn:
+            raise CandidateError("tamper", f"the harness method {cls.__name__}.{attr} was replaced by the candidate")
 
 
 class Problem:
@@ -190,7 +194,7 @@ class Problem:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         self.ref_mod = load_reference(job)
-        self.init_seed = secrets.randbits(62)
+        self.init_seed = job.init_seed or secrets.randbits(62)
         torch.manual_seed(self.init_seed)
         with torch.device(self.device):
             init = list(self.ref_mod.get_init_inputs())
@@ -284,47 +288,59 @@ def prewarm() -> None:
 
 
 # -- jobs -------------------------------------------------------------------------------------
-def run_verify(job: Job, ch: Channel) -> None:
+def _aten_ops_seen_by_profiler(prof: Any) -> Counter[str]:
+    return Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def run_verify(job: Job, ch: Channel, _check: Any = None) -> None:
+    """Correctness trials of the candidate, audited at the dispatcher and by the profiler.
+
+    The reference also runs here (before or after the candidate, by the plan) so that freed
+    reference outputs are poisoned where the candidate could pick them up; the outputs that
+    are compared come from a separate reference-only worker with the same plan.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    check = _check or check_tamper  # bound before any candidate code runs
     p = Problem(job, with_candidate=True)
-    rng = secrets.SystemRandom()
-    trials = job.verify.trials
-    orders = ["candidate_first"] * (trials // 2) + ["reference_first"] * (trials - trials // 2)
-    rng.shuffle(orders)
+    trials = len(job.trial_seeds)
     ops: Counter[str] = Counter()
     out_bytes = 1 << 20
+    profiler_enabled = torch.autograd._profiler_enabled
     for t in range(trials):
-        scale = 0.5 if (job.verify.scaled_trial and t == trials - 1) else 1.0
-        base = p.inputs(rng.getrandbits(62), scale)
-        order = orders[t]
+        base = p.inputs(job.trial_seeds[t], job.trial_scales[t])
 
         def run_reference() -> None:
             args = clone_args(base)
             out = as_outputs(p.ref(*args), "the reference")
             p.sync()
-            for i, o in enumerate(out):
-                ch.send_tensor("reference", t, i, o)
             params = {q.data_ptr() for q in list(p.ref.parameters()) + list(p.ref.buffers())}
             for o in out:  # poison freed output memory before the candidate runs
                 if o.is_floating_point() and o.data_ptr() not in params and o._base is None:
                     o.fill_(float("nan"))
             del out, args
 
-        if order == "reference_first":
+        if job.trial_orders[t] == "reference_first":
             run_reference()
         args = clone_args(base)
         poison_allocator(p.device, out_bytes)
         before = _live_helpers()
         rec = OpRecorder()
+        still_profiling = True
         try:
-            with torch.no_grad(), rec:
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof, rec:
                 out = p.cand(*args)
-            p.sync_caller_stream()
+                p.sync_caller_stream()
+                still_profiling = profiler_enabled()
         except CandidateError:
             raise
         except Exception as e:  # noqa: BLE001
             raise CandidateError(_failure_kind(e), "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
-        check_tamper()
+        check()
+        if not still_profiling:
+            raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
         ops.update(rec.ops)
+        ops.update(_aten_ops_seen_by_profiler(prof) - rec.ops)  # ops hidden from the dispatch mode
         outs = as_outputs(out, "ModelNew.forward")
         after = _live_helpers()
         if after[1] > before[1]:
@@ -335,7 +351,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         out_bytes = sum(o.numel() * o.element_size() for o in outs)
         for i, o in enumerate(snap):
             ch.send_tensor("candidate", t, i, o)
-        if order == "candidate_first":
+        if job.trial_orders[t] == "candidate_first":
             run_reference()
         time.sleep(job.verify.settle_ms / 1e3)
         p.sync()
@@ -347,9 +363,21 @@ def run_verify(job: Job, ch: Channel) -> None:
     own_share = None
     if job.mode == "permissive":
         own_share = own_kernel_share(p, job)
-    check_tamper()
+    check()
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
               "own_kernel_share": own_share})
+
+
+def run_reference_outputs(job: Job, ch: Channel) -> None:
+    """The reference's outputs for the verify plan, in a worker that runs no candidate code."""
+    p = Problem(job, with_candidate=False)
+    with torch.no_grad():
+        for t, (seed, scale) in enumerate(zip(job.trial_seeds, job.trial_scales)):
+            out = as_outputs(p.ref(*p.inputs(seed, scale)), "the reference")
+            p.sync()
+            for i, o in enumerate(out):
+                ch.send_tensor("reference", t, i, o)
+    ch.final({"ok": True, "trials": len(job.trial_seeds)})
 
 
 def _own_symbols(job: Job) -> set[str]:
@@ -470,9 +498,11 @@ def roofline_inputs(p: Problem) -> dict[str, float]:
 
 
 def run_profile(job: Job, ch: Channel) -> None:
+    check = check_tamper  # bound before any candidate code runs
     p = Problem(job, with_candidate=True)
     tele0 = _telemetry() if p.device.type == "cuda" else {}
     times = _timing_run(p, p.cand, job, ch, "candidate")
+    check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
     ch.final({"ok": True, "candidate_ms": times, "telemetry": {"before": tele0, "after": tele1}})
 
@@ -522,7 +552,10 @@ def run_probe(job: Job, ch: Channel) -> None:
     ch.final({"ok": True, "result": repr(ns.get("RESULT"))[:2000]})
 
 
-_HARNESS_FUNCS = {k: v for k, v in list(globals().items()) if isinstance(v, types.FunctionType)}
+_HARNESS_FUNCS = {k: (v, v.__code__) for k, v in list(globals().items())
+                  if isinstance(v, types.FunctionType) and v.__module__ == __name__}
+_HARNESS_METHODS = {(cls, k): v for cls in (Channel, OpRecorder, Problem, CandidateError)
+                    for k, v in vars(cls).items() if callable(v)}
 
-JOBS = {"verify": run_verify, "profile": run_profile, "baseline": run_baseline,
+JOBS = {"verify": run_verify, "reference": run_reference_outputs, "profile": run_profile, "baseline": run_baseline,
         "compile_inline": run_compile_inline, "probe": run_probe, "ncu": run_ncu}

@@ -151,6 +151,18 @@ class JobCgroup:
             except OSError:
                 pass
 
+    def memory_bytes(self) -> int | None:
+        """Memory charged to the job (pages shared copy-on-write by forks count once), or None."""
+        for p in self.paths:
+            for name in ("memory.current", "memory.usage_in_bytes"):
+                f = p / name
+                if f.exists():
+                    try:
+                        return int(f.read_text())
+                    except (OSError, ValueError):
+                        return None
+        return None
+
     def pids_events_max(self) -> int:
         """How often the pids limit refused a fork."""
         for p in self.paths:

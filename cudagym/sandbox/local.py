@@ -28,9 +28,12 @@ from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
-from cudagym.sandbox.protocol import FrameError, Job, decode_frames
+from cudagym.sandbox.protocol import TIMING_KINDS, FrameError, Job, decode_frames, encode_frame
 
 _OUTPUT_LIMIT = 20_000
+
+
+_READY_FRAME = encode_frame({"type": "ready"})
 
 
 class LocalSandboxConfig(BaseModel):
@@ -40,6 +43,30 @@ class LocalSandboxConfig(BaseModel):
     python: str = sys.executable
     isolate: bool = True  # namespaces + cgroups where available (Landlock is always applied)
     watchdog_interval_s: float = 0.05
+    start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
+
+
+class _GpuLease:
+    """Timing jobs have a GPU to themselves; checks share it (a readers-writer lease)."""
+
+    def __init__(self) -> None:
+        self.shared = 0
+        self.exclusive = False
+
+    def try_acquire(self, exclusive: bool) -> bool:
+        if self.exclusive or (exclusive and self.shared):
+            return False
+        if exclusive:
+            self.exclusive = True
+        else:
+            self.shared += 1
+        return True
+
+    def release(self, exclusive: bool) -> None:
+        if exclusive:
+            self.exclusive = False
+        else:
+            self.shared -= 1
 
 
 @dataclass
@@ -62,7 +89,7 @@ class LocalSandbox(Sandbox):
         self._closed = False
         # One job per GPU at a time (timings need the device alone); on the CPU, timing jobs
         # run alone and checks share the cores.
-        self._gpu_locks: list[asyncio.Lock] | None = None
+        self._gpu_leases: list[_GpuLease] | None = None
         self._cpu_slots: asyncio.Semaphore | None = None
         self._cpu_timing: asyncio.Lock | None = None
 
@@ -192,26 +219,28 @@ class LocalSandbox(Sandbox):
 
     async def _run(self, job: Job, device: str) -> JobOutcome:
         if device == "cuda":
-            if self._gpu_locks is None:
-                self._gpu_locks = [asyncio.Lock() for _ in range(max(gpu_count(), 1))]
-            while True:
-                for i, lock in enumerate(self._gpu_locks):
-                    if not lock.locked():
-                        async with lock:
+            if self._gpu_leases is None:
+                self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
+            exclusive = job.kind in TIMING_KINDS
+            while True:  # the first GPU that can take this job now
+                for i, lease in enumerate(self._gpu_leases):
+                    if lease.try_acquire(exclusive):
+                        try:
                             return await self._run_on(job, f"cuda:{i}")
+                        finally:
+                            lease.release(exclusive)
                 await asyncio.sleep(0.005)
         if self._cpu_slots is None:
             self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
             self._cpu_timing = asyncio.Lock()
-        if job.kind in ("profile", "baseline"):
+        if job.kind in TIMING_KINDS:
             async with self._cpu_timing:
                 return await self._run_on(job, device)
         async with self._cpu_slots:
             return await self._run_on(job, device)
 
     async def _run_on(self, job: Job, device: str) -> JobOutcome:
-        t0 = time.perf_counter()
-        timing = job.kind in ("profile", "baseline")
+        timing = job.kind in TIMING_KINDS
         w = await self._take(device, replenish=not timing)
         limits = job.limits
         cgroup = None
@@ -226,6 +255,18 @@ class LocalSandbox(Sandbox):
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                     os.fdopen(w.result_fd, "rb", buffering=0))
         outcome = JobOutcome(final=None)
+        try:  # a spare may still be starting: its start-up does not count against the job
+            ready = await asyncio.wait_for(reader.readexactly(len(_READY_FRAME)), timeout=self.config.start_timeout_s)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+            ready = b""
+        if ready != _READY_FRAME:
+            self._kill(w)
+            transport.close()
+            await w.proc.wait()
+            if cgroup is not None:
+                cgroup.remove()
+            raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
+        t_ready = time.perf_counter()
         try:
             assert w.proc.stdin is not None
             w.proc.stdin.write((job.model_dump_json() + "\n").encode())
@@ -238,12 +279,14 @@ class LocalSandbox(Sandbox):
             while True:
                 await asyncio.sleep(self.config.watchdog_interval_s)
                 tree = self._tree(w.proc.pid)
-                rss = 0
-                for p in tree:
-                    try:
-                        rss += p.memory_info().rss
-                    except psutil.Error:
-                        pass
+                rss = cgroup.memory_bytes() if cgroup is not None else None
+                if rss is None:  # no memory cgroup: resident sizes (forks' shared pages count twice)
+                    rss = 0
+                    for p in tree:
+                        try:
+                            rss += p.memory_info().rss
+                        except psutil.Error:
+                            pass
                 if rss > limits.memory_mb * 2**20:
                     outcome.memory_exceeded = True
                     self._kill(w)
@@ -293,9 +336,10 @@ class LocalSandbox(Sandbox):
             out = b""
         if timing:
             asyncio.ensure_future(self._replenish(device))
-        outcome.output = out.decode(errors="replace")[-_OUTPUT_LIMIT:]
+        text = out.decode(errors="replace")
+        outcome.output = "\n".join(ln for ln in text.splitlines() if not ln.startswith("USDT:"))[-_OUTPUT_LIMIT:]
         outcome.returncode = w.proc.returncode
-        outcome.seconds = time.perf_counter() - t0
+        outcome.seconds = time.perf_counter() - t_ready
         _parse(data, job.nonce, outcome)
         return outcome
 

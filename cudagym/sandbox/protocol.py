@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from cudagym.rewards.verdict import AuditMode
 
-JobKind = Literal["verify", "profile", "baseline", "compile_inline", "probe", "ncu"]
+JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "probe", "ncu"]
+TIMING_KINDS = ("profile", "baseline")  # need the device to themselves
 
 
 class VerifyConfig(BaseModel):
@@ -65,6 +66,12 @@ class Job(BaseModel):
     inline_build_root: str | None = None  # compile_inline only
     mode: AuditMode = "strict"
     seed: int = 0  # secret; never derived from anything the candidate sees
+    # verify/reference: the same plan goes to the candidate's worker and to a reference-only
+    # worker, whose outputs are the ones compared (correctness cannot be forged in-process).
+    init_seed: int = 0
+    trial_seeds: list[int] = Field(default_factory=list)
+    trial_scales: list[float] = Field(default_factory=list)
+    trial_orders: list[str] = Field(default_factory=list)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
     timing: TimingConfig = Field(default_factory=TimingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

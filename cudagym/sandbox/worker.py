@@ -29,9 +29,10 @@ def main() -> None:
         torch.empty(1, device="cuda")  # create the CUDA context while idle
     from cudagym.sandbox import harness
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
-    from cudagym.sandbox.protocol import Job
+    from cudagym.sandbox.protocol import Job, encode_frame
 
     harness.prewarm()
+    os.write(fd, encode_frame({"type": "ready"}))  # the parent starts the job's clock now
 
     line = sys.stdin.readline()
     if not line:
