@@ -50,7 +50,7 @@ class EvaluatorConfig(BaseModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     compile_baseline: bool = True  # measure torch.compile (the +3 milestone needs it)
     roofline_slack: float = 0.5  # a time below slack x the roofline floor is implausible
-    spare_workers: int | None = None  # warm spare workers per device (None: 3 per GPU, 2 on the CPU)
+    spare_workers: int | None = None  # warm spare workers per device (None: 4 per GPU, 2 on the CPU)
 
 
 def resolve_target(target: str) -> Target:

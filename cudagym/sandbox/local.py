@@ -37,9 +37,9 @@ _READY_FRAME = encode_frame({"type": "ready"})
 
 
 class LocalSandboxConfig(BaseModel):
-    # Spares per device. A step makes up to three jobs back to back (verify, baseline,
+    # Spares per device. A step makes up to four jobs back to back (verify + reference, baseline,
     # profile); each job consumes a spare, and a new one takes seconds to be ready.
-    spare_workers: int | None = None  # None: 3 per GPU, 2 on the CPU
+    spare_workers: int | None = None  # None: 4 per GPU, 2 on the CPU
     python: str = sys.executable
     isolate: bool = True  # namespaces + cgroups where available (Landlock is always applied)
     watchdog_interval_s: float = 0.05
@@ -179,7 +179,7 @@ class LocalSandbox(Sandbox):
         pool = self._spares.setdefault(device, [])
         want = self.config.spare_workers
         if want is None:
-            want = 3 if device.startswith("cuda") else 2
+            want = 4 if device.startswith("cuda") else 2
         while len(pool) < want and not self._closed:
             pool.append(await self._spawn(device))
 
