@@ -7,6 +7,7 @@ stream), 17 (L2 cache) and 19 (roofline floor) are GPU-only and live in the GPU 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import textwrap
 import uuid
@@ -92,11 +93,33 @@ def test_honest_kernel_passes(evaluator: Evaluator, build_ws) -> None:
     assert v.reward >= 1, v.reasons
 
 
+HONEST_IDS = [t for t in bundled_task_ids() if (SOLUTIONS / t / "cpu").is_dir()]
+
+
+@pytest.fixture(scope="session")
+def honest_verdicts(evaluator: Evaluator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Every honest CPU solution evaluated at once (compiles and worker start-ups overlap; the
+    sandbox still times one job at a time). Values are verdicts or the exception raised."""
+    root = tmp_path_factory.mktemp("honest")
+
+    async def one(task_id: str) -> Verdict:
+        task = task_of(task_id)
+        return await evaluator.aevaluate(task, solution_workspace(root / task_id, task, SOLUTIONS / task_id / "cpu"))
+
+    async def every() -> list[object]:
+        return await asyncio.gather(*(one(t) for t in HONEST_IDS), return_exceptions=True)
+
+    return dict(zip(HONEST_IDS, asyncio.run(every())))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("task_id", [t for t in bundled_task_ids() if (SOLUTIONS / t / "cpu").is_dir()])
-def test_honest_cpu_solutions_are_rewarded(evaluator: Evaluator, tmp_path: Path, task_id: str) -> None:
-    task = task_of(task_id)
-    v = evaluator.evaluate(task, solution_workspace(tmp_path / "ws", task, SOLUTIONS / task_id / "cpu"))
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("task_id", HONEST_IDS)
+def test_honest_cpu_solutions_are_rewarded(honest_verdicts: dict[str, object], task_id: str) -> None:
+    v = honest_verdicts[task_id]
+    if isinstance(v, BaseException):
+        raise v
+    assert isinstance(v, Verdict)
     assert v.reward >= 1, (v.reasons, (v.error or "")[:2000])
     assert v.correct and v.audit is not None and v.audit.passed
 
@@ -165,7 +188,10 @@ def test_2_permissive_kernel_on_a_sliver_of_the_work(permissive_evaluator: Evalu
     run_kernel(x[:1], self.bias, self.scale, out[:1])  # the kernel does one row of it
     return out
     """
-    v = permissive_evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    # A larger problem than the task's CPU size, so torch's share dominates the profiler's own overhead
+    # (the CPU share is 1 - aten time / wall time of the profiled call, profiler start/stop included).
+    task = GELU.model_copy(update={"cpu_sizes": {"BATCH": 4096, "FEATURES": 2048}})
+    v = permissive_evaluator.evaluate(task, build_ws(task, gelu_model(body), GELU_KERNELS))
     assert_rejected(v, ErrorKind.AUDIT, "permissive mode", "own kernels did")
     assert v.audit is not None and v.audit.own_kernel_share is not None and v.audit.own_kernel_share < 0.3
 

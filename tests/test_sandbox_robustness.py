@@ -36,7 +36,7 @@ NOOP_CPP = 'extern "C" void noop() {}\n'
 @pytest.fixture(scope="module")
 def limited(eval_cache: Path):
     """An evaluator with tight limits: the hang must be killed quickly, the allocation bounded."""
-    ev = Evaluator(cpu_config(eval_cache, limits=LimitsConfig(timeout_s=45, memory_mb=1536, max_processes=64)))
+    ev = Evaluator(cpu_config(eval_cache, limits=LimitsConfig(timeout_s=60, memory_mb=1536, max_processes=64)))
     try:
         yield ev
     finally:
