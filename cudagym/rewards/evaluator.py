@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from cudagym.rewards.audit import forbidden_ops
 from cudagym.rewards.compare import compare_outputs
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
 from cudagym.rewards.verdict import (
@@ -187,7 +188,7 @@ class Evaluator:
         final = o.final or {}
         cmp = compare_outputs(o.tensors, task.effective_tolerance)
         ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
-        forbidden = list(final.get("forbidden") or [])
+        forbidden = forbidden_ops(ops)  # our own copy of the rule, not the worker's verdict
         audit_reasons: list[str] = []
         share = final.get("own_kernel_share")
         if self.config.mode == "strict":

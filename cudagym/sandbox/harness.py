@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym import runtime
+from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.protocol import Job, encode_frame_head
 from cudagym.sandbox.timing import DeviceTimer, run_timed_loop
 
@@ -45,19 +46,6 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "os.write": (os, "write"),
 }
 _ORIGINALS = {name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()}
-
-# Ops ModelNew.forward may run in strict mode: allocation, views, layout copies, metadata.
-STRICT_ALLOWED = frozenset(
-    """empty empty_like empty_strided new_empty new_empty_strided zeros zeros_like new_zeros
-    ones ones_like full full_like new_full new_ones fill_ zero_ lift_fresh detach alias view
-    _unsafe_view reshape _reshape_alias as_strided permute transpose t expand expand_as squeeze
-    unsqueeze slice select narrow split split_with_sizes chunk unbind unflatten flatten movedim
-    contiguous clone copy_ resize_ record_stream _local_scalar_dense sym_size sym_stride
-    sym_numel is_contiguous size stride dim numel""".split()
-)
-_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized", "torchvision", "torchaudio",
-                               "_c10d_functional", "c10d", "mkldnn", "onednn", "xformers", "triton"})
-
 
 class CandidateError(Exception):
     """The candidate's own code failed; `kind` is an ErrorKind value."""
@@ -92,15 +80,6 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         self.ops[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
-
-
-def forbidden_ops(ops: Counter[str]) -> list[str]:
-    out = []
-    for name in ops:
-        ns, _, base = name.partition("::")
-        if ns in _TORCH_NAMESPACES and base not in STRICT_ALLOWED:
-            out.append(name)
-    return sorted(out)
 
 
 class Channel:
