@@ -142,3 +142,9 @@ def test_build_removes_reference_tasks_and_records_nearest(tmp_path):
     assert not leaked_ids & {r["id"] for r in kept}
     assert all(r["bench_similarity"] is None or r["bench_similarity"] < 0.9 for r in kept)
     assert json.loads((tmp_path / "a" / "report.json").read_text())["reference"]["files"] == 4
+
+
+def test_parallel_queries_match_serial(corpus):
+    index = ReferenceIndex({f"r{i}.py": t.code for i, t in enumerate(corpus[:10])})
+    codes = [t.code for t in corpus]
+    assert index.nearest_many(codes, workers=2) == [index.nearest(c) for c in codes]

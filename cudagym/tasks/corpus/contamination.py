@@ -28,8 +28,8 @@ The measure
 3. **Prefilter** (`ReferenceIndex`): MinHash over the set of `SHINGLE`-token shingles and an LSH
    index at Jaccard `lsh_threshold` (default 0.5, well below what a 0.9 ratio implies for
    these short files) find candidate reference files; for each candidate the O(1) and O(n)
-   upper bounds `real_quick_ratio`/`quick_ratio` are tried first, and the exact ratio is
-   computed only if they reach the cut. A task's `nearest_bench_file`/`bench_similarity` is
+   upper bounds (operator ratio, length bound, `quick_ratio`) order and prune the candidates
+   (branch and bound), so the exact ratio runs on only a few of them. A task's `nearest_bench_file`/`bench_similarity` is
    the best exact score over its candidates (None/0.0 when the prefilter finds none: the task
    is then far below the threshold).
 A task is contaminated when its best score is at or above `threshold` (default 0.9).
@@ -252,16 +252,23 @@ class ReferenceIndex:
         self.stats["queries"] += 1
         if not norm.tokens:
             return Match(file=None, score=0.0)
-        best = Match(file=None, score=0.0)
-        for name in sorted(self.lsh.query(_minhash(norm.tokens))):
+        # Branch and bound: order candidates by a cheap upper bound (the operator ratio and the
+        # length bound of the structure ratio), compute exact ratios until the bound drops to the best.
+        la = len(norm.tokens)
+        bounded = []
+        for name in self.lsh.query(_minhash(norm.tokens)):
             self.stats["candidates"] += 1
-            floor = best.score
             ops = difflib.SequenceMatcher(None, norm.operators, self.operators[name], autojunk=False).ratio()
-            if ops <= floor:
-                continue
+            lb = len(self.tokens[name])
+            bounded.append((min(ops, 2 * min(la, lb) / (la + lb)), name, ops))
+        bounded.sort(key=lambda c: (-c[0], c[1]))
+        best = Match(file=None, score=0.0)
+        for bound, name, ops in bounded:
+            if bound <= best.score:
+                break
             m = self._matcher(name)
             m.set_seq1(norm.tokens)
-            if m.real_quick_ratio() <= floor or m.quick_ratio() <= floor:
+            if min(ops, m.quick_ratio()) <= best.score:
                 continue
             self.stats["exact"] += 1
             score = min(ops, m.ratio())
@@ -269,5 +276,38 @@ class ReferenceIndex:
                 best = Match(file=name, score=round(score, 6))
         return best
 
+    def nearest_many(self, codes: list[str], workers: int = 1) -> list[Match]:
+        """`nearest` for each code, in order; `workers` > 1 splits them over forked processes."""
+        if workers <= 1 or len(codes) < 2 * workers:
+            return [self.nearest(c) for c in codes]
+        import multiprocessing as mp
+
+        global _FORK_INDEX
+        _FORK_INDEX = self
+        chunks = [codes[i::workers] for i in range(workers)]
+        try:
+            with mp.get_context("fork").Pool(workers) as pool:
+                parts = pool.map(_nearest_chunk, chunks)
+        finally:
+            _FORK_INDEX = None
+        out: list[Match] = [Match(file=None, score=0.0)] * len(codes)
+        for w, (matches, stats) in enumerate(parts):
+            for j, m in enumerate(matches):
+                out[w + j * workers] = m
+            for k, v in stats.items():
+                self.stats[k] += v
+        return out
+
     def is_contaminated(self, match: Match) -> bool:
         return match.file is not None and match.score >= self.threshold
+
+
+_FORK_INDEX: ReferenceIndex | None = None  # set only around a forked `nearest_many`
+
+
+def _nearest_chunk(codes: list[str]) -> tuple[list[Match], dict[str, int]]:
+    index = _FORK_INDEX
+    assert index is not None
+    before = dict(index.stats)
+    matches = [index.nearest(c) for c in codes]
+    return matches, {k: index.stats[k] - before[k] for k in before}
