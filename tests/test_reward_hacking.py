@@ -146,8 +146,6 @@ def test_1_blas_matmul_in_forward(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.AUDIT, "strict mode", "bmm")
 
 
-@pytest.mark.xfail(strict=True, reason="GAP: the op audit's TorchDispatchMode can be popped by the candidate "
-                   "(torch.utils._python_dispatch._pop_mode_temporarily); torch ops then go unrecorded")
 def test_1_torch_ops_hidden_from_the_dispatch_recorder(evaluator: Evaluator, build_ws) -> None:
     """Pop the harness's TorchDispatchMode off the mode stack while calling torch."""
     body = """\
@@ -604,8 +602,6 @@ def test_14_patch_synchronize_in_forward(evaluator: Evaluator, build_ws) -> None
     assert_rejected(v, ErrorKind.TAMPER, "torch.cuda.synchronize was replaced")
 
 
-@pytest.mark.xfail(strict=True, reason="GAP: harness module globals (check_tamper, forbidden_ops, STRICT_ALLOWED) "
-                   "are rebindable from model_new.py; check_tamper() is looked up by name, so replacing it disables itself")
 def test_14_patch_harness_audit_functions(evaluator: Evaluator, build_ws) -> None:
     """Disable the tamper check and the forbidden-op filter, then call torch freely."""
     extra = """\
@@ -619,8 +615,6 @@ _h.forbidden_ops = lambda ops: []
     assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.AUDIT})
 
 
-@pytest.mark.xfail(strict=True, reason="GAP: class attributes of the harness (Channel.final, OpRecorder) are "
-                   "not in the tamper snapshot; rewriting the report drops the forbidden ops")
 def test_14_patch_harness_result_method(evaluator: Evaluator, build_ws) -> None:
     """Rewrite the final report on its way out (a method, not a module function)."""
     extra = """\
@@ -666,9 +660,6 @@ def test_14_forged_json_result_frame(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.TAMPER, "forged")
 
 
-@pytest.mark.xfail(strict=True, reason="GAP: the nonce and the result fd live in the candidate's process "
-                   "(gc finds the Channel/Job); reference outputs are computed in that process too, so a forged "
-                   "stream of equal candidate/reference tensors plus a final frame passes verify and profile")
 def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_ws) -> None:
     """Find the harness's channel (nonce included) through gc, send matching 'candidate' and
     'reference' tensors and a success report for verify, and a fast timing for profile; exit."""
@@ -698,7 +689,9 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
     os._exit(0)
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
-    assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.AUDIT})
+    # Reference outputs come from a separate reference-only worker, so forged ones never count:
+    # the forged candidate tensors are compared with the real reference (or the forgery is seen).
+    assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.MISMATCH})
 
 
 # -- 16: reading the reference's outputs --------------------------------------------------------

@@ -128,8 +128,6 @@ def _pids_cgroup_available() -> bool:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="GAP: the memory watchdog sums RSS over the process tree; forked children "
-                   "share the worker's pages copy-on-write, so a fork loop is killed and named memory_limit")
 def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     if not _pids_cgroup_available():
         pytest.skip("no pids cgroup here: forking without bound is only safe behind the pids cap")
