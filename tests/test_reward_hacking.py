@@ -179,8 +179,6 @@ def permissive_evaluator(eval_cache: Path):
         ev.close()
 
 
-@pytest.mark.xfail(strict=True, reason="GAP: harness.own_kernel_share on CPU = 1 - aten self time / wall time, and "
-                   "the wall time includes profiler start/stop; torch doing ~all the work still scores >= 0.3")
 def test_2_permissive_kernel_on_a_sliver_of_the_work(permissive_evaluator: Evaluator, build_ws) -> None:
     body = """\
     x = x.contiguous()
@@ -188,8 +186,7 @@ def test_2_permissive_kernel_on_a_sliver_of_the_work(permissive_evaluator: Evalu
     run_kernel(x[:1], self.bias, self.scale, out[:1])  # the kernel does one row of it
     return out
     """
-    # A small problem makes the gap deterministic: the CPU share is 1 - aten time / wall time of the
-    # profiled call, and that wall time includes the profiler's own start/stop.
+    # A small problem, where Python and profiler overheads are a large part of the forward's time.
     task = GELU.model_copy(update={"cpu_sizes": {"BATCH": 64, "FEATURES": 2048}})
     v = permissive_evaluator.evaluate(task, build_ws(task, gelu_model(body), GELU_KERNELS))
     assert_rejected(v, ErrorKind.AUDIT, "permissive mode", "own kernels did")
