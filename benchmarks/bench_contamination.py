@@ -25,7 +25,7 @@ from cudagym.tasks.corpus.contamination import ReferenceIndex
 
 
 def variant(code: str, k: int) -> str:
-    code = re.sub(r"\bx\b", "hidden", code)
+    code = re.sub(r"\bx\b", "renamed_input_", code)
     code = re.sub(r"^([A-Z_]+) = (\d+)$", lambda m: f"{m.group(1)} = {int(m.group(2)) + k + 1}", code, flags=re.M)
     code = code.replace("import torch\nimport torch.nn as nn\n", "import torch.nn as nn\nimport torch\n")
     return f"# reference file {k}\n" + code
