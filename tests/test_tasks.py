@@ -299,3 +299,23 @@ def test_cpu_solution_matches_reference(task_id, tmp_path, monkeypatch):
         assert log.ops <= ALLOCATION_AND_VIEW_OPS, f"ModelNew.forward ran torch compute ops {log.ops - ALLOCATION_AND_VIEW_OPS}"
     del module
     sys.modules.pop(f"model_new_{task_id}", None)
+
+
+def test_parquet_cpu_sizes_column_applies_on_the_cpu_target(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    task = bundled_task("ew_scale_bias_gelu")
+    small = {name: 8 for name, v in task.sizes.items() if isinstance(v, int)}
+    pq.write_table(pa.table({"ops": [["gelu"]], "data_source": ["ours"], "code": [task.code],
+                             "cpu_sizes": [json.dumps(small)]}), tmp_path / "t.parquet")
+    loaded = load_parquet(tmp_path / "t.parquet")[0]
+    assert loaded.cpu_sizes == small
+    assert loaded.for_target(Target.CPU).sizes == {**task.sizes, **small}
+    (bad := tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"ops": [["gelu"]], "data_source": ["ours"], "code": [task.code],
+                             "cpu_sizes": ["not json"]}), bad)
+    with pytest.raises(TaskError, match="cpu_sizes"):
+        load_parquet(bad)

@@ -76,7 +76,8 @@ def load_task_dir(path: str | Path) -> list[Task]:
 def load_parquet(path: str | Path) -> list[Task]:
     """Every row of a parquet file with columns `ops`, `data_source`, `code`.
 
-    Optional columns: `id` (else ``f"{stem}_{row}"``), `level`, `dtype`, `atol`/`rtol`; any other
+    Optional columns: `id` (else ``f"{stem}_{row}"``), `level`, `dtype`, `atol`/`rtol`, `cpu_sizes`
+    (a JSON object of the constants to use on the CPU target); any other
     column goes to `Task.metadata`. `ops` may be a list of op names or the string repr of one.
     `Task.source` is the row's `data_source`.
     """
@@ -109,6 +110,12 @@ def load_parquet(path: str | Path) -> list[Task]:
         atol, rtol = row.pop("atol", None), row.pop("rtol", None)
         if atol is not None and rtol is not None:
             fields["tolerance"] = Tolerance(atol=float(atol), rtol=float(rtol))
+        cpu_sizes = row.pop("cpu_sizes", None)  # our corpus stores them as a JSON object
+        if cpu_sizes:
+            try:
+                fields["cpu_sizes"] = json.loads(cpu_sizes) if isinstance(cpu_sizes, str) else dict(cpu_sizes)
+            except (ValueError, TypeError):
+                raise TaskError(f"{where}: `cpu_sizes` is not a JSON object of sizes") from None
         metadata = {k: v for k, v in row.items() if v is not None}
         metadata["row"] = i
         tasks.append(
