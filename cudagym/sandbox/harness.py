@@ -149,7 +149,7 @@ def load_candidate(job: Job) -> types.ModuleType:
     return mod
 
 
-def check_tamper(_watched: Any = None) -> None:
+def check_tamper() -> None:
     """Raise if a watched function, a harness function (or its code) or method was replaced."""
     for name, (obj, attr) in _WATCHED.items():
         if getattr(obj, attr, None) is not _ORIGINALS[name]:
@@ -271,7 +271,7 @@ def _aten_ops_seen_by_profiler(prof: Any) -> Counter[str]:
     return Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 
 
-def run_verify(job: Job, ch: Channel, _check: Any = None) -> None:
+def run_verify(job: Job, ch: Channel) -> None:
     """Correctness trials of the candidate, audited at the dispatcher and by the profiler.
 
     The reference also runs here (before or after the candidate, by the plan) so that freed
@@ -280,7 +280,7 @@ def run_verify(job: Job, ch: Channel, _check: Any = None) -> None:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    check = _check or check_tamper  # bound before any candidate code runs
+    check = check_tamper  # bound before any candidate code runs
     p = Problem(job, with_candidate=True)
     trials = len(job.trial_seeds)
     ops: Counter[str] = Counter()
