@@ -243,13 +243,6 @@ class LocalSandbox(Sandbox):
         timing = job.kind in TIMING_KINDS
         w = await self._take(device, replenish=not timing)
         limits = job.limits
-        cgroup = None
-        if self.config.isolate:
-            base_threads = sum(_num_threads(p) for p in self._tree(w.proc.pid))
-            cgroup = JobCgroup(max_pids=base_threads + limits.max_processes,
-                               memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
-            for p in self._tree(w.proc.pid):
-                cgroup.add(p.pid)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=1 << 30)
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
@@ -263,10 +256,15 @@ class LocalSandbox(Sandbox):
             self._kill(w)
             transport.close()
             await w.proc.wait()
-            if cgroup is not None:
-                cgroup.remove()
             raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
         t_ready = time.perf_counter()
+        cgroup = None
+        if self.config.isolate:  # after start-up, so torch's own thread pools are counted in the base
+            base_threads = sum(_num_threads(p) for p in self._tree(w.proc.pid))
+            cgroup = JobCgroup(max_pids=base_threads + limits.max_processes,
+                               memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
+            for p in self._tree(w.proc.pid):
+                cgroup.add(p.pid)
         try:
             assert w.proc.stdin is not None
             w.proc.stdin.write((job.model_dump_json() + "\n").encode())
