@@ -9,6 +9,7 @@ before any candidate code runs and reports any replacement as tampering.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import secrets
 import subprocess
@@ -406,19 +407,25 @@ def own_kernel_share(p: Problem, job: Job) -> float:
                 if base in own:
                     mine += dur
         return mine / total if total > 0 else 0.0
-    # CPU: compare the torch compute inside the candidate's forward with the reference's own
-    # torch compute on the same inputs; Python and profiler overheads cancel out of the ratio.
-    def torch_compute_us(profiled: Any) -> float:
-        return sum(e.self_cpu_time_total for e in profiled.events() if e.name.startswith("aten::")
-                   and e.name.split("::")[1] not in STRICT_ALLOWED)
+    # CPU: the candidate's own (ctypes/binding) calls are invisible to the profiler, so compare
+    # the torch compute inside its forward with the reference's torch compute on the same
+    # inputs, in elements processed (deterministic, unlike times on a shared host).
+    def torch_work(fn: Any) -> float:
+        with profile(activities=acts, record_shapes=True) as prof_w:
+            fn(*clone_args(args))
+        work = 0.0
+        for e in prof_w.events():
+            if e.name.startswith("aten::") and e.name.split("::")[1] not in STRICT_ALLOWED:
+                sizes = [math.prod(s) for s in (e.input_shapes or []) if isinstance(s, (list, tuple))]
+                work += max(sizes, default=1)
+        return work
 
-    cand_us = torch_compute_us(prof)
     with torch.no_grad():
-        p.ref(*clone_args(args))
-        with profile(activities=acts) as ref_prof:
-            p.ref(*clone_args(args))
-    ref_us = torch_compute_us(ref_prof)
-    return max(0.0, 1.0 - cand_us / ref_us) if ref_us > 0 else (1.0 if cand_us == 0 else 0.0)
+        ref_work = torch_work(p.ref)
+        cand_work = torch_work(p.cand)
+    if ref_work <= 0:
+        return 1.0 if cand_work == 0 else 0.0
+    return max(0.0, 1.0 - cand_work / ref_work)
 
 
 def _telemetry() -> dict[str, Any]:
