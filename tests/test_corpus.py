@@ -129,3 +129,24 @@ def test_cli_stats_show_list_and_calibrate_error(built):
         assert r.exit_code == 2 and "CUDA" in r.output and not (built.parent / "x").exists()
     r = runner.invoke(app, ["tasks", "build", "--help"])
     assert r.exit_code == 0 and "--reference-bench" in r.output
+
+
+def test_selfcheck_verifies_sampled_tasks_through_the_env(built, tmp_path, monkeypatch):
+    """The reference as the candidate verifies in permissive mode; strict mode rejects it (torch ops)."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("CUDAGYM_CACHE", str(tmp_path / "cache"))
+
+    from cudagym.cli import app
+    from cudagym.tasks.corpus.selfcheck import reference_as_candidate
+
+    r = CliRunner().invoke(app, ["tasks", "selfcheck", str(built), "--sample", "2", "--target", "cpu"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((built / "selfcheck.json").read_text())
+    assert summary["sampled"] == 2 and summary["passed"] == 2
+    r = CliRunner().invoke(app, ["tasks", "selfcheck", str(built), "--sample", "1", "--target", "cpu", "--mode", "strict"])
+    assert r.exit_code == 1
+    summary = json.loads((built / "selfcheck.json").read_text())
+    assert summary["passed"] == 0 and "strict mode" in summary["rows"][0]["reason"]
+    with pytest.raises(ValueError):
+        reference_as_candidate("import torch\n")

@@ -691,6 +691,72 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
     assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.MISMATCH})
 
 
+TIMING_PATCHES = {
+    "the timing loop the harness imported": """\
+    import cudagym.sandbox.harness as _h
+    _loop = _h.run_timed_loop
+    _h.run_timed_loop = lambda fn, sets, fresh, timer, cfg, keep=None: [t / 10 for t in _loop(fn, sets, fresh, timer, cfg, keep)]
+    """,
+    "the timer's method": """\
+    import cudagym.sandbox.timing as _t
+    _call = _t.DeviceTimer.time_call_ms
+    def _fast(self, fn, args):
+        ms, out = _call(self, fn, args)
+        return ms / 10, out
+    _t.DeviceTimer.time_call_ms = _fast
+    """,
+    "the timer object's clock": """\
+    import gc, time
+    import cudagym.sandbox.timing as _t
+    for o in gc.get_objects():
+        if isinstance(o, _t.DeviceTimer):
+            o._perf = lambda: time.perf_counter() / 10
+    """,
+    "torch.manual_seed (to see a timed call's inputs early)": """\
+    _seed = torch.manual_seed
+    def _spy(s):
+        self._next_seed = s
+        return _seed(s)
+    torch.manual_seed = _spy
+    """,
+    "the reference's get_inputs": """\
+    import gc, types
+    for o in gc.get_objects():
+        if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
+            _gi = o.get_inputs
+            o.get_inputs = lambda: _gi()
+    """,
+}
+
+
+@pytest.mark.parametrize("what", list(TIMING_PATCHES))
+def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, build_ws, what: str) -> None:
+    """Correct and unpatched while audited (the profiler is on during verify); once in the timed loop
+    (no profiler), rebind a piece of the timing machinery. The tamper checks after the loop see it."""
+    body = f"""\
+    if not torch.autograd._profiler_enabled() and not getattr(self, "_patched", False):
+        self._patched = True
+{textwrap.indent(textwrap.dedent(TIMING_PATCHES[what]), "        ")}
+    return run_kernel(x, self.bias, self.scale)
+    """
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    assert v.correct, v.reasons  # verify saw an honest kernel
+    assert_rejected(v, ErrorKind.TAMPER, "by the candidate")
+
+
+def test_14_tensor_frame_pointing_outside_the_result_memory(evaluator: Evaluator, build_ws) -> None:
+    """A tensor frame on the real result pipe whose bytes lie beyond the worker's result memory."""
+    body = """\
+    import json, os, struct, sys
+    h = json.dumps({"type": "tensor", "role": "candidate", "trial": 0, "index": 0, "dtype": "float32",
+                    "shape": [4], "offset": 1 << 62, "nbytes": 16}).encode()
+    os.write(int(sys.argv[1]), struct.pack("<I", len(h)) + h + struct.pack("<Q", 0))
+    return run_kernel(x, self.bias, self.scale)
+    """
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, "outside the result memory")
+
+
 # -- 16: reading the reference's outputs --------------------------------------------------------
 def test_16_scan_gc_for_reference_outputs(evaluator: Evaluator, build_ws) -> None:
     body = """\

@@ -145,6 +145,21 @@ def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None
 
 
 # -- writes outside the workspace ---------------------------------------------------------------
+def test_outputs_beyond_the_result_memory(eval_cache: Path, build_ws, tmp_path: Path) -> None:
+    """Outputs larger than a worker's (sealed, fixed-size) result memory: a clear error, no host
+    memory taken beyond the cap; the same evaluator then rewards an honest solution."""
+    from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+
+    ev = Evaluator(cpu_config(eval_cache), sandbox=LocalSandbox(LocalSandboxConfig(max_result_mb=1, spare_workers=1),
+                                                                home=eval_cache / "home"))
+    try:
+        v = ev.evaluate(TASK, candidate(build_ws, "return torch.zeros(1 << 20)"))
+        assert_error(v, ErrorKind.OUTPUT_FORMAT, "result limit")
+        assert_honest_still_rewarded(ev, tmp_path)
+    finally:
+        ev.close()
+
+
 def test_write_outside_workspace(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     outside = tmp_path / f"outside-{uuid.uuid4().hex}.txt"  # writable by the test, outside the workspace
     v = limited.evaluate(TASK, candidate(build_ws, f"open({str(outside)!r}, 'w').write('x')\nreturn x.sum(1)"))

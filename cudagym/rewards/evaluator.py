@@ -86,6 +86,18 @@ def _outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
     return None
 
 
+def _stats_or_none(samples: Any) -> TimingStats | None:
+    if not isinstance(samples, list) or not samples or not all(isinstance(x, (int, float)) for x in samples):
+        return None
+    return TimingStats.from_samples([float(x) for x in samples])
+
+
+def _job_breakdown(role: str, o: JobOutcome) -> dict[str, float]:
+    """Seconds spent waiting for a ready worker, in the worker, and in each of its phases."""
+    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.worker_s": o.seconds,
+            **{f"{role}.{k}_s": v for k, v in o.phases.items()}}
+
+
 class Evaluator:
     """compile / verify / profile / evaluate a workspace for a task; async forms `a*`."""
 
@@ -155,6 +167,7 @@ class Evaluator:
         if not built.ok:
             return VerifyResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors),
                                 reasons=["does not compile"], seconds=time.perf_counter() - t0)
+        t_built = time.perf_counter()
         n = self.config.verify.trials
         orders = ["candidate_first"] * (n // 2) + ["reference_first"] * (n - n // 2)
         secrets.SystemRandom().shuffle(orders)
@@ -172,7 +185,12 @@ class Evaluator:
         # Only the reference-only worker's outputs count; the candidate's process cannot forge them.
         outcome.tensors = [f for f in outcome.tensors if f[0].get("role") == "candidate"]
         outcome.tensors += [f for f in ref.tensors if f[0].get("role") == "reference"]
-        return self._verify_result(task, outcome, time.perf_counter() - t0)
+        t_jobs = time.perf_counter()
+        result = self._verify_result(task, outcome, time.perf_counter() - t0)
+        breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
+                     **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
+                     "compare_s": time.perf_counter() - t_jobs}
+        return result.model_copy(update={"breakdown": breakdown})
 
     def _verify_result(self, task: Task, o: JobOutcome, seconds: float) -> VerifyResult:
         failure = _outcome_failure(o, "verify")
@@ -253,11 +271,14 @@ class Evaluator:
         built = await self.toolchain.abuild(workspace, self._target)
         if not built.ok:
             return ProfileResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors))
+        t_built = time.perf_counter()
         base = await self.abaselines(task)
+        t_base = time.perf_counter()
         if "error" in base:
             return ProfileResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"baseline failed: {base['error']}",
                                  seconds=time.perf_counter() - t0)
         o = await self.sandbox.run(self._job("profile", task, workspace, artifact_dir=built.artifact_dir), self.device)
+        t_job = time.perf_counter()
         failure = _outcome_failure(o, "profile")
         if failure:
             return ProfileResult(ok=False, error_kind=failure[0], error=failure[1], reasons=[failure[1].splitlines()[0]],
@@ -282,6 +303,7 @@ class Evaluator:
             speedup_vs_compile=comp.median_ms / cand.median_ms if comp and cand.median_ms > 0 else None,
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
+            candidate_stream=_stats_or_none((final.get("diagnostics") or {}).get("candidate_stream_ms")),
         )
         if floor_ms > 0 and cand.median_ms < self.config.roofline_slack * floor_ms:
             why = (f"implausible: {cand.median_ms:.4f} ms is below the roofline floor of this problem "
@@ -292,7 +314,9 @@ class Evaluator:
             from cudagym.sandbox.ncu import ncu_summary
 
             result = result.model_copy(update={"ncu": await ncu_summary(self, task, workspace, built.artifact_dir)})
-        return result.model_copy(update={"seconds": time.perf_counter() - t0})
+        breakdown = {"build_check_s": t_built - t0, "baselines_s": t_base - t_built, "job_s": t_job - t_base,
+                     **_job_breakdown("candidate", o), "compare_and_stats_s": time.perf_counter() - t_job}
+        return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 
     # -- the whole pipeline -----------------------------------------------------------------
     async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:

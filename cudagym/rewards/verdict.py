@@ -97,6 +97,7 @@ class VerifyResult(BaseModel):
     error: str | None = None  # the candidate's own traceback / crash message, trimmed
     reasons: list[str] = Field(default_factory=list)
     seconds: float = 0.0
+    breakdown: dict[str, float] = Field(default_factory=dict)  # where the seconds went
 
 
 class ProfileResult(BaseModel):
@@ -104,6 +105,7 @@ class ProfileResult(BaseModel):
     candidate: TimingStats | None = None
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
+    candidate_stream: TimingStats | None = None  # diagnostic: to the caller's stream done, no device sync
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None
@@ -114,6 +116,7 @@ class ProfileResult(BaseModel):
     error: str | None = None
     reasons: list[str] = Field(default_factory=list)
     seconds: float = 0.0
+    breakdown: dict[str, float] = Field(default_factory=dict)  # where the seconds went
 
 
 class Verdict(BaseModel):

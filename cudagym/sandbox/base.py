@@ -22,7 +22,9 @@ class JobOutcome:
     process_limited: bool = False
     channel_error: str | None = None  # malformed or forged frames
     output: str = ""  # the worker's stdout+stderr (the candidate's prints), trimmed
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the worker's ready frame to its exit
+    wait_s: float = 0.0  # waiting for a spare worker to be ready (start-up not yet done)
+    phases: dict[str, float] = field(default_factory=dict)  # the worker's own time per phase (s)
 
 
 class Sandbox(abc.ABC):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import mmap
 import os
 import secrets
 import subprocess
@@ -45,6 +46,14 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "torch.Tensor.__new__": (torch.Tensor, "__new__"),
     "torch.nn.Module.__call__": (torch.nn.Module, "__call__"),
     "os.write": (os, "write"),
+    # input generation: a hook here would reveal a timed call's inputs before its timer starts
+    "torch.manual_seed": (torch, "manual_seed"),
+    "torch.random.manual_seed": (torch.random, "manual_seed"),
+    "torch.randn": (torch, "randn"),
+    "torch.rand": (torch, "rand"),
+    "torch.randint": (torch, "randint"),
+    "torch.Tensor.uniform_": (torch.Tensor, "uniform_"),
+    "torch.Tensor.normal_": (torch.Tensor, "normal_"),
 }
 _ORIGINALS = {name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()}
 
@@ -84,11 +93,19 @@ class OpRecorder(TorchDispatchMode):
 
 
 class Channel:
-    """The result pipe to the parent."""
+    """The result channel to the parent: frames on a pipe, tensor bytes in a shared-memory file.
 
-    def __init__(self, fd: int, nonce: str):
-        self._fd, self._nonce = fd, nonce
+    The parent hands every worker a sealed memfd of fixed capacity; a tensor is copied (from the
+    GPU, directly) into the next free region and its frame names the region. The parent maps
+    the file only after the worker is gone, so the bytes it compares can no longer change.
+    Without a memfd, tensor bytes travel on the pipe.
+    """
+
+    def __init__(self, fd: int, nonce: str, shm_fd: int | None = None):
+        self._fd, self._nonce, self._shm = fd, nonce, shm_fd
         self._write = os.write
+        self._shm_off = 0
+        self._shm_cap = os.fstat(shm_fd).st_size if shm_fd is not None else 0
 
     def _write_all(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -102,10 +119,26 @@ class Channel:
             self._write_all(payload)
 
     def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor) -> None:
-        c = t.detach().to("cpu").contiguous()
+        c = t.detach()
+        header = {"type": "tensor", "role": role, "trial": trial, "index": index,
+                  "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape)}
+        n = c.numel() * c.element_size()
+        if n and self._shm is not None:
+            off = self._shm_off
+            if off + n > self._shm_cap:
+                raise CandidateError("output_format", f"the outputs exceed the result limit of {self._shm_cap >> 20} MB")
+            mm = mmap.mmap(self._shm, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=off)
+            dst = torch.frombuffer(mm, dtype=c.dtype, count=c.numel())
+            dst.copy_(c.reshape(-1))  # device -> shared pages, one copy
+            del dst
+            mm.close()
+            self._shm_off = off + -(-n // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+            self.send({**header, "offset": off, "nbytes": n})
+            return
+        c = c.to("cpu").contiguous()
         raw = memoryview(c.view(torch.uint8).numpy()).cast("B") if c.numel() else b""
-        self.send({"type": "tensor", "role": role, "trial": trial, "index": index,
-                   "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape)}, raw)
+        self.send(header, raw)
 
     def final(self, body: dict[str, Any]) -> None:
         self.send({"type": "final", "nonce": self._nonce, **body})
@@ -156,11 +189,14 @@ def check_tamper() -> None:
         if getattr(obj, attr, None) is not _ORIGINALS[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
     g = globals()
-    for name, (fn, code) in _HARNESS_FUNCS.items():
-        if g.get(name) is not fn or fn.__code__ is not code:
+    for name, obj in _HARNESS_NAMES.items():
+        if g.get(name) is not obj:
+            raise CandidateError("tamper", f"the harness's {name} was replaced by the candidate")
+    for (mod, name), (fn, code) in _HARNESS_FUNCS.items():
+        if getattr(mod, name, None) is not fn or fn.__code__ is not code:
             raise CandidateError("tamper", f"the harness function {name} was replaced by the candidate")
     for (cls, attr), fn in _HARNESS_METHODS.items():
-        if cls.__dict__.get(attr) is not fn:
+        if cls.__dict__.get(attr) is not fn or (isinstance(fn, types.FunctionType) and fn.__code__ is not _METHOD_CODE[(cls, attr)]):
             raise CandidateError("tamper", f"the harness method {cls.__name__}.{attr} was replaced by the candidate")
 
 
@@ -174,6 +210,7 @@ class Problem:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         self.ref_mod = load_reference(job)
+        self._ref_api = {k: getattr(self.ref_mod, k) for k in ("Model", "get_inputs", "get_init_inputs")}
         self.init_seed = job.init_seed or secrets.randbits(62)
         torch.manual_seed(self.init_seed)
         with torch.device(self.device):
@@ -202,6 +239,13 @@ class Problem:
             self.cand.to(self.device)
             check_tamper()
 
+    def intact(self) -> None:
+        """Raise if the candidate rebound the reference's functions or this object's methods."""
+        if type(self) is not Problem or any(k in vars(self) for k in ("inputs", "sync", "sync_caller_stream", "intact")):
+            raise CandidateError("tamper", "the harness's problem object was modified by the candidate")
+        if any(getattr(self.ref_mod, k, None) is not v for k, v in self._ref_api.items()):
+            raise CandidateError("tamper", "the reference module's functions were replaced by the candidate")
+
     def inputs(self, seed: int, scale: float = 1.0) -> list[Any]:
         torch.manual_seed(seed)
         with torch.device(self.device):
@@ -224,6 +268,14 @@ class Problem:
         on a side stream that was not joined is still running, and shows up as wrong or late."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs included) of two tensors of the same dtype."""
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        return False
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
 
 
 def clone_args(args: list[Any]) -> list[Any]:
@@ -257,14 +309,36 @@ def poison_allocator(device: torch.device, nbytes: int) -> None:
 
 
 def prewarm() -> None:
-    """Pay for lazy imports (dynamo via the dispatch mode, psutil, profiler) while idle."""
+    """Pay for lazy initialization while idle: dynamo (via the dispatch mode), psutil, the
+    profiler's first session (over a second on its own), NVML."""
     import psutil  # noqa: F401
-    import torch.profiler  # noqa: F401
+    from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
 
-    with OpRecorder():
+    with OpRecorder(), profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(2) + 1
+    prof.events()
     _live_helpers()
+    if os.environ.get("CUDAGYM_DEVICE") == "cuda":
+        _nvml_handle()
+    # torch rebinds some functions when dynamo loads (torch.manual_seed, for one): the identity
+    # snapshot is retaken here, still before any candidate code runs
+    _ORIGINALS.update({name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()})
+
+
+class Phases:
+    """Seconds per phase of a job, sent with the result (diagnostics: where a check's time goes)."""
+
+    def __init__(self) -> None:
+        self._clock = _ORIGINALS["time.perf_counter"]
+        self._t = self._clock()
+        self.times: dict[str, float] = {}
+        self.extra: dict[str, Any] = {}  # other diagnostics (not used for any verdict)
+
+    def mark(self, name: str) -> None:
+        now = self._clock()
+        self.times[name] = self.times.get(name, 0.0) + now - self._t
+        self._t = now
 
 
 # -- jobs -------------------------------------------------------------------------------------
@@ -282,7 +356,10 @@ def run_verify(job: Job, ch: Channel) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     check = check_tamper  # bound before any candidate code runs
+    clock = _ORIGINALS["time.perf_counter"]
+    ph = Phases()
     p = Problem(job, with_candidate=True)
+    ph.mark("load")
     trials = len(job.trial_seeds)
     ops: Counter[str] = Counter()
     out_bytes = 1 << 20
@@ -305,6 +382,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         args = clone_args(base)
         poison_allocator(p.device, out_bytes)
         before = _live_helpers()
+        ph.mark("reference")
         rec = OpRecorder()
         still_profiling = True
         try:
@@ -316,7 +394,9 @@ def run_verify(job: Job, ch: Channel) -> None:
             raise
         except Exception as e:  # noqa: BLE001
             raise CandidateError(_failure_kind(e), "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
+        returned = clock()
         check()
+        p.intact()
         if not still_profiling:
             raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
         ops.update(rec.ops)
@@ -327,37 +407,48 @@ def run_verify(job: Job, ch: Channel) -> None:
             raise CandidateError("audit", "ModelNew.forward left child processes running after it returned")
         if after[0] > before[0]:
             raise CandidateError("audit", "ModelNew.forward left threads running after it returned")
-        snap = [o.detach().to("cpu", copy=True) for o in outs]
+        ph.mark("candidate")
+        snap = [o.detach().clone() for o in outs]  # on the device: the values at return time
         out_bytes = sum(o.numel() * o.element_size() for o in outs)
         for i, o in enumerate(snap):
             ch.send_tensor("candidate", t, i, o)
+        ph.mark("send")
         if job.trial_orders[t] == "candidate_first":
             run_reference()
-        time.sleep(job.verify.settle_ms / 1e3)
+        ph.mark("reference")
+        # outputs must not change once forward has returned: re-read them a while later
+        wait = job.verify.settle_ms / 1e3 - (clock() - returned)
+        if wait > 0:
+            time.sleep(wait)
         p.sync()
-        for o, s in zip(outs, snap):
-            if not torch.equal(o.detach().to("cpu"), s) and not (s.is_floating_point() and torch.isnan(s).any()):
-                raise CandidateError("audit", "an output of ModelNew.forward changed after forward returned "
-                                     "(work finishing in the background)")
+        if not all(_same_bits(o, s) for o, s in zip(outs, snap)):
+            raise CandidateError("audit", "an output of ModelNew.forward changed after forward returned "
+                                 "(work finishing in the background)")
         del outs, out, snap, args
+        ph.mark("settle")
     own_share = None
     if job.mode == "permissive":
         own_share = own_kernel_share(p, job)
+        ph.mark("own_share")
     check()
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
-              "own_kernel_share": own_share})
+              "own_kernel_share": own_share, "phases": ph.times})
 
 
 def run_reference_outputs(job: Job, ch: Channel) -> None:
     """The reference's outputs for the verify plan, in a worker that runs no candidate code."""
+    ph = Phases()
     p = Problem(job, with_candidate=False)
+    ph.mark("load")
     with torch.no_grad():
         for t, (seed, scale) in enumerate(zip(job.trial_seeds, job.trial_scales)):
             out = as_outputs(p.ref(*p.inputs(seed, scale)), "the reference")
             p.sync()
+            ph.mark("reference")
             for i, o in enumerate(out):
                 ch.send_tensor("reference", t, i, o)
-    ch.final({"ok": True, "trials": len(job.trial_seeds)})
+            ph.mark("send")
+    ch.final({"ok": True, "trials": len(job.trial_seeds), "phases": ph.times})
 
 
 def _own_symbols(job: Job) -> set[str]:
@@ -428,15 +519,30 @@ def own_kernel_share(p: Problem, job: Job) -> float:
     return max(0.0, 1.0 - cand_work / ref_work)
 
 
-def _telemetry() -> dict[str, Any]:
-    try:
-        import pynvml
+_NVML: list[Any] = []  # [pynvml, handle] once initialized (in the spare, before any job)
 
-        pynvml.nvmlInit()
-        idx = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
-        h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+
+def _nvml_handle() -> Any | None:
+    if not _NVML:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            idx = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+            _NVML.extend([pynvml, pynvml.nvmlDeviceGetHandleByIndex(idx)])
+        except Exception:  # noqa: BLE001 - telemetry is best effort
+            return None
+    return _NVML[1]
+
+
+def _telemetry() -> dict[str, Any]:
+    h = _nvml_handle()
+    if h is None:
+        return {"error": "NVML is not available"}
+    try:
+        pynvml = _NVML[0]
         util = pynvml.nvmlDeviceGetUtilizationRates(h)
-        out = {
+        return {
             "gpu_name": pynvml.nvmlDeviceGetName(h),
             "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
             "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
@@ -445,16 +551,19 @@ def _telemetry() -> dict[str, Any]:
             "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
             "throttle_reasons": int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)),
         }
-        pynvml.nvmlShutdown()
-        return out
     except Exception as e:  # noqa: BLE001 - telemetry is best effort
         return {"error": str(e)[:200]}
 
 
-def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str) -> list[float]:
+RECHECK_SAMPLE = 1 << 20  # elements re-checked per output of a timed call (all, if fewer)
+
+
+def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> list[float]:
     rng = secrets.SystemRandom()
     timer = DeviceTimer(p.device, job.timing.flush_l2)
+    timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
+    ph.mark(f"{role}_setup")
     kept: list[tuple[list[Any], list[torch.Tensor]]] = []
     recheck_at: set[int] = set()
 
@@ -467,15 +576,29 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str) -> list[f
     with torch.no_grad():
         times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
                                keep if role == "candidate" else None)
+    ph.mark(f"{role}_timed_loop")
+    ph.extra[f"{role}_stream_ms"] = timer.stream_ms[-len(times):] if timer.stream_ms else []
     if role == "candidate":
         check_tamper()
+        p.intact()
+        if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()):
+            raise CandidateError("tamper", "the harness's timer was modified by the candidate")
         for t, (args, outs) in enumerate(kept):
-            for i, o in enumerate(outs):
-                ch.send_tensor("candidate", t, i, o)
             with torch.no_grad():
                 ref_out = as_outputs(p.ref(*args), "the reference")
-            for i, o in enumerate(ref_out):
-                ch.send_tensor("reference", t, i, o)
+            for i, o in enumerate(outs):
+                r = ref_out[i] if i < len(ref_out) else None
+                if r is not None and r.shape == o.shape and o.numel() > RECHECK_SAMPLE:
+                    # the same secret random positions of both (chosen after the call returned)
+                    gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
+                    idx = torch.randint(o.numel(), (RECHECK_SAMPLE,), device=o.device, generator=gen)
+                    o, r = o.reshape(-1)[idx], r.reshape(-1)[idx]
+                ch.send_tensor("candidate", t, i, o)
+                if r is not None:
+                    ch.send_tensor("reference", t, i, r)
+            for i in range(len(outs), len(ref_out)):
+                ch.send_tensor("reference", t, i, ref_out[i])
+        ph.mark("recheck")
     return times
 
 
@@ -494,28 +617,34 @@ def roofline_inputs(p: Problem) -> dict[str, float]:
 
 def run_profile(job: Job, ch: Channel) -> None:
     check = check_tamper  # bound before any candidate code runs
+    ph = Phases()
     p = Problem(job, with_candidate=True)
+    ph.mark("load")
     tele0 = _telemetry() if p.device.type == "cuda" else {}
-    times = _timing_run(p, p.cand, job, ch, "candidate")
+    times = _timing_run(p, p.cand, job, ch, "candidate", ph)
     check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
-    ch.final({"ok": True, "candidate_ms": times, "telemetry": {"before": tele0, "after": tele1}})
+    ph.mark("telemetry")
+    ch.final({"ok": True, "candidate_ms": times, "telemetry": {"before": tele0, "after": tele1}, "phases": ph.times,
+              "diagnostics": ph.extra})
 
 
 def run_baseline(job: Job, ch: Channel) -> None:
+    ph = Phases()
     p = Problem(job, with_candidate=False)
-    body: dict[str, Any] = {"ok": True, "eager_ms": _timing_run(p, p.ref, job, ch, "eager")}
+    body: dict[str, Any] = {"ok": True, "eager_ms": _timing_run(p, p.ref, job, ch, "eager", ph)}
     body.update(roofline_inputs(p))
     if job.with_compile_baseline:
         try:
             compiled = torch.compile(p.ref)
             with torch.no_grad():
                 compiled(*p.inputs(secrets.randbits(62)))  # the first call compiles
-            body["compile_ms"] = _timing_run(p, compiled, job, ch, "compiled")
+            ph.mark("torch_compile")
+            body["compile_ms"] = _timing_run(p, compiled, job, ch, "compiled", ph)
         except Exception as e:  # noqa: BLE001
             body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
     body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
-    ch.final(body)
+    ch.final({**body, "phases": ph.times})
 
 
 def run_compile_inline(job: Job, ch: Channel) -> None:
@@ -547,10 +676,18 @@ def run_probe(job: Job, ch: Channel) -> None:
     ch.final({"ok": True, "result": repr(ns.get("RESULT"))[:2000]})
 
 
-_HARNESS_FUNCS = {k: (v, v.__code__) for k, v in list(globals().items())
-                  if isinstance(v, types.FunctionType) and v.__module__ == __name__}
-_HARNESS_METHODS = {(cls, k): v for cls in (Channel, OpRecorder, Problem, CandidateError)
+def _own_functions(mod: types.ModuleType) -> dict[tuple[types.ModuleType, str], tuple[Any, Any]]:
+    return {(mod, k): (v, v.__code__) for k, v in list(vars(mod).items())
+            if isinstance(v, types.FunctionType) and v.__module__ == mod.__name__}
+
+
+_timing_module = sys.modules[DeviceTimer.__module__]
+_HARNESS_FUNCS = {**_own_functions(sys.modules[__name__]), **_own_functions(_timing_module)}
+# every callable the harness names (its own and imported ones), as bound at import
+_HARNESS_NAMES = {k: v for k, v in list(globals().items()) if callable(v) and not k.startswith("__")}
+_HARNESS_METHODS = {(cls, k): v for cls in (Channel, OpRecorder, Problem, CandidateError, Phases, DeviceTimer)
                     for k, v in vars(cls).items() if callable(v)}
+_METHOD_CODE = {key: fn.__code__ for key, fn in _HARNESS_METHODS.items() if isinstance(fn, types.FunctionType)}
 
 JOBS = {"verify": run_verify, "reference": run_reference_outputs, "profile": run_profile, "baseline": run_baseline,
         "compile_inline": run_compile_inline, "probe": run_probe, "ncu": run_ncu}

@@ -11,7 +11,9 @@ the sandbox.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
+import select
 import signal
 import sys
 import threading
@@ -28,12 +30,9 @@ from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
-from cudagym.sandbox.protocol import TIMING_KINDS, FrameError, Job, decode_frames, encode_frame
+from cudagym.sandbox.protocol import TIMING_KINDS, FrameError, Job, read_frame
 
 _OUTPUT_LIMIT = 20_000
-
-
-_READY_FRAME = encode_frame({"type": "ready"})
 
 
 class LocalSandboxConfig(BaseModel):
@@ -44,6 +43,8 @@ class LocalSandboxConfig(BaseModel):
     isolate: bool = True  # namespaces + cgroups where available (Landlock is always applied)
     watchdog_interval_s: float = 0.05
     start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
+    max_result_mb: int = 16384  # capacity of a worker's result memory (outputs of all trials)
+    freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
 
 
 class _GpuLease:
@@ -69,11 +70,87 @@ class _GpuLease:
             self.shared -= 1
 
 
+class _FrameReader:
+    """Reads one worker's result pipe on its own thread, frame by frame.
+
+    Each payload is read straight from the pipe into its own buffer: no event-loop chunking
+    and no re-assembly copies, which matters when trials send hundreds of MB of outputs.
+    `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
+    """
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int):
+        self._fd, self._loop, self._budget = fd, loop, max_bytes
+        self.ready: asyncio.Future[bool] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.frames: list[tuple[dict[str, Any], memoryview]] = []
+        self.error: str | None = None  # a malformed frame (not a worker that died mid-frame)
+        self._stop = threading.Event()
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        threading.Thread(target=self._run, name="cudagym-frames", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _read_into(self, view: memoryview) -> bool:
+        while len(view):
+            while not self._poll.poll(50):
+                if self._stop.is_set():
+                    return False
+            n = os.readv(self._fd, [view])
+            if n == 0:
+                return False
+            view = view[n:]
+        return True
+
+    def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
+        def set_() -> None:
+            if not fut.done():
+                fut.set_result(value)
+
+        try:
+            self._loop.call_soon_threadsafe(set_)
+        except RuntimeError:  # the loop has closed (sandbox shut down)
+            pass
+
+    def _run(self) -> None:
+        try:
+            first = read_frame(self._read_into, 0)
+            ok = first is not None and first[0] == {"type": "ready"}
+            self._resolve(self.ready, ok)
+            while ok:
+                frame = read_frame(self._read_into, self._budget)
+                if frame is None:
+                    break
+                self._budget -= len(frame[1])
+                self.frames.append(frame)
+        except FrameError as e:
+            if "truncated" not in str(e):  # a worker that died mid-frame has no result: a crash
+                self.error = f"malformed result channel: {e}"
+        except OSError as e:
+            self.error = f"result channel: {e}"
+        finally:
+            self._resolve(self.ready, False)
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._resolve(self.done, None)
+
+
 @dataclass
 class _Worker:
     proc: asyncio.subprocess.Process
-    result_fd: int
+    frames: _FrameReader  # reading the result pipe since the worker started
+    shm_fd: int  # the worker's result memory (a sealed memfd), mapped once the worker is gone
     device: str
+
+    def release(self) -> None:
+        self.frames.stop()
+        try:
+            os.close(self.shm_fd)
+        except OSError:
+            pass
 
 
 class LocalSandbox(Sandbox):
@@ -124,7 +201,7 @@ class LocalSandbox(Sandbox):
                     self._kill(w)
                     await w.proc.wait()
                     w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
-                    os.close(w.result_fd)
+                    w.release()
             self._spares.clear()
 
         try:
@@ -162,18 +239,20 @@ class LocalSandbox(Sandbox):
     async def _spawn(self, device: str) -> _Worker:
         r, w = os.pipe()
         _grow_pipe(r)
-        cmd = [*self._prefix, self.config.python, "-m", "cudagym.sandbox.worker", str(w)]
+        shm = _result_memory(self.config.max_result_mb << 20)
+        cmd = [*self._prefix, self.config.python, "-m", "cudagym.sandbox.worker", str(w), str(shm)]
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, pass_fds=(w,), env=self._env(device), start_new_session=True,
+                stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm), env=self._env(device), start_new_session=True,
             )
         except OSError as e:
-            os.close(r)
-            os.close(w)
+            for fd in (r, w, shm):
+                os.close(fd)
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
-        return _Worker(proc, r, device)
+        frames = _FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20)
+        return _Worker(proc, frames, shm, device)
 
     async def _replenish(self, device: str) -> None:
         pool = self._spares.setdefault(device, [])
@@ -193,11 +272,28 @@ class LocalSandbox(Sandbox):
                 if replenish:
                     asyncio.ensure_future(self._replenish(device))
                 return w
-            os.close(w.result_fd)
+            w.release()
         w = await self._spawn(device)
         if replenish:
             asyncio.ensure_future(self._replenish(device))
         return w
+
+    def _freeze_starting(self, device: str) -> list[_Worker]:
+        """Pause the spares of `device` that are still starting (importing torch, creating a
+        CUDA context): they would compete with a timing job for the CPU and the GPU."""
+        if not self.config.freeze_starting_spares:
+            return []
+        starting = [s for s in self._spares.get(device, []) if not s.frames.ready.done() and s.proc.returncode is None]
+        self._signal(starting, signal.SIGSTOP)
+        return starting
+
+    @staticmethod
+    def _signal(workers: list[_Worker], sig: int) -> None:
+        for w in workers:
+            try:
+                os.killpg(w.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _kill(self, w: _Worker) -> None:
         try:
@@ -241,23 +337,22 @@ class LocalSandbox(Sandbox):
 
     async def _run_on(self, job: Job, device: str) -> JobOutcome:
         timing = job.kind in TIMING_KINDS
+        t_take = time.perf_counter()
         w = await self._take(device, replenish=not timing)
         limits = job.limits
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 30)
-        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                    os.fdopen(w.result_fd, "rb", buffering=0))
+        frames = w.frames
         outcome = JobOutcome(final=None)
         try:  # a spare may still be starting: its start-up does not count against the job
-            ready = await asyncio.wait_for(reader.readexactly(len(_READY_FRAME)), timeout=self.config.start_timeout_s)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
-            ready = b""
-        if ready != _READY_FRAME:
+            ready = await asyncio.wait_for(asyncio.shield(frames.ready), timeout=self.config.start_timeout_s)
+        except asyncio.TimeoutError:
+            ready = False
+        if not ready:
             self._kill(w)
-            transport.close()
+            w.release()
             await w.proc.wait()
             raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
         t_ready = time.perf_counter()
+        outcome.wait_s = t_ready - t_take
         cgroup = None
         if self.config.isolate:  # after start-up, so torch's own thread pools are counted in the base
             base_threads = sum(_num_threads(p) for p in self._tree(w.proc.pid))
@@ -307,21 +402,18 @@ class LocalSandbox(Sandbox):
 
         dog = asyncio.ensure_future(watchdog())
         out_task = asyncio.ensure_future(collect_output())
+        frozen = self._freeze_starting(device) if timing else []
         try:
-            data = await asyncio.wait_for(reader.read(), timeout=limits.timeout_s)
+            await asyncio.wait_for(asyncio.shield(frames.done), timeout=limits.timeout_s)
             await asyncio.wait_for(w.proc.wait(), timeout=10)
         except asyncio.TimeoutError:
             outcome.timed_out = not outcome.memory_exceeded and not outcome.process_limited
-            self._kill(w)
-            data = b""
-            try:
-                data = reader._buffer and bytes(reader._buffer) or b""  # what arrived before the kill
-            except Exception:  # noqa: BLE001
-                data = b""
         finally:
+            self._signal(frozen, signal.SIGCONT)
             dog.cancel()
             self._kill(w)  # init of the PID namespace: takes every leftover process with it
-            transport.close()
+            frames.stop()  # keeps the complete frames that arrived before a kill
+            await frames.done
             await w.proc.wait()
             w.proc._transport.close()  # type: ignore[attr-defined] - release pipes on this loop
             if cgroup is not None:
@@ -338,7 +430,7 @@ class LocalSandbox(Sandbox):
         outcome.output = "\n".join(ln for ln in text.splitlines() if not ln.startswith("USDT:"))[-_OUTPUT_LIMIT:]
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t_ready
-        _parse(data, job.nonce, outcome)
+        _collect(w, job.nonce, outcome)
         return outcome
 
 
@@ -361,14 +453,52 @@ def _num_threads(p: psutil.Process) -> int:
         return 1
 
 
-def _parse(data: bytes, nonce: str, outcome: JobOutcome) -> None:
-    try:
-        frames = decode_frames(bytearray(data))  # writable: tensors are decoded without copies
-    except FrameError as e:
-        outcome.channel_error = f"malformed result channel: {e}"
-        return
-    finals = [h for h, _ in frames if h.get("type") == "final"]
+def _result_memory(capacity: int) -> int:
+    """A sealed memfd of fixed capacity (sparse: only what is written takes memory)."""
+    import fcntl
+
+    fd = os.memfd_create("cudagym-results", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, capacity)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def _map_results(w: _Worker, frames: list[tuple[dict[str, Any], memoryview]]) -> list[tuple[dict[str, Any], memoryview]]:
+    """Tensor frames with their bytes: from the pipe, or from the worker's result memory
+    (mapped copy-on-write, so comparisons may work in place without touching the file)."""
+    cap = os.fstat(w.shm_fd).st_size
+    spans = []
+    for h, _ in frames:
+        if h.get("type") == "tensor" and "offset" in h:
+            off, n = h.get("offset"), h.get("nbytes")
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 < n and off + n <= cap):
+                raise FrameError(f"a tensor frame names bytes outside the result memory ({off!r}, {n!r})")
+            spans.append(off + n)
+    mm = mmap.mmap(w.shm_fd, max(spans), access=mmap.ACCESS_COPY) if spans else None
+    view = memoryview(mm) if mm is not None else None
+    out = []
     for h, payload in frames:
+        if h.get("type") == "tensor" and "offset" in h and view is not None:
+            payload = view[h["offset"] : h["offset"] + h["nbytes"]]
+        out.append((h, payload))
+    return out
+
+
+def _collect(w: _Worker, nonce: str, outcome: JobOutcome) -> None:
+    frames = w.frames
+    try:
+        if frames.error:
+            outcome.channel_error = frames.error
+            return
+        try:
+            received = _map_results(w, frames.frames)
+        except FrameError as e:
+            outcome.channel_error = f"malformed result channel: {e}"
+            return
+    finally:
+        w.release()
+    finals = [h for h, _ in received if h.get("type") == "final"]
+    for h, payload in received:
         t = h.get("type")
         if t == "started":
             outcome.started = h
@@ -383,6 +513,8 @@ def _parse(data: bytes, nonce: str, outcome: JobOutcome) -> None:
             outcome.channel_error = "a result without the job's nonce (forged)"
         else:
             outcome.final = finals[0]
+            outcome.phases = {str(k): float(v) for k, v in (finals[0].get("phases") or {}).items()
+                              if isinstance(v, (int, float))}
 
 
 def describe_isolation() -> dict[str, Any]:

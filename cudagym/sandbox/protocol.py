@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -34,9 +35,9 @@ class TimingConfig(BaseModel):
     """Timing protocol (see `cudagym.sandbox.timing`)."""
 
     warmup_calls: int = 5
-    warmup_ms: float = 100.0  # and at least this long, so that clocks leave their idle state
+    warmup_ms: float = 100.0  # wall-clock, at least: clocks leave their idle state
     min_calls: int = 20
-    max_calls: int = 1000
+    max_calls: int = 500
     target_ms: float = 300.0  # time budget of the timed loop, excluding flushes
     input_sets: int = 4  # rotating input buffers, refilled with fresh values before every call
     recheck_calls: int = 3  # timed calls whose outputs are checked against the reference
@@ -99,28 +100,50 @@ class FrameError(Exception):
     """A malformed frame: the result channel was written by something other than the harness."""
 
 
+def read_frame(read_into: Callable[[memoryview], bool], max_payload: int) -> tuple[dict[str, Any], memoryview] | None:
+    """One frame from a stream; `read_into(view)` fills `view` completely or returns False at
+    the end of the stream. None at a clean end; FrameError for a malformed or truncated frame.
+    The payload is read straight into its own buffer (one copy from the pipe, none after)."""
+    head = bytearray(_HDR.size)
+    if not read_into(memoryview(head)):
+        return None
+    (hl,) = _HDR.unpack(head)
+    if hl > MAX_HEADER:
+        raise FrameError("bad frame header length")
+    hbuf = bytearray(hl + _LEN.size)
+    if not read_into(memoryview(hbuf)):
+        raise FrameError("truncated frame header")
+    try:
+        header = json.loads(bytes(hbuf[:hl]))
+    except ValueError:
+        raise FrameError("frame header is not JSON") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not an object")
+    (pl,) = _LEN.unpack_from(hbuf, hl)
+    if pl > max_payload:
+        raise FrameError(f"a frame payload of {pl} bytes exceeds the limit of {max_payload}")
+    payload = bytearray(pl)
+    if pl and not read_into(memoryview(payload)):
+        raise FrameError("truncated frame payload")
+    return header, memoryview(payload)
+
+
 def decode_frames(buf: bytes | bytearray) -> list[tuple[dict[str, Any], memoryview]]:
-    """Split a result stream into (header, payload) frames; payloads are views, not copies."""
-    view = memoryview(buf)
-    out, i = [], 0
-    while i < len(buf):
-        if i + _HDR.size > len(buf):
-            raise FrameError("truncated frame header")
-        (hl,) = _HDR.unpack_from(buf, i)
-        i += _HDR.size
-        if hl > MAX_HEADER or i + hl + _LEN.size > len(buf):
-            raise FrameError("bad frame header length")
-        try:
-            header = json.loads(bytes(view[i : i + hl]))
-        except ValueError:
-            raise FrameError("frame header is not JSON") from None
-        if not isinstance(header, dict):
-            raise FrameError("frame header is not an object")
-        i += hl
-        (pl,) = _LEN.unpack_from(buf, i)
-        i += _LEN.size
-        if i + pl > len(buf):
-            raise FrameError("truncated frame payload")
-        out.append((header, view[i : i + pl]))
-        i += pl
+    """Split a complete result stream held in memory into (header, payload) frames."""
+    view, pos = memoryview(buf), 0
+
+    def read_into(dst: memoryview) -> bool:
+        nonlocal pos
+        n = len(dst)
+        if pos + n > len(view):
+            if pos < len(view):
+                raise FrameError("truncated frame")
+            return False
+        dst[:] = view[pos : pos + n]
+        pos += n
+        return True
+
+    out = []
+    while (frame := read_frame(read_into, len(buf))) is not None:
+        out.append(frame)
     return out

@@ -12,6 +12,7 @@ milliseconds; statistics are computed by the parent (`TimingStats`).
 from __future__ import annotations
 
 import ctypes
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ class DeviceTimer:
         self._event = torch.cuda.Event if self.cuda else None
         self._elapsed = torch.cuda.Event.elapsed_time if self.cuda else None
         self._perf = time.perf_counter
+        self.stream_ms: list[float] = []  # per call: start to the caller's stream being done
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             self._flush_buf = torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=device) if flush_l2 else None
@@ -75,11 +77,14 @@ class DeviceTimer:
         self._sync()
         if self.cuda:
             start, end = self._event(enable_timing=True), self._event(enable_timing=True)
+            on_stream = self._event(enable_timing=True)
             start.record()
             out = fn(*args)
+            on_stream.record()  # the caller's stream done (diagnostic; excludes the sync's wake-up)
             self._sync()
             end.record()
             end.synchronize()
+            self.stream_ms.append(float(self._elapsed(start, on_stream)))
             return float(self._elapsed(start, end)), out
         t0 = self._perf()
         out = fn(*args)
@@ -103,26 +108,36 @@ def run_timed_loop(
 ) -> list[float]:
     """Warm up, then time calls until `cfg.target_ms` or `cfg.max_calls`; returns times in ms.
 
-    `keep(i, inputs, out)` is called after timed call i (outside the timed interval) so the
-    caller can keep some outputs with their inputs for re-checking.
+    Warm-up lasts `cfg.warmup_calls` calls and at least `cfg.warmup_ms` of wall-clock time (so
+    clocks leave their idle state however short the call). The garbage collector is paused so
+    that a collection does not land inside a timed call. `keep(i, inputs, out)` is called after
+    timed call i (outside the timed interval) so the caller can keep some outputs for re-checks.
     """
     k = len(input_sets)
-    warm_ms, i = 0.0, 0
-    while i < cfg.warmup_calls or (warm_ms < cfg.warmup_ms and i < cfg.max_calls):
-        refill_(input_sets[i % k], fresh_inputs())
-        warm_ms += timer.time_call_ms(fn, input_sets[i % k])[0]
-        i += 1
-    times: list[float] = []
-    spent = 0.0
-    i = 0
-    while i < cfg.max_calls and (i < cfg.min_calls or spent < cfg.target_ms):
-        args = input_sets[i % k]
-        refill_(args, fresh_inputs())
-        ms, out = timer.time_call_ms(fn, args)
-        times.append(ms)
-        spent += ms
-        if keep is not None:
-            keep(i, args, out)
-        del out
-        i += 1
-    return times
+    clock = timer._perf
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        t0, i = clock(), 0
+        while i < cfg.warmup_calls or ((clock() - t0) * 1e3 < cfg.warmup_ms and i < cfg.max_calls):
+            refill_(input_sets[i % k], fresh_inputs())
+            timer.time_call_ms(fn, input_sets[i % k])
+            i += 1
+        times: list[float] = []
+        spent = 0.0
+        i = 0
+        while i < cfg.max_calls and (i < cfg.min_calls or spent < cfg.target_ms):
+            args = input_sets[i % k]
+            refill_(args, fresh_inputs())
+            ms, out = timer.time_call_ms(fn, args)
+            times.append(ms)
+            spent += ms
+            if keep is not None:
+                keep(i, args, out)
+            del out
+            i += 1
+        return times
+    finally:
+        if gc_was_enabled:
+            gc.enable()

@@ -1,9 +1,9 @@
-"""Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD`.
+"""Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`.
 
 A worker is started ahead of need (a spare): it imports torch and, on a GPU, creates its CUDA
 context, then blocks until the parent writes one `Job` line on stdin. It applies the job's
 limits (writes confined to the workspace, file size, address space), runs the job, writes
-frames on RESULT_FD and exits. One job per process: nothing survives into the next job.
+frames on RESULT_FD (tensor bytes into the memfd SHM_FD) and exits. One job per process: nothing survives into the next job.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def _uses_cpp_extension(workspace: str) -> bool:
 
 def main() -> None:
     fd = int(sys.argv[1])
+    shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     import torch
 
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
@@ -38,7 +39,7 @@ def main() -> None:
     if not line:
         os._exit(0)
     job = Job.model_validate_json(line)
-    ch = harness.Channel(fd, job.nonce)
+    ch = harness.Channel(fd, job.nonce, shm_fd)
     try:
         scratch = job.workspace or (job.writable[0] if job.writable else "")
         if scratch:

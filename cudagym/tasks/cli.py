@@ -113,6 +113,36 @@ def calibrate_cmd(
     _run_calibration(out, sample, seed)
 
 
+@app.command("selfcheck")
+def selfcheck_cmd(
+    out: Path = typer.Argument(..., help="A built corpus directory."),
+    sample: int = typer.Option(20, "--sample", help="Number of tasks to verify."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sample."),
+    mode: str = typer.Option("permissive", "--mode", help="Audit mode: permissive or strict."),
+    min_own_share: float = typer.Option(0.0, "--min-own-share",
+                                        help="Permissive mode's minimum share of the candidate's own kernels."),
+    target: str = typer.Option("auto", "--target", help="auto (GPU if present), cuda or cpu."),
+) -> None:
+    """Play sampled tasks through the environment with the reference as the candidate; all must verify."""
+    from rich.console import Console
+
+    from cudagym.tasks.corpus.selfcheck import print_selfcheck, selfcheck_dir
+
+    if not (out / "tasks.parquet").exists():
+        _fail(FileNotFoundError(f"{out}: no tasks.parquet (build it first)"))
+    if mode not in ("permissive", "strict"):
+        _fail(ValueError(f"--mode must be permissive or strict, not {mode!r}"))
+    try:
+        summary = selfcheck_dir(out, sample=sample, seed=seed, mode=mode, min_own_share=min_own_share, target=target)
+    except CudagymError as e:
+        _fail(e)
+        return
+    print_selfcheck(summary, Console())
+    (out / "selfcheck.json").write_text(json.dumps(summary, indent=1))
+    if summary["passed"] < summary["sampled"]:
+        raise typer.Exit(1)
+
+
 @app.command("stats")
 def stats(out: Path = typer.Argument(..., help="A built corpus directory (with report.json).")) -> None:
     """Print the build report of a corpus: removed per filter, op and op-count histograms."""
