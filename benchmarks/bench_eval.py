@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+from cudagym.sandbox.protocol import TimingConfig
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 
@@ -38,6 +39,41 @@ def fresh_worker_s(cuda: bool) -> float:
     return time.perf_counter() - t0
 
 
+def spread(ev: Evaluator, console: Console, cache: Path, task_id: str, sol: str, jobs: int, pause_s: float,
+           label: str) -> None:
+    """`jobs` separate profile jobs of one kernel: per-job statistics and their CV across jobs."""
+    task = bundled_task(task_id).for_target(ev.target)
+    ws = Workspace.from_solution(cache / f"spread_{task_id}{len(label)}", task, ROOT / "examples" / "solutions" / task_id / sol)
+    assert ev.compile(task, ws).ok
+    ev.profile(task, ws)  # baselines
+    t = Table(title=f"{task.id}: {jobs} separate profile jobs (fresh workers){label}")
+    for c in ("job", "median ms", "p10 ms", "min ms", "IQR ms", "calls", "stream-done median ms", "SM MHz before/after"):
+        t.add_column(c)
+    stats: dict[str, list[float]] = {"median": [], "p10": [], "min": [], "stream-done median": []}
+    for j in range(jobs):
+        time.sleep(pause_s)
+        p = ev.profile(task, ws)
+        assert p.ok, p
+        c = p.candidate
+        sm = p.candidate_stream.median_ms if p.candidate_stream else float("nan")
+        for k, x in (("median", c.median_ms), ("p10", c.p10_ms), ("min", c.min_ms), ("stream-done median", sm)):
+            stats[k].append(x)
+        tb, ta = p.telemetry.get("before", {}), p.telemetry.get("after", {})
+        t.add_row(str(j), f"{c.median_ms:.4f}", f"{c.p10_ms:.4f}", f"{c.min_ms:.4f}", f"{c.iqr_ms:.4f}", str(c.n),
+                  f"{sm:.4f}", f"{tb.get('sm_clock_mhz', '-')}/{ta.get('sm_clock_mhz', '-')}")
+    console.print(t)
+    t = Table(title=f"timing spread over {jobs} separate profile jobs of {task.id}{label}")
+    for c in ("per-job statistic", "median over jobs ms", "min ms", "max ms", "CV across jobs (target < 1%)"):
+        t.add_column(c)
+    for k, xs in stats.items():
+        if any(x != x for x in xs):  # NaN: not measured on this device
+            continue
+        name = "median (the reported time)" if k == "median" else k
+        t.add_row(name, f"{statistics.median(xs):.4f}", f"{min(xs):.4f}", f"{max(xs):.4f}",
+                  f"{statistics.pstdev(xs) / statistics.fmean(xs):.2%}")
+    console.print(t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="auto")
@@ -45,13 +81,15 @@ def main() -> None:
     ap.add_argument("--ncu-task", default="mm_linear_gelu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--spread-jobs", type=int, default=10)
+    ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (quick smoke runs)")
+    ap.add_argument("--no-flush-variant", action="store_true", help="also measure the spread without the L2 flush")
     ap.add_argument("--spread-tasks", default="ew_scale_bias_gelu,mm_linear_gelu",
                     help="comma-separated bundled task ids whose timing spread is measured")
     ap.add_argument("--think-s", type=float, default=4.0, help="pause between steps (an agent's turn)")
     args = ap.parse_args()
     console = Console()
     cache = Path(tempfile.mkdtemp(prefix="cudagym-bench-"))
-    with Evaluator(EvaluatorConfig(target=args.target, cache_dir=cache)) as ev:
+    with Evaluator(EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=not args.no_compile_baseline)) as ev:
         cuda = ev.device == "cuda"
         sol = "cuda" if cuda else "cpu"
         task = bundled_task(args.task).for_target(ev.target)
@@ -125,35 +163,7 @@ def main() -> None:
         console.print(t)
 
         for spread_id in args.spread_tasks.split(","):
-            stask = bundled_task(spread_id).for_target(ev.target)
-            sws = Workspace.from_solution(cache / f"spread_{spread_id}", stask, ROOT / "examples" / "solutions" / spread_id / sol)
-            assert ev.compile(stask, sws).ok
-            ev.profile(stask, sws)  # baselines
-            t = Table(title=f"{stask.id}: {args.spread_jobs} separate profile jobs (fresh workers)")
-            for c in ("job", "median ms", "IQR ms", "calls", "stream-done median ms", "SM MHz before/after", "mem MHz"):
-                t.add_column(c)
-            medians, stream_medians = [], []
-            for j in range(args.spread_jobs):
-                time.sleep(args.think_s / 2)
-                p = ev.profile(stask, sws)
-                assert p.ok, p
-                medians.append(p.candidate.median_ms)
-                sm = p.candidate_stream.median_ms if p.candidate_stream else float("nan")
-                stream_medians.append(sm)
-                tb, ta = p.telemetry.get("before", {}), p.telemetry.get("after", {})
-                t.add_row(str(j), f"{p.candidate.median_ms:.4f}", f"{p.candidate.iqr_ms:.4f}", str(p.candidate.n),
-                          f"{sm:.4f}", f"{tb.get('sm_clock_mhz', '-')}/{ta.get('sm_clock_mhz', '-')}", str(ta.get("mem_clock_mhz", "-")))
-            console.print(t)
-            cv = statistics.pstdev(medians) / statistics.fmean(medians)
-            t = Table(title=f"timing spread over {args.spread_jobs} separate profile jobs of {stask.id}")
-            for c in ("protocol", "median of medians ms", "min ms", "max ms", "CV (target < 1%)"):
-                t.add_column(c)
-            t.add_row("events + device sync (the reported time)", f"{statistics.median(medians):.4f}",
-                      f"{min(medians):.4f}", f"{max(medians):.4f}", f"{cv:.2%}")
-            scv = statistics.pstdev(stream_medians) / statistics.fmean(stream_medians)
-            t.add_row("diagnostic: to the caller's stream done", f"{statistics.median(stream_medians):.4f}",
-                      f"{min(stream_medians):.4f}", f"{max(stream_medians):.4f}", f"{scv:.2%}")
-            console.print(t)
+            spread(ev, console, cache, spread_id, sol, args.spread_jobs, args.think_s / 2, "")
 
         if cuda:
             ntask = bundled_task(args.ncu_task).for_target(ev.target)
@@ -168,6 +178,12 @@ def main() -> None:
             console.print(t)
             if k is None:
                 console.print(p.ncu)
+    if args.no_flush_variant:  # diagnostic: the same spread without the L2 flush
+        cfg = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=False,
+                              timing=TimingConfig(flush_l2=False))
+        with Evaluator(cfg) as ev:
+            spread(ev, console, cache, args.spread_tasks.split(",")[0], sol, args.spread_jobs, args.think_s / 2,
+                   " (diagnostic: no L2 flush)")
 
 
 if __name__ == "__main__":

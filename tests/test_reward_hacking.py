@@ -740,7 +740,7 @@ def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, b
     return run_kernel(x, self.bias, self.scale)
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
-    assert v.correct, v.reasons  # verify saw an honest kernel
+    assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw an honest kernel
     assert_rejected(v, ErrorKind.TAMPER, "by the candidate")
 
 

@@ -42,6 +42,45 @@ class Comparison:
     kind: str | None  # None when all passed; "mismatch" or "output_format"
 
 
+_CHUNK = 1 << 22  # elements per step: temporaries are reused, not allocated (and faulted in) per output
+
+
+def _compare_values(c: torch.Tensor, r: torch.Tensor, tol: Tolerance) -> tuple[float, int, bool]:
+    """(max abs error, elements out of tolerance, NaN/inf disagreement) of two floating tensors.
+
+    An element passes if r is finite and |c - r| <= atol + rtol * |r|, or both are NaN, or
+    both are the same infinity. The max error ignores elements where both are NaN/the same infinity, and is inf
+    where NaNs disagree.
+    """
+    c, r = c.reshape(-1), r.reshape(-1)
+    n = r.numel()
+    if n == 0:
+        return 0.0, 0, False
+    f = torch.float32 if r.dtype in (torch.float16, torch.bfloat16) else r.dtype
+    size = min(n, _CHUNK)
+    diff, bound = torch.empty(size, dtype=f), torch.empty(size, dtype=f)
+    within = torch.empty(size, dtype=torch.bool)
+    worst, nbad, nan_bad = 0.0, 0, False
+    for lo in range(0, n, _CHUNK):
+        cc, rr = c[lo : lo + _CHUNK].to(f), r[lo : lo + _CHUNK].to(f)  # halves: compared in fp32
+        k = rr.numel()
+        d, b, w = diff[:k], bound[:k], within[:k]
+        torch.sub(cc, rr, out=d).abs_()
+        torch.abs(rr, out=b).mul_(tol.rtol).add_(tol.atol)
+        torch.le(d, b, out=w)
+        # fast path: NaN anywhere makes `w` False, and the bound is infinite only at an infinite r
+        if bool(w.all()) and float(b.max()) != float("inf"):
+            worst = max(worst, float(d.max()))
+            continue
+        same_special = (torch.isnan(cc) & torch.isnan(rr)) | ((cc == rr) & torch.isinf(rr))
+        good = (w & torch.isfinite(rr)) | same_special
+        nbad += int((~good).sum())
+        d = d.masked_fill(same_special, 0.0).nan_to_num_(float("inf"), float("inf"))
+        worst = max(worst, float(d.max()))
+        nan_bad = nan_bad or not bool((torch.isnan(cc) == torch.isnan(rr)).all())
+    return worst, nbad, nan_bad
+
+
 def compare_outputs(tensors: list[tuple[dict[str, Any], bytes]], tol: Tolerance) -> Comparison:
     """Compare candidate and reference outputs per trial: structure, shape, dtype, values."""
     by_trial: dict[int, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: {"candidate": {}, "reference": {}})
@@ -69,27 +108,13 @@ def compare_outputs(tensors: list[tuple[dict[str, Any], bytes]], tol: Tolerance)
                     reasons.append(f"trial {trial}: output {i} differs from the reference")
                     kind, ok = kind or "mismatch", False
                 continue
-            if c.dtype in (torch.float16, torch.bfloat16):
-                c, r = c.float(), r.float()
-            # Fast path: NaN anywhere makes `within` False, so all() means finite and close.
-            diff = (c - r).abs_()
-            within = diff <= r.abs().mul_(tol.rtol).add_(tol.atol)
-            if bool(within.all()):
-                worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-                continue
-            if bool((within | (torch.isnan(c) & torch.isnan(r)) | ((c == r) & torch.isinf(r))).all()):
-                worst = max(worst, float(diff.nan_to_num_(0.0, 0.0).max()))
-                continue  # differences only where both are NaN or the same infinity
-            nan_ok = torch.isnan(c) == torch.isnan(r)
-            diff = (c - r).abs_().nan_to_num_(0.0)
-            bad = (diff > tol.atol + tol.rtol * r.abs().nan_to_num_(0.0)) | ~nan_ok
-            err = float(diff.max()) if diff.numel() else 0.0
-            worst = max(worst, err if bool(nan_ok.all()) else float("inf"))
-            nbad = int(bad.sum())
-            reasons.append(f"trial {trial}: output {i} mismatches at {nbad}/{bad.numel()} elements "
-                           f"(max abs error {err:.3g}; atol={tol.atol}, rtol={tol.rtol}"
-                           + ("; NaN where the reference has none" if not bool(nan_ok.all()) else "") + ")")
-            kind, ok = kind or "mismatch", False
+            err, nbad, nan_bad = _compare_values(c, r, tol)
+            worst = max(worst, err)
+            if nbad:
+                reasons.append(f"trial {trial}: output {i} mismatches at {nbad}/{r.numel()} elements "
+                               f"(max abs error {err:.3g}; atol={tol.atol}, rtol={tol.rtol}"
+                               + ("; NaN where the reference has none" if nan_bad else "") + ")")
+                kind, ok = kind or "mismatch", False
         passed += ok
     if not by_trial:
         reasons.append("no outputs were compared")

@@ -14,6 +14,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +52,7 @@ class EvaluatorConfig(BaseModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     compile_baseline: bool = True  # measure torch.compile (the +3 milestone needs it)
     roofline_slack: float = 0.5  # a time below slack x the roofline floor is implausible
-    spare_workers: int | None = None  # warm spare workers per device (None: 4 per GPU, 2 on the CPU)
+    spare_workers: int | None = None  # warm spare workers per device (None: 6 per GPU, 2 on the CPU)
 
 
 def resolve_target(target: str) -> Target:
@@ -84,6 +85,18 @@ def _outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
             kind = ErrorKind.PROCESS_LIMIT
         return kind, str(o.final.get("error", "failed"))
     return None
+
+
+_RELEASER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-release")
+
+
+def _release_later(*outcomes: JobOutcome) -> None:
+    """Drop the outcomes' output bytes on a background thread: unmapping hundreds of MB of
+    result memory takes a while, and nothing waits for it."""
+    held = [o.tensors for o in outcomes]
+    for o in outcomes:
+        o.tensors = []
+    _RELEASER.submit(held.clear)
 
 
 def _stats_or_none(samples: Any) -> TimingStats | None:
@@ -187,6 +200,7 @@ class Evaluator:
         outcome.tensors += [f for f in ref.tensors if f[0].get("role") == "reference"]
         t_jobs = time.perf_counter()
         result = self._verify_result(task, outcome, time.perf_counter() - t0)
+        _release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
                      "compare_s": time.perf_counter() - t_jobs}
@@ -284,6 +298,8 @@ class Evaluator:
             return ProfileResult(ok=False, error_kind=failure[0], error=failure[1], reasons=[failure[1].splitlines()[0]],
                                  seconds=time.perf_counter() - t0)
         cmp = compare_outputs(o.tensors, task.effective_tolerance)
+        _release_later(o)
+        t_cmp = time.perf_counter()
         if cmp.kind is not None:
             why = "outputs of timed calls are wrong: " + "; ".join(cmp.reasons[:3])
             return ProfileResult(ok=False, error_kind=ErrorKind.MISMATCH, error=why, reasons=[why],
@@ -315,7 +331,8 @@ class Evaluator:
 
             result = result.model_copy(update={"ncu": await ncu_summary(self, task, workspace, built.artifact_dir)})
         breakdown = {"build_check_s": t_built - t0, "baselines_s": t_base - t_built, "job_s": t_job - t_base,
-                     **_job_breakdown("candidate", o), "compare_and_stats_s": time.perf_counter() - t_job}
+                     **_job_breakdown("candidate", o), "compare_s": t_cmp - t_job,
+                     "stats_s": time.perf_counter() - t_cmp}
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 
     # -- the whole pipeline -----------------------------------------------------------------

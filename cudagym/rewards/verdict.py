@@ -42,6 +42,7 @@ class TimingStats(BaseModel):
     max_ms: float
     iqr_ms: float
     cv: float  # stdev / mean of the calls
+    p10_ms: float | None = None  # 10th percentile
 
     @classmethod
     def from_samples(cls, samples_ms: list[float]) -> TimingStats:
@@ -62,6 +63,7 @@ class TimingStats(BaseModel):
             max_ms=s[-1],
             iqr_ms=q3 - q1,
             cv=(sd / mean) if mean > 0 else 0.0,
+            p10_ms=statistics.quantiles(s, n=10)[0] if n >= 2 else s[0],
         )
 
 

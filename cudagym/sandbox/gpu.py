@@ -28,6 +28,29 @@ def gpu_names() -> tuple[str, ...]:
     return tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
 
 
+@lru_cache(maxsize=None)
+def gpu_local_cpus(index: int) -> tuple[int, ...]:
+    """The CPUs nearest GPU `index` (its NUMA node, from NVML), within this process's affinity;
+    () when unknown. Launch latency from a far socket is higher and differs between processes."""
+    allowed = os.sched_getaffinity(0)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if vis is not None:
+                idx = [int(x) for x in vis.split(",") if x.strip().isdigit()]
+                index = idx[index] if index < len(idx) else index
+            words = pynvml.nvmlDeviceGetCpuAffinity(pynvml.nvmlDeviceGetHandleByIndex(index), (os.cpu_count() or 64) // 64 + 1)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML: no preference
+        return ()
+    cpus = {64 * i + b for i, word in enumerate(words) for b in range(64) if (int(word) >> b) & 1}
+    return tuple(sorted(cpus & allowed))
+
+
 def gpu_count() -> int:
     return len(gpu_names())
 

@@ -315,9 +315,13 @@ def prewarm() -> None:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
 
-    with OpRecorder(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        torch.ones(2) + 1
-    prof.events()
+    if os.environ.get("CUDAGYM_UNDER_NCU"):  # Nsight Compute owns CUPTI in this process
+        with OpRecorder():
+            torch.ones(2) + 1
+    else:
+        with OpRecorder(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.ones(2) + 1
+        prof.events()
     _live_helpers()
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
@@ -573,9 +577,16 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         if i in recheck_at:
             kept.append((clone_args(args), [o.detach().clone() for o in as_outputs(out, "ModelNew.forward")]))
 
-    with torch.no_grad():
-        times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
-                               keep if role == "candidate" else None)
+    core = os.environ.get("CUDAGYM_TIMING_CPU")  # the same core near the GPU for every timed loop
+    allowed = os.sched_getaffinity(0)
+    if core and core.isdigit():
+        os.sched_setaffinity(0, {int(core)})  # this thread only
+    try:
+        with torch.no_grad():
+            times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
+                                   keep if role == "candidate" else None)
+    finally:
+        os.sched_setaffinity(0, allowed)
     ph.mark(f"{role}_timed_loop")
     ph.extra[f"{role}_stream_ms"] = timer.stream_ms[-len(times):] if timer.stream_ms else []
     if role == "candidate":

@@ -63,7 +63,7 @@ async def ncu_summary(evaluator: Evaluator, task: Task, workspace: Workspace, ar
     log = workspace.build_dir / "ncu.csv"
     r, w = os.pipe()
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HOME")}
-    env.update(CUDAGYM_DEVICE="cuda", PYTHONUNBUFFERED="1")
+    env.update(CUDAGYM_DEVICE="cuda", PYTHONUNBUFFERED="1", CUDAGYM_UNDER_NCU="1")  # no profiler of our own
     cmd = [*namespace_prefix(), ncu, "--csv", "--clock-control", "none", "--target-processes", "all",
            "--metrics", ",".join(METRICS), "--log-file", str(log),
            sys.executable, "-m", "cudagym.sandbox.worker", str(w)]

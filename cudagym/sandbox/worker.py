@@ -21,9 +21,19 @@ def _uses_cpp_extension(workspace: str) -> bool:
         return False
 
 
+def _pin(cpus: str | None) -> None:
+    """Restrict the calling thread (and threads it starts later) to `cpus` ("3" or "0,1,2")."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        except (OSError, ValueError):
+            pass
+
+
 def main() -> None:
     fd = int(sys.argv[1])
     shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    _pin(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
     import torch
 
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
