@@ -47,20 +47,24 @@ def spread(ev: Evaluator, console: Console, cache: Path, task_id: str, sol: str,
     assert ev.compile(task, ws).ok
     ev.profile(task, ws)  # baselines
     t = Table(title=f"{task.id}: {jobs} separate profile jobs (fresh workers){label}")
-    for c in ("job", "median ms", "p10 ms", "min ms", "IQR ms", "calls", "stream-done median ms", "SM MHz before/after"):
+    for c in ("job", "median ms", "p10 ms", "min ms", "IQR ms", "calls", "stream-done median ms", "kernel ms",
+              "SM MHz before/after"):
         t.add_column(c)
-    stats: dict[str, list[float]] = {"median": [], "p10": [], "min": [], "stream-done median": []}
+    stats: dict[str, list[float]] = {"median": [], "p10": [], "min": [], "stream-done median": [],
+                                     "kernel time (profiler)": []}
     for j in range(jobs):
         time.sleep(pause_s)
         p = ev.profile(task, ws)
         assert p.ok, p
         c = p.candidate
         sm = p.candidate_stream.median_ms if p.candidate_stream else float("nan")
-        for k, x in (("median", c.median_ms), ("p10", c.p10_ms), ("min", c.min_ms), ("stream-done median", sm)):
+        km = p.candidate_kernel.median_ms if p.candidate_kernel else float("nan")
+        for k, x in (("median", c.median_ms), ("p10", c.p10_ms), ("min", c.min_ms), ("stream-done median", sm),
+                     ("kernel time (profiler)", km)):
             stats[k].append(x)
         tb, ta = p.telemetry.get("before", {}), p.telemetry.get("after", {})
         t.add_row(str(j), f"{c.median_ms:.4f}", f"{c.p10_ms:.4f}", f"{c.min_ms:.4f}", f"{c.iqr_ms:.4f}", str(c.n),
-                  f"{sm:.4f}", f"{tb.get('sm_clock_mhz', '-')}/{ta.get('sm_clock_mhz', '-')}")
+                  f"{sm:.4f}", f"{km:.4f}", f"{tb.get('sm_clock_mhz', '-')}/{ta.get('sm_clock_mhz', '-')}")
     console.print(t)
     t = Table(title=f"timing spread over {jobs} separate profile jobs of {task.id}{label}")
     for c in ("per-job statistic", "median over jobs ms", "min ms", "max ms", "CV across jobs (target < 1%)"):
@@ -82,6 +86,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--spread-jobs", type=int, default=10)
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (quick smoke runs)")
+    ap.add_argument("--profile-compare", action="store_true", help="cProfile one verify's output comparison")
+    ap.add_argument("--kernel-diagnostic", type=int, default=0,
+                    help="also measure the spread with N calls' kernel time from the CUDA profiler")
     ap.add_argument("--no-flush-variant", action="store_true", help="also measure the spread without the L2 flush")
     ap.add_argument("--spread-tasks", default="ew_scale_bias_gelu,mm_linear_gelu",
                     help="comma-separated bundled task ids whose timing spread is measured")
@@ -111,15 +118,34 @@ def main() -> None:
             assert v.ok and p.ok, (v, p)
             cand, eager = p.candidate.median_ms / 1e3, p.eager.median_ms / 1e3
             loop = p.breakdown.get("candidate.candidate_timed_loop_s", 0.0)  # warm-up + timed calls
-            verify_s.append(v.seconds)
+            v_wall = v.seconds  # includes the comparison
+            verify_s.append(v_wall)
             profile_s.append(p.seconds)
-            v_over.append(v.seconds - trials * (cand + eager))
+            v_over.append(v_wall - trials * (cand + eager))
             p_over.append(p.seconds - loop)
             loop_s.append(loop)
             for parts, r in ((v_parts, v), (p_parts, p)):
                 for k, x in r.breakdown.items():
                     parts.setdefault(k, []).append(x)
         med = statistics.median
+        if args.profile_compare:  # where the evaluator's comparison spends its time (one verify)
+            import cProfile
+            import pstats
+
+            import cudagym.rewards.evaluator as evaluator_module
+
+            original = evaluator_module.compare_outputs
+
+            def profiled(tensors, tol):  # noqa: ANN001, ANN202
+                prof = cProfile.Profile()
+                out = prof.runcall(original, tensors, tol)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+                return out
+
+            evaluator_module.compare_outputs = profiled
+            time.sleep(args.think_s)
+            ev.verify(task, ws)
+            evaluator_module.compare_outputs = original
         t = Table(title="verify + profile: wall time and overhead beyond the kernel's own run time (baselines cached)")
         for c in ("step", "median s", "vs one fresh worker"):
             t.add_column(c)
@@ -178,6 +204,12 @@ def main() -> None:
             console.print(t)
             if k is None:
                 console.print(p.ncu)
+    if args.kernel_diagnostic:  # diagnostic: the kernels' own GPU time per job (CUDA profiler)
+        cfg = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=False,
+                              timing=TimingConfig(kernel_diagnostic_calls=args.kernel_diagnostic))
+        with Evaluator(cfg) as ev:
+            spread(ev, console, cache, args.spread_tasks.split(",")[0], sol, args.spread_jobs, args.think_s / 2,
+                   " (diagnostic: with kernel times from the CUDA profiler)")
     if args.no_flush_variant:  # diagnostic: the same spread without the L2 flush
         cfg = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=False,
                               timing=TimingConfig(flush_l2=False))

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from cudagym.rewards.audit import forbidden_ops
-from cudagym.rewards.compare import compare_outputs
+from cudagym.rewards.compare import Comparison, compare_outputs
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
 from cudagym.rewards.verdict import (
     AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, TimingStats, Verdict, VerifyResult,
@@ -88,6 +88,23 @@ def _outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
 
 
 _RELEASER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-release")
+
+
+def _comparer_threads() -> None:
+    # A few intra-op threads, set for this thread only: with every core's thread in each op,
+    # one core busy elsewhere (a spare starting) stalls every op of the comparison.
+    import torch
+
+    torch.set_num_threads(max(1, min(8, (os.cpu_count() or 2) // 4)))
+
+
+_COMPARER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-compare", initializer=_comparer_threads)
+
+
+async def _compare(o: JobOutcome, task: Task) -> Comparison:
+    """Compare the outcome's outputs on the comparer thread (the event loop stays free)."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _COMPARER, compare_outputs, o.tensors, task.effective_tolerance)
 
 
 def _release_later(*outcomes: JobOutcome) -> None:
@@ -199,14 +216,15 @@ class Evaluator:
         outcome.tensors = [f for f in outcome.tensors if f[0].get("role") == "candidate"]
         outcome.tensors += [f for f in ref.tensors if f[0].get("role") == "reference"]
         t_jobs = time.perf_counter()
-        result = self._verify_result(task, outcome, time.perf_counter() - t0)
+        cmp = await _compare(outcome, task) if not _outcome_failure(outcome, "verify") else None
+        result = self._verify_result(task, outcome, cmp, time.perf_counter() - t0)
         _release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
                      "compare_s": time.perf_counter() - t_jobs}
-        return result.model_copy(update={"breakdown": breakdown})
+        return result.model_copy(update={"breakdown": breakdown, "seconds": time.perf_counter() - t0})
 
-    def _verify_result(self, task: Task, o: JobOutcome, seconds: float) -> VerifyResult:
+    def _verify_result(self, task: Task, o: JobOutcome, cmp: Comparison | None, seconds: float) -> VerifyResult:
         failure = _outcome_failure(o, "verify")
         if failure:
             kind, msg = failure
@@ -218,7 +236,7 @@ class Evaluator:
             return VerifyResult(ok=False, error_kind=kind, error=msg, audit=audit,
                                 reasons=[msg.splitlines()[0] if msg else kind.value], seconds=seconds)
         final = o.final or {}
-        cmp = compare_outputs(o.tensors, task.effective_tolerance)
+        assert cmp is not None
         ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
         forbidden = forbidden_ops(ops)  # our own copy of the rule, not the worker's verdict
         audit_reasons: list[str] = []
@@ -297,7 +315,7 @@ class Evaluator:
         if failure:
             return ProfileResult(ok=False, error_kind=failure[0], error=failure[1], reasons=[failure[1].splitlines()[0]],
                                  seconds=time.perf_counter() - t0)
-        cmp = compare_outputs(o.tensors, task.effective_tolerance)
+        cmp = await _compare(o, task)
         _release_later(o)
         t_cmp = time.perf_counter()
         if cmp.kind is not None:
@@ -320,6 +338,7 @@ class Evaluator:
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             candidate_stream=_stats_or_none((final.get("diagnostics") or {}).get("candidate_stream_ms")),
+            candidate_kernel=_stats_or_none((final.get("diagnostics") or {}).get("candidate_kernel_ms")),
         )
         if floor_ms > 0 and cand.median_ms < self.config.roofline_slack * floor_ms:
             why = (f"implausible: {cand.median_ms:.4f} ms is below the roofline floor of this problem "

@@ -108,6 +108,7 @@ class ProfileResult(BaseModel):
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
     candidate_stream: TimingStats | None = None  # diagnostic: to the caller's stream done, no device sync
+    candidate_kernel: TimingStats | None = None  # diagnostic: kernel time per call from the CUDA profiler
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None

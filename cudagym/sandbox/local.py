@@ -48,6 +48,8 @@ class LocalSandboxConfig(BaseModel):
     max_result_mb: int = 16384  # capacity of a worker's result memory (outputs of all trials)
     freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
     spare_nice: int = 10  # CPU niceness of spares until they take a job (0: off)
+    premap_result_mb: int | None = None  # result memory a spare populates (and page-locks) ahead;
+    # None: 512 MB per GPU worker (six trials of 64 MB outputs fit), 0 on the CPU
 
 
 class _GpuLease:
@@ -237,6 +239,8 @@ class LocalSandbox(Sandbox):
             if k in os.environ:
                 env[k] = os.environ[k]
         env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1] if device.startswith("cuda:") else ("" if device == "cpu" else "0")
+        premap = self.config.premap_result_mb
+        env["CUDAGYM_PREMAP_MB"] = str(premap if premap is not None else (512 if device.startswith("cuda") else 0))
         if device.startswith("cuda"):
             index = int(device.split(":")[1]) if ":" in device else 0
             cpus = gpu_local_cpus(index)

@@ -43,6 +43,8 @@ def main() -> None:
     from cudagym.sandbox.protocol import Job, encode_frame
 
     harness.prewarm()
+    if shm_fd is not None:
+        harness.premap_results(shm_fd, int(os.environ.get("CUDAGYM_PREMAP_MB", "0") or 0))
     os.write(fd, encode_frame({"type": "ready"}))  # the parent starts the job's clock now
 
     line = sys.stdin.readline()
