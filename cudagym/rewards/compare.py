@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,9 @@ def decode_tensor(header: dict[str, Any], payload: bytes | memoryview) -> torch.
         raise ValueError("tensor payload size does not match its shape")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    if isinstance(payload, bytes) or (isinstance(payload, memoryview) and payload.readonly):
-        payload = bytearray(payload)
-    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)  # no copy
+    with warnings.catch_warnings():  # read-only buffers: the comparison never writes to its inputs
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)  # no copy
 
 
 @dataclass

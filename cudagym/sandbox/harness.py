@@ -446,9 +446,10 @@ def run_verify(job: Job, ch: Channel) -> None:
         if job.trial_orders[t] == "candidate_first":
             run_reference()
         ph.mark("reference")
-        # outputs must not change once forward has returned: re-read them a while later
+        # Outputs must not change once forward has returned: re-read them later (after this
+        # trial's other work; in the last trial, after a pause: background work recurs each trial).
         wait = job.verify.settle_ms / 1e3 - (clock() - returned)
-        if wait > 0:
+        if wait > 0 and t == trials - 1:
             time.sleep(wait)
         p.sync()
         if not all(_same_bits(o, s) for o, s in zip(outs, snap)):
@@ -617,16 +618,9 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         if i in recheck_at:
             kept.append((clone_args(args), [o.detach().clone() for o in as_outputs(out, "ModelNew.forward")]))
 
-    core = os.environ.get("CUDAGYM_TIMING_CPU")  # the same core near the GPU for every timed loop
-    allowed = os.sched_getaffinity(0)
-    if core and core.isdigit():
-        os.sched_setaffinity(0, {int(core)})  # this thread only
-    try:
-        with torch.no_grad():
-            times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
-                                   keep if role == "candidate" else None)
-    finally:
-        os.sched_setaffinity(0, allowed)
+    with torch.no_grad():
+        times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
+                               keep if role == "candidate" else None)
     ph.mark(f"{role}_timed_loop")
     ph.extra[f"{role}_stream_ms"] = timer.stream_ms[-len(times):] if timer.stream_ms else []
     if job.timing.kernel_diagnostic_calls and p.device.type == "cuda":

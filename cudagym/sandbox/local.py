@@ -87,6 +87,7 @@ class _FrameReader:
         self._fd, self._loop, self._budget = fd, loop, max_bytes
         self.ready: asyncio.Future[bool] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
+        self.final_seen: asyncio.Future[None] = loop.create_future()  # the harness's result arrived
         self.frames: list[tuple[dict[str, Any], memoryview]] = []
         self.error: str | None = None  # a malformed frame (not a worker that died mid-frame)
         self._stop = threading.Event()
@@ -129,6 +130,8 @@ class _FrameReader:
                     break
                 self._budget -= len(frame[1])
                 self.frames.append(frame)
+                if frame[0].get("type") == "final":
+                    self._resolve(self.final_seen, None)
         except FrameError as e:
             if "truncated" not in str(e):  # a worker that died mid-frame has no result: a crash
                 self.error = f"malformed result channel: {e}"
@@ -244,9 +247,8 @@ class LocalSandbox(Sandbox):
         if device.startswith("cuda"):
             index = int(device.split(":")[1]) if ":" in device else 0
             cpus = gpu_local_cpus(index)
-            if cpus:  # run near the GPU; timed loops always on the same core of its node
+            if cpus:  # run near the GPU
                 env["CUDAGYM_CPUS"] = ",".join(map(str, cpus))
-                env["CUDAGYM_TIMING_CPU"] = str(cpus[-1 - index % len(cpus)])
         return env
 
     async def _spawn(self, device: str) -> _Worker:
@@ -337,21 +339,30 @@ class LocalSandbox(Sandbox):
             while True:  # the first GPU that can take this job now
                 for i, lease in enumerate(self._gpu_leases):
                     if lease.try_acquire(exclusive):
+                        gone: asyncio.Future[None] | None = None
                         try:
-                            return await self._run_on(job, f"cuda:{i}")
-                        finally:
-                            lease.release(exclusive)
+                            outcome, gone = await self._run_on(job, f"cuda:{i}")
+                            return outcome
+                        finally:  # the GPU is free once the worker (and its CUDA context) is gone
+                            if gone is None:
+                                lease.release(exclusive)
+                            else:
+                                gone.add_done_callback(lambda _f, lease=lease: lease.release(exclusive))
                 await asyncio.sleep(0.005)
         if self._cpu_slots is None:
             self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
             self._cpu_timing = asyncio.Lock()
         if job.kind in TIMING_KINDS:
             async with self._cpu_timing:
-                return await self._run_on(job, device)
+                outcome, gone = await self._run_on(job, device)
+                await gone
+                return outcome
         async with self._cpu_slots:
-            return await self._run_on(job, device)
+            return (await self._run_on(job, device))[0]
 
-    async def _run_on(self, job: Job, device: str) -> JobOutcome:
+    async def _run_on(self, job: Job, device: str) -> tuple[JobOutcome, asyncio.Future[None]]:
+        """Run `job` in a spare; returns the outcome as soon as the result is in (the worker is
+        killed then) and a future that resolves once the worker has exited and been cleaned up."""
         timing = job.kind in TIMING_KINDS
         t_take = time.perf_counter()
         w = await self._take(device, replenish=not timing)
@@ -410,49 +421,67 @@ class LocalSandbox(Sandbox):
                     self._kill(w)
                     return
 
-        async def collect_output() -> bytes:
+        output: list[bytes] = []
+
+        async def collect_output() -> None:
             assert w.proc.stdout is not None
-            chunks, size = [], 0
-            while True:
-                chunk = await w.proc.stdout.read(65536)
-                if not chunk:
-                    return b"".join(chunks)
+            size = 0
+            while chunk := await w.proc.stdout.read(65536):
                 if size < _OUTPUT_LIMIT:
-                    chunks.append(chunk)
+                    output.append(chunk)
                     size += len(chunk)
 
         dog = asyncio.ensure_future(watchdog())
         out_task = asyncio.ensure_future(collect_output())
         frozen = self._freeze_starting(device) if timing else []
+        result_in = False
         try:
-            await asyncio.wait_for(asyncio.shield(frames.done), timeout=limits.timeout_s)
-            await asyncio.wait_for(w.proc.wait(), timeout=10)
+            done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
+                                         timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            result_in = frames.final_seen.done()
+            if not done:
+                raise asyncio.TimeoutError
+            if not result_in:  # the worker died without a result: wait for it, for its exit status
+                await asyncio.wait_for(w.proc.wait(), timeout=10)
         except asyncio.TimeoutError:
             outcome.timed_out = not outcome.memory_exceeded and not outcome.process_limited
         finally:
             self._signal(frozen, signal.SIGCONT)
             dog.cancel()
-            self._kill(w)  # init of the PID namespace: takes every leftover process with it
-            frames.stop()  # keeps the complete frames that arrived before a kill
+            # The result is in (or the job is over): kill now rather than wait for the worker to
+            # tear its CUDA context down. Killing the PID namespace's init takes every leftover
+            # process with it; nothing the candidate started can write anything after this.
+            self._kill(w)
+            frames.stop()  # keeps the complete frames that arrived before the kill
             await frames.done
-            await w.proc.wait()
-            w.proc._transport.close()  # type: ignore[attr-defined] - release pipes on this loop
-            if cgroup is not None:
-                if cgroup.pids_events_max() > 0:
-                    outcome.process_limited = True
-                cgroup.remove()
-        try:
-            out = await asyncio.wait_for(out_task, timeout=5)
+            if cgroup is not None and cgroup.pids_events_max() > 0:
+                outcome.process_limited = True
+        try:  # the output printed so far (the rest of a killed worker's would be shutdown noise)
+            await asyncio.wait_for(asyncio.shield(out_task), timeout=0.05 if result_in else 5)
         except asyncio.TimeoutError:
-            out = b""
-        if timing:
-            asyncio.ensure_future(self._replenish(device))
-        text = out.decode(errors="replace")
+            pass
+        text = b"".join(output).decode(errors="replace")
         outcome.output = "\n".join(ln for ln in text.splitlines() if not ln.startswith("USDT:"))[-_OUTPUT_LIMIT:]
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t_ready
         _collect(w, job.nonce, outcome)
-        return outcome
+        gone = asyncio.ensure_future(self._reap(w, cgroup, out_task, device if timing else None))
+        return outcome, gone
+
+    async def _reap(self, w: _Worker, cgroup: JobCgroup | None, out_task: asyncio.Future[None],
+                    replenish: str | None) -> None:
+        """After a job: wait for the killed worker to exit, release what it held, and (after a
+        timing job) start the spares that were held back."""
+        await w.proc.wait()
+        try:
+            await asyncio.wait_for(out_task, timeout=5)
+        except asyncio.TimeoutError:
+            out_task.cancel()
+        w.proc._transport.close()  # type: ignore[attr-defined] - release pipes on this loop
+        if cgroup is not None:
+            cgroup.remove()
+        if replenish is not None:
+            asyncio.ensure_future(self._replenish(replenish))
 
 
 def _grow_pipe(fd: int) -> None:
@@ -485,8 +514,7 @@ def _result_memory(capacity: int) -> int:
 
 
 def _map_results(w: _Worker, frames: list[tuple[dict[str, Any], memoryview]]) -> list[tuple[dict[str, Any], memoryview]]:
-    """Tensor frames with their bytes: from the pipe, or from the worker's result memory
-    (mapped copy-on-write, so comparisons may work in place without touching the file)."""
+    """Tensor frames with their bytes: from the pipe, or from the worker's result memory."""
     cap = os.fstat(w.shm_fd).st_size
     spans = []
     for h, _ in frames:
@@ -495,9 +523,9 @@ def _map_results(w: _Worker, frames: list[tuple[dict[str, Any], memoryview]]) ->
             if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 < n and off + n <= cap):
                 raise FrameError(f"a tensor frame names bytes outside the result memory ({off!r}, {n!r})")
             spans.append(off + n)
-    # private (copy-on-write) and populated: no page fault per 4 KB when comparing
-    mm = mmap.mmap(w.shm_fd, max(spans), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                   prot=mmap.PROT_READ | mmap.PROT_WRITE) if spans else None
+    # read-only (the worker is dead: the bytes are final) and populated: no fault per 4 KB page
+    mm = mmap.mmap(w.shm_fd, max(spans), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                   prot=mmap.PROT_READ) if spans else None
     view = memoryview(mm) if mm is not None else None
     out = []
     for h, payload in frames:

@@ -80,6 +80,6 @@ async def ncu_summary(evaluator: Evaluator, task: Task, workspace: Workspace, ar
         os.close(r)
     text = log.read_text(errors="replace") if log.exists() else ""
     result = parse_ncu_csv(text)
-    if "error" in result:
-        result["output"] = out.decode(errors="replace")[-1500:]
+    if "error" in result:  # ncu writes its own messages (permissions, no kernels) to the log file
+        result["output"] = (out.decode(errors="replace")[-1500:] + "\n--- ncu log ---\n" + text[-1500:]).strip()
     return result
