@@ -64,6 +64,11 @@ async def ncu_summary(evaluator: Evaluator, task: Task, workspace: Workspace, ar
     r, w = os.pipe()
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HOME")}
     env.update(CUDAGYM_DEVICE="cuda", PYTHONUNBUFFERED="1", CUDAGYM_UNDER_NCU="1")  # no profiler of our own
+    # ncu's injected library takes a lock under $TMPDIR (default /tmp/nvidia) from inside the
+    # worker, whose writes are confined to the workspace
+    tmp = workspace.build_dir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     cmd = [*namespace_prefix(), ncu, "--csv", "--clock-control", "none", "--target-processes", "all",
            "--metrics", ",".join(METRICS), "--log-file", str(log),
            sys.executable, "-m", "cudagym.sandbox.worker", str(w)]
