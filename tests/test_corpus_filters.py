@@ -103,7 +103,10 @@ def test_workload_window_removes_too_small_and_too_large():
     fits = GOOD.resized(BATCH=32768, FEATURES=16384)  # 2 GiB per tensor: ~2 ms on an H100
     est = estimate_workload(fits.code, gpu)
     assert 1.0 <= est.est_ms <= 100.0, est
-    assert check_workload(est, gpu, CFG).ok
+    assert est.output_bytes == 2 * 2**30 and est.verify_bytes >= 4 * est.output_bytes
+    assert check_workload(est, gpu, CFG.model_copy(update={"max_output_mb": 4096})).ok
+    r = check_workload(est, gpu, CFG)  # by default, outputs over 1 GiB: six trials send them each verify
+    assert (r.ok, r.filter) == (False, "workload") and "MB per call" in r.reason
     huge = GOOD.resized(BATCH=2**22, FEATURES=16384)  # 256 GiB
     r = check_workload(estimate_workload(huge.code, gpu), gpu, CFG)
     assert (r.ok, r.filter) == (False, "workload") and "GiB" in r.reason

@@ -28,7 +28,9 @@ from cudagym.errors import ConfigError, TaskError
 from cudagym.tasks.corpus.composer import Composer, ComposerConfig
 from cudagym.tasks.corpus.contamination import ReferenceIndex
 from cudagym.tasks.corpus.estimate import GpuSpec, estimate_workload, gpu_spec
-from cudagym.tasks.corpus.filters import FILTERS, Deduplicator, FilterConfig, FilterResult, check_runtime, check_workload
+from cudagym.tasks.corpus.filters import (
+    FILTERS, Deduplicator, FilterConfig, FilterResult, check_runtime, check_workload, memory_problem,
+)
 from cudagym.tasks.model import Task
 
 PARQUET_NAME = "tasks.parquet"
@@ -78,13 +80,12 @@ def _fit_batch(code: str, cpu_sizes: dict[str, int], gpu: GpuSpec, cfg: BuildCon
     lo, hi = cfg.filters.min_ms, cfg.filters.max_ms
     target = math.exp(rng.uniform(math.log(lo * 2), math.log(hi / 2)))
     new = int(min(MAX_BATCH, max(1, 2 ** round(math.log2(batch * target / est.est_ms)))))
-    cap = cfg.filters.max_memory_fraction * gpu.memory_gib * 2**30
     for _ in range(12):
         if new != batch:
             code = task.resized(BATCH=new).code
             est = estimate_workload(code, gpu)
             batch = new
-        if est.memory_bytes <= cap or batch == 1:
+        if memory_problem(est, gpu, cfg.filters) is None or batch == 1:
             break
         new = max(1, batch // 2)
     return code, est

@@ -73,6 +73,11 @@ class WorkloadEstimate(BaseModel):
     est_ms: float
     memory_bytes: int  # inputs + parameters + twice the largest op output (eager footprint)
     kernels: int
+    output_bytes: int = 0  # the forward's outputs: each verification trial sends them to the evaluator
+    # the evaluator's verify footprint on one GPU: reference and candidate parameters, the inputs
+    # and two clones, reference/candidate outputs plus the candidate's snapshot and a poisoned
+    # buffer of the same size, and the largest intermediate twice
+    verify_bytes: int = 0
     gpu: str
 
 
@@ -145,8 +150,12 @@ def estimate_workload(code: str, gpu: GpuSpec, *, allow_tf32: bool = False) -> W
             static = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
             static += sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
             with _Cost():
-                model(*inputs)
+                result = model(*inputs)
+            out_bytes = sum(t.numel() * t.element_size() for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
+            params = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     except Exception as e:  # noqa: BLE001 - any failure means the estimate is impossible
         raise TaskError(f"cannot estimate the workload: {type(e).__name__}: {e}") from None
     return WorkloadEstimate(flops=totals["flops"], bytes=totals["bytes"], est_ms=round(totals["ms"], 6),
-                            memory_bytes=static + 2 * totals["max_out"], kernels=totals["kernels"], gpu=gpu.name)
+                            memory_bytes=static + 2 * totals["max_out"], kernels=totals["kernels"], gpu=gpu.name,
+                            output_bytes=out_bytes,
+                            verify_bytes=2 * params + 3 * (static - params) + 4 * out_bytes + 2 * totals["max_out"])

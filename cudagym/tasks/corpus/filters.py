@@ -38,7 +38,8 @@ class FilterConfig(BaseModel):
 
     min_ms: float = 1.0
     max_ms: float = 100.0
-    max_memory_fraction: float = 0.5  # of the target GPU's memory
+    max_memory_fraction: float = 0.5  # of the target GPU's memory, for the verify footprint
+    max_output_mb: float = 1024.0  # per forward: six verification trials send them to the evaluator
     compile_backend: str = "auto"  # auto: inductor where CUDA is present, else eager (dynamo capture only)
     min_output_std: float = 1e-3  # 10x the fp32 atol: zeros must fail the tolerance check
     min_output_abs: float = 1e-3  # for scalar outputs (losses)
@@ -63,10 +64,22 @@ class FilterResult(BaseModel):
 
 
 # -- workload window --------------------------------------------------------------------------
+def memory_problem(est: WorkloadEstimate, gpu: GpuSpec, cfg: FilterConfig) -> str | None:
+    """Why the task cannot be verified on `gpu` (memory or output size), or None."""
+    need = max(est.memory_bytes, est.verify_bytes)
+    if need > cfg.max_memory_fraction * gpu.memory_gib * 2**30:
+        return f"verification needs {need / 2**30:.1f} GiB on a {gpu.name}"
+    if est.output_bytes > cfg.max_output_mb * 2**20:
+        return f"outputs of {est.output_bytes / 2**20:.0f} MB per call (limit {cfg.max_output_mb:.0f} MB)"
+    return None
+
+
 def check_workload(est: WorkloadEstimate, gpu: GpuSpec, cfg: FilterConfig) -> FilterResult:
-    """Estimated eager time within [min_ms, max_ms] and memory within the GPU's share."""
-    if est.memory_bytes > cfg.max_memory_fraction * gpu.memory_gib * 2**30:
-        return FilterResult.removed("workload", f"needs {est.memory_bytes / 2**30:.1f} GiB on a {gpu.name}")
+    """Estimated eager time within [min_ms, max_ms]; verifiable within the GPU's memory share
+    and the output budget."""
+    problem = memory_problem(est, gpu, cfg)
+    if problem:
+        return FilterResult.removed("workload", problem)
     if not cfg.min_ms <= est.est_ms <= cfg.max_ms:
         return FilterResult.removed("workload", f"estimated {est.est_ms:.3g} ms, outside "
                                                 f"[{cfg.min_ms}, {cfg.max_ms}] ms on {gpu.name}")
