@@ -3,12 +3,19 @@
 Prints:
 1. verify + profile overhead beyond the kernel's own run time, with baselines cached and spare
    workers warm, against the cost of one fresh worker (`python -c "import torch; <CUDA context>"`),
-   which is what a harness that starts a process per check pays;
+   which is what a harness that starts a process per check pays; then where the time goes (the
+   evaluator's and the worker's phases);
 2. a whole step: edit the .cu → compile → verify → profile;
-3. timing spread: the candidate's median over 10 separate profile jobs (fresh workers): CV;
+3. timing spread: per-job median, p10 and min over 10 separate profile jobs (fresh workers) of
+   each `--spread-tasks` kernel, and their CV across jobs;
 4. agreement of the profile's candidate time with Nsight Compute's gpu__time_duration (GPU).
 
-Usage: python benchmarks/bench_eval.py [--target auto|cuda|cpu] [--task ID] [--ncu-task ID]
+Diagnostics: `--kernel-diagnostic N` repeats the spread with the kernels' own GPU time (CUDA
+profiler, N calls per job), `--no-flush-variant` without the L2 flush, `--profile-compare`
+cProfiles one verify's output comparison.
+
+Usage: python benchmarks/bench_eval.py [--target auto|cuda|cpu] [--task ID] [--spread-tasks A,B]
+           [--ncu-task ID] [--repeats N] [--think-s S] [--spread-jobs N]
 """
 
 from __future__ import annotations
