@@ -207,8 +207,8 @@ class Evaluator:
         cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, **plan)
         ref_job = self._job("reference", task, None, **plan)
         outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device), self.sandbox.run(ref_job, self.device))
-        ref_failure = _outcome_failure(ref, "reference")
-        if ref_failure and not _outcome_failure(outcome, "verify"):
+        ref_failure, failure = _outcome_failure(ref, "reference"), _outcome_failure(outcome, "verify")
+        if ref_failure and not failure:
             return VerifyResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"the reference failed: {ref_failure[1]}",
                                 reasons=["the reference itself failed (not the candidate's fault)"],
                                 seconds=time.perf_counter() - t0)
@@ -216,27 +216,27 @@ class Evaluator:
         outcome.tensors = [f for f in outcome.tensors if f[0].get("role") == "candidate"]
         outcome.tensors += [f for f in ref.tensors if f[0].get("role") == "reference"]
         t_jobs = time.perf_counter()
-        cmp = await _compare(outcome, task) if not _outcome_failure(outcome, "verify") else None
-        result = self._verify_result(task, outcome, cmp, time.perf_counter() - t0)
+        if failure:
+            result = self._verify_failure(outcome, *failure)
+        else:
+            result = self._verify_result(outcome, await _compare(outcome, task))
         _release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
                      "compare_s": time.perf_counter() - t_jobs}
         return result.model_copy(update={"breakdown": breakdown, "seconds": time.perf_counter() - t0})
 
-    def _verify_result(self, task: Task, o: JobOutcome, cmp: Comparison | None, seconds: float) -> VerifyResult:
-        failure = _outcome_failure(o, "verify")
-        if failure:
-            kind, msg = failure
-            audit = AuditResult(mode=self.config.mode, passed=False, reasons=[msg]) if kind in (
-                ErrorKind.AUDIT, ErrorKind.TAMPER) else None
-            out = o.output.strip()
-            if out and kind not in (ErrorKind.CRASH,):
-                msg += "\n--- output ---\n" + out[-2000:]
-            return VerifyResult(ok=False, error_kind=kind, error=msg, audit=audit,
-                                reasons=[msg.splitlines()[0] if msg else kind.value], seconds=seconds)
+    def _verify_failure(self, o: JobOutcome, kind: ErrorKind, msg: str) -> VerifyResult:
+        audit = AuditResult(mode=self.config.mode, passed=False, reasons=[msg]) if kind in (
+            ErrorKind.AUDIT, ErrorKind.TAMPER) else None
+        out = o.output.strip()
+        if out and kind not in (ErrorKind.CRASH,):
+            msg += "\n--- output ---\n" + out[-2000:]
+        return VerifyResult(ok=False, error_kind=kind, error=msg, audit=audit,
+                            reasons=[msg.splitlines()[0] if msg else kind.value])
+
+    def _verify_result(self, o: JobOutcome, cmp: Comparison) -> VerifyResult:
         final = o.final or {}
-        assert cmp is not None
         ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
         forbidden = forbidden_ops(ops)  # our own copy of the rule, not the worker's verdict
         audit_reasons: list[str] = []
@@ -262,7 +262,7 @@ class Evaluator:
             kind = ErrorKind.AUDIT
         return VerifyResult(ok=correct and passed, correct=correct, trials=cmp.trials, trials_passed=cmp.passed,
                             max_abs_error=cmp.max_abs_error, audit=audit, error_kind=kind,
-                            error="\n".join(reasons) or None, reasons=reasons, seconds=seconds)
+                            error="\n".join(reasons) or None, reasons=reasons)
 
     # -- profile ----------------------------------------------------------------------------
     async def abaselines(self, task: Task) -> dict[str, Any]:

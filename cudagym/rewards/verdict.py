@@ -107,7 +107,7 @@ class ProfileResult(BaseModel):
     candidate: TimingStats | None = None
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
-    candidate_stream: TimingStats | None = None  # diagnostic: to the caller's stream done, no device sync
+    candidate_stream: TimingStats | None = None  # diagnostic (kernel_diagnostic_calls): to the stream done
     candidate_kernel: TimingStats | None = None  # diagnostic: kernel time per call from the CUDA profiler
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None

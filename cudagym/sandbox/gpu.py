@@ -5,50 +5,48 @@ from __future__ import annotations
 import os
 import platform
 from functools import lru_cache
+from typing import Any
+
+
+def _visible(count: int) -> list[int]:
+    """NVML indices of the GPUs this process may use, in CUDA order (CUDA_VISIBLE_DEVICES)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is None:
+        return list(range(count))
+    return [i for i in (int(x) for x in vis.split(",") if x.strip().isdigit()) if i < count]
+
+
+def _nvml(query: Any) -> Any:
+    """`query(pynvml, visible NVML indices)` inside an NVML session; None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return query(pynvml, _visible(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no NVML: no GPU
+        return None
 
 
 @lru_cache(maxsize=1)
 def gpu_names() -> tuple[str, ...]:
     """Names of the visible NVIDIA GPUs, honouring CUDA_VISIBLE_DEVICES; () without any."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                     for i in range(pynvml.nvmlDeviceGetCount())]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no driver, no NVML: no GPU
-        return ()
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None:
-        idx = [int(x) for x in vis.split(",") if x.strip().isdigit()]
-        names = [names[i] for i in idx if i < len(names)]
+    names = _nvml(lambda nv, idx: [nv.nvmlDeviceGetName(nv.nvmlDeviceGetHandleByIndex(i)) for i in idx]) or []
     return tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
 
 
 @lru_cache(maxsize=None)
 def gpu_local_cpus(index: int) -> tuple[int, ...]:
-    """The CPUs nearest GPU `index` (its NUMA node, from NVML), within this process's affinity;
-    () when unknown. Launch latency from a far socket is higher and differs between processes."""
-    allowed = os.sched_getaffinity(0)
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if vis is not None:
-                idx = [int(x) for x in vis.split(",") if x.strip().isdigit()]
-                index = idx[index] if index < len(idx) else index
-            words = pynvml.nvmlDeviceGetCpuAffinity(pynvml.nvmlDeviceGetHandleByIndex(index), (os.cpu_count() or 64) // 64 + 1)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML: no preference
+    """The CPUs nearest visible GPU `index` (its NUMA node, from NVML), within this process's
+    affinity; () when unknown. Launch latency from a far socket is higher."""
+    words = _nvml(lambda nv, idx: nv.nvmlDeviceGetCpuAffinity(
+        nv.nvmlDeviceGetHandleByIndex(idx[index]), (os.cpu_count() or 64) // 64 + 1) if index < len(idx) else None)
+    if words is None:
         return ()
     cpus = {64 * i + b for i, word in enumerate(words) for b in range(64) if (int(word) >> b) & 1}
-    return tuple(sorted(cpus & allowed))
+    return tuple(sorted(cpus & os.sched_getaffinity(0)))
 
 
 def gpu_count() -> int:

@@ -129,16 +129,13 @@ class Channel:
             if off + n > self._shm_cap:
                 raise CandidateError("output_format", f"the outputs exceed the result limit of {self._shm_cap >> 20} MB")
             if self._premapped is not None and off + n <= len(self._premapped):
-                # populated (and page-locked on a GPU) while the worker was a spare
-                dst = torch.frombuffer(self._premapped, dtype=c.dtype, count=c.numel(), offset=off)
-                dst.copy_(c.reshape(-1))  # device -> shared pages, one copy
-                del dst
+                mm, at = self._premapped, off  # populated (and page-locked on a GPU) while a spare
             else:
-                mm = mmap.mmap(self._shm, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=off)
-                dst = torch.frombuffer(mm, dtype=c.dtype, count=c.numel())
-                dst.copy_(c.reshape(-1))
-                del dst
+                mm, at = _map_shared(self._shm, n, off), 0
+            dst = torch.frombuffer(mm, dtype=c.dtype, count=c.numel(), offset=at)
+            dst.copy_(c.reshape(-1))  # device -> shared pages, one copy
+            del dst
+            if mm is not self._premapped:
                 mm.close()
             self._shm_off = off + -(-n // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
             self.send({**header, "offset": off, "nbytes": n})
@@ -315,6 +312,12 @@ def poison_allocator(device: torch.device, nbytes: int) -> None:
     del buf
 
 
+def _map_shared(fd: int, size: int, offset: int = 0) -> mmap.mmap:
+    """A writable, populated (no page faults later) shared mapping of part of the result memory."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+
+
 _PREMAPPED: list[mmap.mmap] = []  # the start of the result memory, mapped by `prewarm`
 
 
@@ -324,8 +327,7 @@ def premap_results(shm_fd: int, mb: int) -> None:
     size = min(mb << 20, os.fstat(shm_fd).st_size)
     if size <= 0:
         return
-    mm = mmap.mmap(shm_fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm = _map_shared(shm_fd, size)
     if torch.cuda.is_initialized():
         import ctypes
 
@@ -605,7 +607,8 @@ def _kernel_ms(fn: Any, sets: list[list[Any]], calls: int) -> list[float]:
 
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> list[float]:
     rng = secrets.SystemRandom()
-    timer = DeviceTimer(p.device, job.timing.flush_l2)
+    diagnose = job.timing.kernel_diagnostic_calls > 0
+    timer = DeviceTimer(p.device, job.timing.flush_l2, stream_diagnostic=diagnose)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
     ph.mark(f"{role}_setup")
@@ -622,8 +625,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
                                keep if role == "candidate" else None)
     ph.mark(f"{role}_timed_loop")
-    ph.extra[f"{role}_stream_ms"] = timer.stream_ms[-len(times):] if timer.stream_ms else []
-    if job.timing.kernel_diagnostic_calls and p.device.type == "cuda":
+    if diagnose and p.device.type == "cuda":
+        ph.extra[f"{role}_stream_ms"] = (timer.stream_ms or [])[-len(times):]
         ph.extra[f"{role}_kernel_ms"] = _kernel_ms(fn, sets, job.timing.kernel_diagnostic_calls)
     if role == "candidate":
         check_tamper()

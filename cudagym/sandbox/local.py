@@ -78,8 +78,8 @@ class _GpuLease:
 class _FrameReader:
     """Reads one worker's result pipe on its own thread, frame by frame.
 
-    Each payload is read straight from the pipe into its own buffer: no event-loop chunking
-    and no re-assembly copies, which matters when trials send hundreds of MB of outputs.
+    Frames are small (tensor bytes go through the worker's result memory); a payload that does
+    come on the pipe is read straight into its own buffer.
     `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
     """
 
@@ -253,7 +253,6 @@ class LocalSandbox(Sandbox):
 
     async def _spawn(self, device: str) -> _Worker:
         r, w = os.pipe()
-        _grow_pipe(r)
         shm = _result_memory(self.config.max_result_mb << 20)
         # Spares start at a low CPU priority, so that starting them does not slow the jobs and
         # comparisons running meanwhile; a worker gets normal priority when it takes a job.
@@ -482,18 +481,6 @@ class LocalSandbox(Sandbox):
             cgroup.remove()
         if replenish is not None:
             asyncio.ensure_future(self._replenish(replenish))
-
-
-def _grow_pipe(fd: int) -> None:
-    """Outputs travel through the pipe: a large buffer saves thousands of context switches."""
-    import fcntl
-
-    for size in (64 << 20, 16 << 20, 4 << 20, 1 << 20):
-        try:
-            fcntl.fcntl(fd, 1031, size)  # F_SETPIPE_SZ
-            return
-        except OSError:
-            continue
 
 
 def _num_threads(p: psutil.Process) -> int:

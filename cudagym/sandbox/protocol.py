@@ -42,7 +42,9 @@ class TimingConfig(BaseModel):
     input_sets: int = 4  # rotating input buffers, refilled with fresh values before every call
     recheck_calls: int = 3  # timed calls whose outputs are checked against the reference
     flush_l2: bool = True
-    kernel_diagnostic_calls: int = 0  # diagnostic: calls re-run under the CUDA profiler (kernel time)
+    # diagnostic: calls re-run under the CUDA profiler (kernel time); also records, per timed
+    # call, the time to the caller's stream being done (one more event inside the interval)
+    kernel_diagnostic_calls: int = 0
 
 
 class LimitsConfig(BaseModel):

@@ -50,14 +50,16 @@ def _cudart() -> Any | None:
 class DeviceTimer:
     """Times one call at a time on `device` (cuda:N or cpu) under the protocol above."""
 
-    def __init__(self, device: torch.device, flush_l2: bool = True):
+    def __init__(self, device: torch.device, flush_l2: bool = True, stream_diagnostic: bool = False):
         self.device = device
         self.cuda = device.type == "cuda"
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self._event = torch.cuda.Event if self.cuda else None
         self._elapsed = torch.cuda.Event.elapsed_time if self.cuda else None
         self._perf = time.perf_counter
-        self.stream_ms: list[float] = []  # per call: start to the caller's stream being done
+        # diagnostic, off by default (an extra event inside the timed interval): per call, start
+        # to the caller's stream being done, without the device-wide synchronize's wake-up
+        self.stream_ms: list[float] | None = [] if stream_diagnostic and self.cuda else None
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             self._flush_buf = torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=device) if flush_l2 else None
@@ -77,14 +79,16 @@ class DeviceTimer:
         self._sync()
         if self.cuda:
             start, end = self._event(enable_timing=True), self._event(enable_timing=True)
-            on_stream = self._event(enable_timing=True)
+            on_stream = self._event(enable_timing=True) if self.stream_ms is not None else None
             start.record()
             out = fn(*args)
-            on_stream.record()  # the caller's stream done (diagnostic; excludes the sync's wake-up)
+            if on_stream is not None:
+                on_stream.record()
             self._sync()
             end.record()
             end.synchronize()
-            self.stream_ms.append(float(self._elapsed(start, on_stream)))
+            if on_stream is not None:
+                self.stream_ms.append(float(self._elapsed(start, on_stream)))
             return float(self._elapsed(start, end)), out
         t0 = self._perf()
         out = fn(*args)
