@@ -10,9 +10,10 @@ Prints:
    each `--spread-tasks` kernel, and their CV across jobs;
 4. agreement of the profile's candidate time with Nsight Compute's gpu__time_duration (GPU).
 
-Diagnostics: `--kernel-diagnostic N` repeats the spread with the kernels' own GPU time (CUDA
-profiler, N calls per job), `--no-flush-variant` without the L2 flush, `--profile-compare`
-cProfiles one verify's output comparison.
+The spread tables also show each job's GPU busy time per call (the summed duration of the call's
+kernels and copies, from the same CUDA profiler trace that times the calls). Diagnostics:
+`--no-flush-variant` repeats the spread without the L2 flush, `--profile-compare` cProfiles one
+verify's output comparison.
 
 Usage: python benchmarks/bench_eval.py [--target auto|cuda|cpu] [--task ID] [--spread-tasks A,B]
            [--ncu-task ID] [--repeats N] [--think-s S] [--spread-jobs N]
@@ -54,24 +55,20 @@ def spread(ev: Evaluator, console: Console, cache: Path, task_id: str, sol: str,
     assert ev.compile(task, ws).ok
     ev.profile(task, ws)  # baselines
     t = Table(title=f"{task.id}: {jobs} separate profile jobs (fresh workers){label}")
-    for c in ("job", "median ms", "p10 ms", "min ms", "IQR ms", "calls", "stream-done median ms", "kernel ms",
-              "SM MHz before/after"):
+    for c in ("job", "median ms", "p10 ms", "min ms", "IQR ms", "calls", "GPU busy median ms", "SM MHz before/after"):
         t.add_column(c)
-    stats: dict[str, list[float]] = {"median": [], "p10": [], "min": [], "stream-done median": [],
-                                     "kernel time (profiler)": []}
+    stats: dict[str, list[float]] = {"median": [], "p10": [], "min": [], "GPU busy (profiler)": []}
     for j in range(jobs):
         time.sleep(pause_s)
         p = ev.profile(task, ws)
         assert p.ok, p
         c = p.candidate
-        sm = p.candidate_stream.median_ms if p.candidate_stream else float("nan")
         km = p.candidate_kernel.median_ms if p.candidate_kernel else float("nan")
-        for k, x in (("median", c.median_ms), ("p10", c.p10_ms), ("min", c.min_ms), ("stream-done median", sm),
-                     ("kernel time (profiler)", km)):
+        for k, x in (("median", c.median_ms), ("p10", c.p10_ms), ("min", c.min_ms), ("GPU busy (profiler)", km)):
             stats[k].append(x)
         tb, ta = p.telemetry.get("before", {}), p.telemetry.get("after", {})
         t.add_row(str(j), f"{c.median_ms:.4f}", f"{c.p10_ms:.4f}", f"{c.min_ms:.4f}", f"{c.iqr_ms:.4f}", str(c.n),
-                  f"{sm:.4f}", f"{km:.4f}", f"{tb.get('sm_clock_mhz', '-')}/{ta.get('sm_clock_mhz', '-')}")
+                  f"{km:.4f}", f"{tb.get('sm_clock_mhz', '-')}/{ta.get('sm_clock_mhz', '-')}")
     console.print(t)
     t = Table(title=f"timing spread over {jobs} separate profile jobs of {task.id}{label}")
     for c in ("per-job statistic", "median over jobs ms", "min ms", "max ms", "CV across jobs (target < 1%)"):
@@ -94,8 +91,6 @@ def main() -> None:
     ap.add_argument("--spread-jobs", type=int, default=10)
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (quick smoke runs)")
     ap.add_argument("--profile-compare", action="store_true", help="cProfile one verify's output comparison")
-    ap.add_argument("--kernel-diagnostic", type=int, default=0,
-                    help="also measure the spread with N calls' kernel time from the CUDA profiler")
     ap.add_argument("--no-flush-variant", action="store_true", help="also measure the spread without the L2 flush")
     ap.add_argument("--spread-tasks", default="ew_scale_bias_gelu,mm_linear_gelu",
                     help="comma-separated bundled task ids whose timing spread is measured")
@@ -203,20 +198,15 @@ def main() -> None:
             nws = Workspace.from_solution(cache / "ncu_ws", ntask, ROOT / "examples" / "solutions" / args.ncu_task / "cuda")
             p = ev.profile(ntask, nws, ncu=True)
             t = Table(title=f"profile vs Nsight Compute on {ntask.id}")
-            for c in ("profile median ms", "ncu kernel ms per call", "ratio"):
+            for c in ("profile median ms", "GPU busy median ms", "ncu kernel ms per call", "ratio (profile / ncu)"):
                 t.add_column(c)
             k = (p.ncu or {}).get("kernel_ms_per_call")
-            t.add_row(f"{p.candidate.median_ms:.4f}", "-" if k is None else f"{k:.4f}",
+            busy = f"{p.candidate_kernel.median_ms:.4f}" if p.candidate_kernel else "-"
+            t.add_row(f"{p.candidate.median_ms:.4f}", busy, "-" if k is None else f"{k:.4f}",
                       "-" if not k else f"{p.candidate.median_ms / k:.3f}")
             console.print(t)
             if k is None:
                 console.print(p.ncu)
-    if args.kernel_diagnostic:  # diagnostic: the kernels' own GPU time per job (CUDA profiler)
-        cfg = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=False,
-                              timing=TimingConfig(kernel_diagnostic_calls=args.kernel_diagnostic))
-        with Evaluator(cfg) as ev:
-            spread(ev, console, cache, args.spread_tasks.split(",")[0], sol, args.spread_jobs, args.think_s / 2,
-                   " (diagnostic: with kernel times from the CUDA profiler)")
     if args.no_flush_variant:  # diagnostic: the same spread without the L2 flush
         cfg = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=False,
                               timing=TimingConfig(flush_l2=False))

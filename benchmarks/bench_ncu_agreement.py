@@ -1,11 +1,11 @@
 """Agreement of the profile's candidate time with Nsight Compute's gpu__time_duration (GPU only).
 
 For each task, the honest CUDA solution is profiled once with `ncu=True`: the profile's median
-time per call (CUDA events + device sync) against the sum of the kernels' gpu__time_duration per
-call that `ncu` measured (target: within 10% for kernels long enough that launch overhead is
-negligible).
+time per call (the traced protocol of `cudagym.sandbox.timing`) against the sum of the kernels'
+gpu__time_duration per call that `ncu` measured (target: within 10%). The GPU busy time of the
+same trace (the summed duration of the call's kernels) is shown too.
 
-Usage: python benchmarks/bench_ncu_agreement.py [TASK_ID ...]   (default: mm_linear_gelu)
+Usage: python benchmarks/bench_ncu_agreement.py [TASK_ID ...]   (default: all bundled tasks)
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from rich.table import Table
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.sandbox.workspace import Workspace
-from cudagym.tasks.loaders import bundled_task
+from cudagym.tasks.loaders import bundled_task, bundled_task_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    ids = sys.argv[1:] or ["mm_linear_gelu"]
+    ids = sys.argv[1:] or bundled_task_ids()
     console = Console()
     cache = Path(tempfile.mkdtemp(prefix="cudagym-ncu-"))
     table = Table(title="profile vs Nsight Compute (per forward call)")
-    for c in ("task", "profile median ms", "ncu kernel ms", "ratio"):
+    for c in ("task", "profile median ms", "GPU busy median ms", "ncu kernel ms", "ratio (profile / ncu)"):
         table.add_column(c)
     with Evaluator(EvaluatorConfig(target="cuda", cache_dir=cache, compile_baseline=False)) as ev:
         for tid in ids:
@@ -39,7 +39,8 @@ def main() -> None:
             p = ev.profile(task, ws, ncu=True)
             assert p.ok and p.candidate is not None, p.reasons
             k = (p.ncu or {}).get("kernel_ms_per_call")
-            table.add_row(tid, f"{p.candidate.median_ms:.4f}", "-" if not k else f"{k:.4f}",
+            busy = f"{p.candidate_kernel.median_ms:.4f}" if p.candidate_kernel else "-"
+            table.add_row(tid, f"{p.candidate.median_ms:.4f}", busy, "-" if not k else f"{k:.4f}",
                           "-" if not k else f"{p.candidate.median_ms / k:.3f}")
             if not k:
                 console.print(p.ncu)

@@ -133,6 +133,74 @@ ModelNew.forward = _forward
 '''
 
 
+TIMED_CU = r"""
+#include <cstdint>
+#include <cuda_runtime.h>
+__global__ void gelu(const float* x, const float* bias, float* out, int64_t n, int64_t cols, float scale) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i] * scale + bias[i % cols]; out[i] = 0.5f * v * (1.0f + erff(v * 0.70710678f)); }
+}
+__global__ void spin(long long cycles) { long long t0 = clock64(); while (clock64() - t0 < cycles) {} }
+extern "C" int launch(const float* x, const float* bias, float* out, int64_t rows, int64_t cols, float scale,
+                      void* s, long long side_cycles) {
+    int64_t n = rows * cols;
+    gelu<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)s>>>(x, bias, out, n, cols, scale);
+    if (side_cycles > 0) {  // busy work on a side stream the caller's stream never waits for
+        static cudaStream_t side = nullptr;
+        if (!side) cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+        spin<<<1, 1, 0, side>>>(side_cycles);
+    }
+    return (int)cudaGetLastError();
+}
+"""
+TIMED_PY = HEADER + """
+import time
+_lib = kernel_library()
+_lib.launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_longlong]
+
+def _forward(self, x):
+    out = torch.empty_like(x)
+    _lib.launch(ptr(x), ptr(self.bias), ptr(out), x.size(0), x.size(1), self.scale, stream(), SIDE_CYCLES)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < HOST_S:  # work on the host after the launch
+        pass
+    return out
+ModelNew.forward = _forward
+"""
+
+
+@pytest.mark.parametrize("side_cycles,host_s", [(4_000_000, 0.0), (0, 0.002)], ids=["side-stream", "host"])
+def test_timing_counts_work_on_side_streams_and_on_the_host(tmp_path, ev, side_cycles, host_s):
+    """Correct outputs on the caller's stream, plus about 2 ms of other work per call: a kernel
+    spinning on a side stream nobody waits for, or a busy loop on the host after the launch.
+    Either is inside the timed interval (the honest kernel alone takes well under 0.2 ms)."""
+    code = TIMED_PY.replace("SIDE_CYCLES", str(side_cycles)).replace("HOST_S", str(host_s))
+    task, ws = hacked(tmp_path, ev, code, TIMED_CU)
+    v = ev.evaluate(task, ws)
+    assert v.correct, v.summary()
+    busy = v.profile_result.candidate_kernel.median_ms
+    assert v.candidate_ms > 1.0, (v.candidate_ms, busy, v.summary())
+    if side_cycles:
+        assert busy > 1.0, busy  # the spinning kernel is in the call's GPU busy time too
+
+
+def test_stopping_the_profiler_while_timed_is_tamper(tmp_path, ev):
+    code = TIMED_PY.replace("SIDE_CYCLES", "0").replace("HOST_S", "0.0") + """
+_calls = [0]
+_honest = ModelNew.forward
+def _stop(self, x):
+    _calls[0] += 1
+    if _calls[0] > 40 and torch.autograd._profiler_enabled():  # a profile job's timed calls
+        torch._C._autograd._disable_profiler()
+    return _honest(self, x)
+ModelNew.forward = _stop
+"""
+    task, ws = hacked(tmp_path, ev, code, TIMED_CU)
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind == ErrorKind.TAMPER, v.summary()
+    assert "timing trace" in " ".join(v.reasons) + (v.error or ""), v.summary()
+
+
 def test_illegal_memory_access_then_next_check_succeeds(tmp_path, ev):
     task, ws = hacked(tmp_path, ev, IMA_PY, IMA_CU)
     v = ev.evaluate(task, ws)
@@ -172,11 +240,17 @@ def test_l2_flush_makes_cached_reads_cold():
 
     x = torch.randn(4 * 2**20, device="cuda")  # 16 MiB: fits the L2 of an H100
     fn = lambda a: a.sum()  # noqa: E731
-    hot, cold = DeviceTimer(torch.device("cuda"), flush_l2=False), DeviceTimer(torch.device("cuda"), flush_l2=True)
-    for _ in range(5):
-        hot.time_call_ms(fn, [x]), cold.time_call_ms(fn, [x])
-    hot_ms = sorted(hot.time_call_ms(fn, [x])[0] for _ in range(30))[15]
-    cold_ms = sorted(cold.time_call_ms(fn, [x])[0] for _ in range(30))[15]
+
+    def median_ms(timer: DeviceTimer) -> float:
+        for _ in range(5):
+            timer.call(fn, [x])
+        timer.start()
+        for _ in range(30):
+            timer.call(fn, [x])
+        return sorted(timer.finish())[15]
+
+    hot_ms = median_ms(DeviceTimer(torch.device("cuda"), flush_l2=False))
+    cold_ms = median_ms(DeviceTimer(torch.device("cuda"), flush_l2=True))
     assert cold_ms > hot_ms, (cold_ms, hot_ms)
 
 

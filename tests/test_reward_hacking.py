@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from cudagym.rewards.evaluator import Evaluator
+from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
+from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.loaders import bundled_task_ids
 
 from conftest import SOLUTIONS, cpu_config, solution_workspace, task_of
@@ -510,6 +512,27 @@ def test_15_garbage_after_a_few_calls(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.MISMATCH, "mismatches")
 
 
+def test_15_honest_through_the_first_timed_calls_only(eval_cache: Path, build_ws) -> None:
+    """A timed loop of 100 calls after 2 warm-up calls. The candidate stays correct for its first
+    24 calls in the process (more than a verify job makes), then returns zeros: most timed calls,
+    and so the median, are the cheap wrong ones. Re-checks drawn from the first 20 timed calls
+    would all pass; drawn from all of them, 5 re-checks miss with probability C(22,5)/C(100,5)."""
+    timing = TimingConfig(warmup_calls=2, warmup_ms=0, min_calls=20, max_calls=100, target_ms=1e9, flush_l2=False)
+    init_extra = """\
+    self._calls = 0
+    """
+    body = """\
+    self._calls += 1
+    if self._calls > 24:
+        return torch.zeros_like(x)
+    return run_kernel(x, self.bias, self.scale)
+    """
+    with Evaluator(EvaluatorConfig(target="cpu", cache_dir=eval_cache, timing=timing, compile_baseline=False)) as ev:
+        v = ev.evaluate(GELU, build_ws(GELU, gelu_model(body, init_extra=init_extra), GELU_KERNELS))
+    assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw only correct calls
+    assert_rejected(v, ErrorKind.MISMATCH, "outputs of timed calls are wrong")
+
+
 # -- 12: work finished in the background --------------------------------------------------------
 def test_12_python_thread_finishes_after_return(evaluator: Evaluator, build_ws) -> None:
     body = """\
@@ -699,11 +722,8 @@ TIMING_PATCHES = {
     """,
     "the timer's method": """\
     import cudagym.sandbox.timing as _t
-    _call = _t.DeviceTimer.time_call_ms
-    def _fast(self, fn, args):
-        ms, out = _call(self, fn, args)
-        return ms / 10, out
-    _t.DeviceTimer.time_call_ms = _fast
+    _finish = _t.DeviceTimer.finish
+    _t.DeviceTimer.finish = lambda self: [t / 10 for t in _finish(self)]
     """,
     "the timer object's clock": """\
     import gc, time

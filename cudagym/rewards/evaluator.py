@@ -337,7 +337,6 @@ class Evaluator:
             speedup_vs_compile=comp.median_ms / cand.median_ms if comp and cand.median_ms > 0 else None,
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
-            candidate_stream=_stats_or_none((final.get("diagnostics") or {}).get("candidate_stream_ms")),
             candidate_kernel=_stats_or_none((final.get("diagnostics") or {}).get("candidate_kernel_ms")),
         )
         if floor_ms > 0 and cand.median_ms < self.config.roofline_slack * floor_ms:

@@ -107,8 +107,7 @@ class ProfileResult(BaseModel):
     candidate: TimingStats | None = None
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
-    candidate_stream: TimingStats | None = None  # diagnostic (kernel_diagnostic_calls): to the stream done
-    candidate_kernel: TimingStats | None = None  # diagnostic: kernel time per call from the CUDA profiler
+    candidate_kernel: TimingStats | None = None  # diagnostic: GPU busy time per timed call (CUDA profiler)
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None

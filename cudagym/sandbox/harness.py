@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, run_timed_loop
+from cudagym.sandbox.timing import DeviceTimer, TimingTraceError, profiler_available, run_timed_loop
 
 # Identity snapshot, taken at import (before any candidate code runs) and checked after.
 _WATCHED: dict[str, tuple[Any, str]] = {
@@ -38,6 +38,12 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "torch.cuda.Event.record": (torch.cuda.Event, "record"),
     "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time"),
     "torch.cuda.Event.synchronize": (torch.cuda.Event, "synchronize"),
+    "torch.cuda.set_stream": (torch.cuda, "set_stream"),
+    "torch.cuda.current_stream": (torch.cuda, "current_stream"),
+    "torch.cuda.Stream.wait_stream": (torch.cuda.Stream, "wait_stream"),
+    "torch.Tensor.zero_": (torch.Tensor, "zero_"),
+    "torch.autograd.profiler.profile.__enter__": (torch.autograd.profiler.profile, "__enter__"),
+    "torch.autograd.profiler.profile.__exit__": (torch.autograd.profiler.profile, "__exit__"),
     "time.perf_counter": (time, "perf_counter"),
     "torch.allclose": (torch, "allclose"),
     "torch.Tensor.copy_": (torch.Tensor, "copy_"),
@@ -338,18 +344,25 @@ def premap_results(shm_fd: int, mb: int) -> None:
 
 def prewarm() -> None:
     """Pay for lazy initialization while idle: dynamo (via the dispatch mode), psutil, the
-    profiler's first session (over a second on its own), NVML."""
+    profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML."""
     import psutil  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
 
-    if os.environ.get("CUDAGYM_UNDER_NCU"):  # Nsight Compute owns CUPTI in this process
+    if not profiler_available():  # Nsight Compute owns CUPTI in this process
         with OpRecorder():
             torch.ones(2) + 1
     else:
-        with OpRecorder(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            torch.ones(2) + 1
+        cuda = os.environ.get("CUDAGYM_DEVICE") == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with OpRecorder(), profile(activities=activities) as prof:
+            torch.ones(2, device="cuda" if cuda else "cpu") + 1
         prof.events()
+        if cuda:  # the timer's own session (CUDA activities only), once
+            timer = DeviceTimer(torch.device("cuda"), flush_l2=False)
+            timer.start()
+            timer.call(lambda: None, [])
+            timer.finish()
     _live_helpers()
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
@@ -591,58 +604,58 @@ def _telemetry() -> dict[str, Any]:
 RECHECK_SAMPLE = 1 << 20  # elements re-checked per output of a timed call (all, if fewer)
 
 
-def _kernel_ms(fn: Any, sets: list[list[Any]], calls: int) -> list[float]:
-    """Diagnostic: GPU time of the kernels of each call, from the CUDA profiler (after the timed
-    loop, so CUPTI cannot disturb it). Not used for any verdict."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-            torch.cuda.synchronize()
-    total = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return [total / 1e3 / calls]
-
-
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> list[float]:
     rng = secrets.SystemRandom()
-    diagnose = job.timing.kernel_diagnostic_calls > 0
-    timer = DeviceTimer(p.device, job.timing.flush_l2, stream_diagnostic=diagnose)
+    timer = DeviceTimer(p.device, job.timing.flush_l2)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
     ph.mark(f"{role}_setup")
-    kept: list[tuple[list[Any], list[torch.Tensor]]] = []
+    seed = [0]  # of the latest call's inputs: a re-check regenerates them instead of keeping a copy
+    kept: list[tuple[int, list[tuple[torch.Size, torch.Tensor | None, torch.Tensor]]]] = []
     recheck_at: set[int] = set()
 
-    def keep(i: int, args: list[Any], out: Any) -> None:
-        if not recheck_at:
-            recheck_at.update(rng.sample(range(job.timing.min_calls), min(job.timing.recheck_calls, job.timing.min_calls)))
-        if i in recheck_at:
-            kept.append((clone_args(args), [o.detach().clone() for o in as_outputs(out, "ModelNew.forward")]))
+    def fresh_inputs() -> list[Any]:
+        seed[0] = rng.getrandbits(62)
+        return p.inputs(seed[0])
 
-    with torch.no_grad():
-        times = run_timed_loop(fn, sets, lambda: p.inputs(rng.getrandbits(62)), timer, job.timing,
-                               keep if role == "candidate" else None)
+    def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
+        """Secret random positions of an output (chosen after the call returned), or all of it."""
+        o = o.detach()
+        if o.numel() <= RECHECK_SAMPLE:
+            return o.shape, None, o.clone()
+        gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
+        idx = torch.randint(o.numel(), (RECHECK_SAMPLE,), device=o.device, generator=gen)
+        return o.shape, idx, o.reshape(-1)[idx]
+
+    def keep(i: int, n: int, args: list[Any], out: Any) -> None:
+        if not recheck_at:  # drawn from all timed calls, whose number is fixed before the first
+            recheck_at.update(rng.sample(range(n), min(job.timing.recheck_calls, n)))
+        if i in recheck_at:
+            kept.append((seed[0], [sample(o) for o in as_outputs(out, "ModelNew.forward")]))
+
+    try:
+        with torch.no_grad():
+            times = run_timed_loop(fn, sets, fresh_inputs, timer, job.timing, keep if role == "candidate" else None)
+    except TimingTraceError as e:
+        if role == "candidate":
+            raise CandidateError("tamper", f"the timing trace was disturbed: {e}") from None
+        raise
     ph.mark(f"{role}_timed_loop")
-    if diagnose and p.device.type == "cuda":
-        ph.extra[f"{role}_stream_ms"] = (timer.stream_ms or [])[-len(times):]
-        ph.extra[f"{role}_kernel_ms"] = _kernel_ms(fn, sets, job.timing.kernel_diagnostic_calls)
+    if timer.kernel_ms:
+        ph.extra[f"{role}_kernel_ms"] = timer.kernel_ms
     if role == "candidate":
         check_tamper()
         p.intact()
         if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()):
             raise CandidateError("tamper", "the harness's timer was modified by the candidate")
-        for t, (args, outs) in enumerate(kept):
+        for t, (call_seed, outs) in enumerate(kept):
             with torch.no_grad():
-                ref_out = as_outputs(p.ref(*args), "the reference")
-            for i, o in enumerate(outs):
+                ref_out = as_outputs(p.ref(*p.inputs(call_seed)), "the reference")
+            for i, (shape, idx, o) in enumerate(outs):
                 r = ref_out[i] if i < len(ref_out) else None
-                if r is not None and r.shape == o.shape and o.numel() > RECHECK_SAMPLE:
-                    # the same secret random positions of both (chosen after the call returned)
-                    gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
-                    idx = torch.randint(o.numel(), (RECHECK_SAMPLE,), device=o.device, generator=gen)
-                    o, r = o.reshape(-1)[idx], r.reshape(-1)[idx]
+                if r is not None and idx is not None:
+                    # a sampled output is compared at the same positions, if the shapes agree
+                    r = r.reshape(-1)[idx] if r.shape == shape else r
                 ch.send_tensor("candidate", t, i, o)
                 if r is not None:
                     ch.send_tensor("reference", t, i, r)

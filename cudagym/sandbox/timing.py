@@ -1,18 +1,48 @@
 """The timing protocol, run inside a worker.
 
-Per timed call, in this order: refill the call's input buffers with fresh random values (same
-pointers, new contents, so neither pointer- nor content-keyed result caches can replay), flush
-the L2 cache by zeroing a buffer twice its size (CPU: a buffer larger than the LLC), reset
-persisting L2 lines, synchronize the device, record a start event, call, synchronize the whole
-device (so work on side streams is inside the interval), record the end event. Warm-up calls
-come first and are indistinguishable from timed ones to the callee. Returns per-call times in
-milliseconds; statistics are computed by the parent (`TimingStats`).
+Before every call (timed or warm-up, indistinguishable to the callee), the call's input buffers
+are refilled with fresh random values: same pointers, new contents, so neither pointer- nor
+content-keyed result caches can replay.
+
+CUDA (traced, the default). Per call:
+1. synchronize the device: the GPU is idle;
+2. on the timer's private stream, flush the L2 cache (zero a buffer twice its size) after
+   resetting persisting L2 lines; the caller's stream waits for the flush;
+3. call; the call is launched while the flush runs, so launch latency is hidden, as in Triton's
+   `do_bench`;
+4. the timer's stream waits for the caller's stream, then a 4-byte marker runs on it. The
+   marker is issued after the call returned on the host, so host-side work is never hidden;
+5. synchronize the device, then run an end-of-call separator on the timer's stream, which the
+   caller's stream waits for (so the harness's own work between calls is after the separator).
+
+The CUDA profiler (CUPTI, through torch's Kineto) records every GPU activity on every stream:
+kernels, copies, memsets. A call owns the activities that start between its flush and its
+separator on streams other than the timer's. Its time runs:
+- from the end of its flush, or from the earliest start of its own activities if that is
+  earlier (work started on a side stream during the flush is counted);
+- to the latest of the marker's start and the end of its own activities on any stream.
+
+Work on side streams is therefore inside the interval. The device-wide synchronize that
+separates calls is not: its wake-up latency varies from process to process.
+
+The timer's stream must carry exactly the timer's operations. If it does not, the trace is
+rejected (`TimingTraceError`): something else used the stream, or the profiler was disturbed.
+
+CUDA without the profiler (under Nsight Compute, which owns CUPTI): events around each call, with
+a device-wide synchronize before the end event.
+
+CPU: the wall clock around the call, after flushing the caches with a buffer larger than the LLC.
+
+Per-call times are in milliseconds. Statistics are computed by the parent (`TimingStats`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import math
+import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,10 +51,16 @@ import torch
 
 from cudagym.sandbox.protocol import TimingConfig
 
+# GPU activity kinds that carry work (Kineto's names); runtime calls and sync records do not
+_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+class TimingTraceError(RuntimeError):
+    """The profiler's record of the timed calls is not the one the timer produced."""
+
 
 def _cudart() -> Any | None:
     import glob
-    import os
 
     roots = [os.path.dirname(torch.__file__)]
     try:
@@ -47,52 +83,152 @@ def _cudart() -> Any | None:
     return None
 
 
-class DeviceTimer:
-    """Times one call at a time on `device` (cuda:N or cpu) under the protocol above."""
+def profiler_available() -> bool:
+    """Whether this process may use the CUDA profiler (not under Nsight Compute, which owns it)."""
+    return not os.environ.get("CUDAGYM_UNDER_NCU")
 
-    def __init__(self, device: torch.device, flush_l2: bool = True, stream_diagnostic: bool = False):
+
+class DeviceTimer:
+    """Times calls on `device` (cuda:N or cpu) under the protocol above.
+
+    Use: `start()`, then `call(fn, args)` per timed call, then `finish()` for the per-call times.
+    Calls made outside `start()`/`finish()` (warm-up) go through the same steps and are not
+    recorded. `kernel_ms` holds, after `finish()`, each timed call's GPU busy time (the summed
+    duration of its activities; a diagnostic, traced mode only).
+    """
+
+    def __init__(self, device: torch.device, flush_l2: bool = True, traced: bool | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.traced = self.cuda and (profiler_available() if traced is None else traced)
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
-        self._event = torch.cuda.Event if self.cuda else None
-        self._elapsed = torch.cuda.Event.elapsed_time if self.cuda else None
         self._perf = time.perf_counter
-        # diagnostic, off by default (an extra event inside the timed interval): per call, start
-        # to the caller's stream being done, without the device-wide synchronize's wake-up
-        self.stream_ms: list[float] | None = [] if stream_diagnostic and self.cuda else None
+        self._times: list[float] = []
+        self._session: Any = None
+        self._recording = False
+        self._calls = 0
+        self.kernel_ms: list[float] = []
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             self._flush_buf = torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=device) if flush_l2 else None
             self._cudart = _cudart()
+            self._stream = torch.cuda.Stream(device) if self.traced else None
+            self._marker = torch.empty(1, dtype=torch.int32, device=device)
         else:
             self._flush_buf = torch.empty(64 * 2**20 // 4, dtype=torch.int32) if flush_l2 else None
             self._cudart = None
 
     def flush(self) -> None:
-        if self._flush_buf is not None:
-            self._flush_buf.zero_()
         if self._cudart is not None:
             self._cudart.cudaCtxResetPersistingL2Cache()
+        if self._flush_buf is not None:
+            self._flush_buf.zero_()
+        elif self.traced:
+            self._marker.zero_()  # still a flush-shaped step on the timer's stream
 
-    def time_call_ms(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[float, Any]:
+    # -- the timed session ------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin recording timed calls."""
+        self._times, self.kernel_ms, self._calls = [], [], 0
+        if self.traced:
+            from torch.autograd.profiler import profile
+
+            self._sync()
+            self._session = profile(use_cpu=False, use_device="cuda", use_kineto=True)
+            self._session.__enter__()
+            self._separator(torch.cuda.current_stream(self.device))  # names the timer's stream in the trace
+        self._recording = True
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """One call under the protocol; returns its output."""
+        if self.traced:
+            caller = torch.cuda.current_stream(self.device)
+            self._sync()
+            torch.cuda.set_stream(self._stream)
+            self.flush()
+            torch.cuda.set_stream(caller)
+            caller.wait_stream(self._stream)
+            out = fn(*args)
+            self._stream.wait_stream(caller)
+            torch.cuda.set_stream(self._stream)
+            self._marker.zero_()
+            torch.cuda.set_stream(caller)
+            self._sync()
+            self._separator(caller)
+            self._calls += self._recording
+            return out
         self.flush()
         self._sync()
         if self.cuda:
-            start, end = self._event(enable_timing=True), self._event(enable_timing=True)
-            on_stream = self._event(enable_timing=True) if self.stream_ms is not None else None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = fn(*args)
-            if on_stream is not None:
-                on_stream.record()
             self._sync()
             end.record()
             end.synchronize()
-            if on_stream is not None:
-                self.stream_ms.append(float(self._elapsed(start, on_stream)))
-            return float(self._elapsed(start, end)), out
-        t0 = self._perf()
-        out = fn(*args)
-        return (self._perf() - t0) * 1e3, out
+            ms = float(start.elapsed_time(end))
+        else:
+            t0 = self._perf()
+            out = fn(*args)
+            ms = (self._perf() - t0) * 1e3
+        if self._recording:
+            self._times.append(ms)
+        return out
+
+    def _separator(self, caller: Any) -> None:
+        torch.cuda.set_stream(self._stream)
+        self._marker.zero_()
+        torch.cuda.set_stream(caller)
+        caller.wait_stream(self._stream)
+
+    def finish(self) -> list[float]:
+        """Stop recording; the per-call times in milliseconds."""
+        self._recording = False
+        if not self.traced:
+            return self._times
+        self._sync()
+        session, self._session = self._session, None
+        try:
+            session.__exit__(None, None, None)
+        except RuntimeError as e:  # stopped already, by someone else
+            raise TimingTraceError(f"the profiler could not be stopped: {e}") from None
+        result = session.kineto_results
+        if type(result) is not torch._C._autograd._ProfilerResult:
+            raise TimingTraceError("the profiler's result is not torch's own")
+        self._times, self.kernel_ms = attribute(result.events(), self._calls)
+        return self._times
+
+
+def attribute(events: Sequence[Any], calls: int) -> tuple[list[float], list[float]]:
+    """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls.
+
+    The first GPU activity of the trace is the separator that names the timer's stream; that
+    stream then holds flush, marker and separator for each call, in order.
+    """
+    acts = sorted(((e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events
+                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.activity_type() in _WORK),
+                  key=lambda a: a[1])
+    if not acts:
+        raise TimingTraceError("the profiler recorded no GPU activity")
+    timer_stream = acts[0][0]
+    own = [a for a in acts if a[0] == timer_stream]
+    others = [a for a in acts if a[0] != timer_stream]
+    if len(own) != 1 + 3 * calls:
+        raise TimingTraceError(f"the timer's stream ran {len(own)} operations where the timer issued {1 + 3 * calls}")
+    times, busy = [], []
+    j = 0
+    for i in range(calls):
+        flush, marker, sep = own[1 + 3 * i: 4 + 3 * i]
+        while j < len(others) and others[j][1] < flush[1]:
+            j += 1  # the harness's own work between calls (input refill, kept outputs)
+        t0, t1, work = flush[2], marker[1], 0
+        while j < len(others) and others[j][1] < sep[1]:
+            _, s, e = others[j]
+            t0, t1, work = min(t0, s), max(t1, e), work + (e - s)
+            j += 1
+        times.append((t1 - t0) / 1e6)
+        busy.append(work / 1e6)
+    return times, busy
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
@@ -108,14 +244,17 @@ def run_timed_loop(
     fresh_inputs: Callable[[], list[Any]],
     timer: DeviceTimer,
     cfg: TimingConfig,
-    keep: Callable[[int, list[Any], Any], None] | None = None,
+    keep: Callable[[int, int, list[Any], Any], None] | None = None,
 ) -> list[float]:
-    """Warm up, then time calls until `cfg.target_ms` or `cfg.max_calls`; returns times in ms.
+    """Warm up, then time a number of calls fixed from the warm-up; returns times in ms.
 
     Warm-up lasts `cfg.warmup_calls` calls and at least `cfg.warmup_ms` of wall-clock time (so
-    clocks leave their idle state however short the call). The garbage collector is paused so
-    that a collection does not land inside a timed call. `keep(i, inputs, out)` is called after
-    timed call i (outside the timed interval) so the caller can keep some outputs for re-checks.
+    clocks leave their idle state however short the call). The number of timed calls is then
+    `cfg.target_ms` over the warm-up's median wall time per call, within
+    [`cfg.min_calls`, `cfg.max_calls`]. It is fixed before the first timed call, so outputs to
+    re-check can be drawn from all of them. The garbage collector is paused so that a
+    collection does not land inside a timed call. `keep(i, n, inputs, out)` is called after
+    timed call i of n (outside the timed interval).
     """
     k = len(input_sets)
     clock = timer._perf
@@ -123,25 +262,24 @@ def run_timed_loop(
     gc.collect()
     gc.disable()
     try:
-        t0, i = clock(), 0
+        t0, i, walls = clock(), 0, []
         while i < cfg.warmup_calls or ((clock() - t0) * 1e3 < cfg.warmup_ms and i < cfg.max_calls):
             refill_(input_sets[i % k], fresh_inputs())
-            timer.time_call_ms(fn, input_sets[i % k])
+            t = clock()
+            timer.call(fn, input_sets[i % k])
+            walls.append(clock() - t)
             i += 1
-        times: list[float] = []
-        spent = 0.0
-        i = 0
-        while i < cfg.max_calls and (i < cfg.min_calls or spent < cfg.target_ms):
+        per_call_ms = statistics.median(walls[len(walls) // 2:]) * 1e3
+        n = max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.target_ms / max(per_call_ms, 1e-6))))
+        timer.start()
+        for i in range(n):
             args = input_sets[i % k]
             refill_(args, fresh_inputs())
-            ms, out = timer.time_call_ms(fn, args)
-            times.append(ms)
-            spent += ms
+            out = timer.call(fn, args)
             if keep is not None:
-                keep(i, args, out)
+                keep(i, n, args, out)
             del out
-            i += 1
-        return times
+        return timer.finish()
     finally:
         if gc_was_enabled:
             gc.enable()
