@@ -199,14 +199,21 @@ class DeviceTimer:
         return self._times
 
 
+def _is_gpu_work(e: Any) -> bool:
+    if e.device_type() != torch.autograd.DeviceType.CUDA:
+        return False
+    if hasattr(e, "activity_type"):  # torch >= 2.12 names the record's kind
+        return e.activity_type() in _WORK
+    return not e.is_user_annotation() if hasattr(e, "is_user_annotation") else True
+
+
 def attribute(events: Sequence[Any], calls: int) -> tuple[list[float], list[float]]:
     """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls.
 
     The first GPU activity of the trace is the separator that names the timer's stream; that
     stream then holds flush, marker and separator for each call, in order.
     """
-    acts = sorted(((e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events
-                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.activity_type() in _WORK),
+    acts = sorted(((e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events if _is_gpu_work(e)),
                   key=lambda a: a[1])
     if not acts:
         raise TimingTraceError("the profiler recorded no GPU activity")
