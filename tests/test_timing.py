@@ -116,3 +116,16 @@ def test_the_cpu_loop_times_a_fixed_number_of_calls_and_offers_each_for_re_check
     assert kept == [(i, 9) for i in range(9)]
     cfg = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=7, max_calls=9, target_ms=1e-6)
     assert len(run_timed_loop(fn, [x], lambda: [torch.randn(1000)], timer, cfg)) == 7  # target met at once: min_calls
+
+
+def test_with_a_launch_window_the_call_starts_when_the_window_ends() -> None:
+    # flush 100-130, launch window 130-330, marker, separator; the kernel waited for the window
+    ops = [Rec(TIMER, 100, 130), Rec(TIMER, 130, 330), Rec(TIMER, 385, 386), Rec(TIMER, 405, 406)]
+    recs = [Rec(TIMER, 0, 1), *ops, Rec(CALLER, 332, 382), Rec(SIDE, 140, 150)]
+    times, busy = attribute(recs, 1, per_call=4)
+    # a side-stream kernel that did not wait for the caller's stream ran inside the window: the
+    # call's time starts with it
+    assert times == [pytest.approx((385 - 140) / 1000)]
+    assert busy == [pytest.approx(60 / 1000)]
+    recs = [Rec(TIMER, 0, 1), *ops, Rec(CALLER, 332, 382)]
+    assert attribute(recs, 1, per_call=4)[0] == [pytest.approx((385 - 330) / 1000)]

@@ -606,7 +606,7 @@ RECHECK_SAMPLE = 1 << 20  # elements re-checked per output of a timed call (all,
 
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> list[float]:
     rng = secrets.SystemRandom()
-    timer = DeviceTimer(p.device, job.timing.flush_l2)
+    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
     ph.mark(f"{role}_setup")

@@ -42,6 +42,9 @@ class TimingConfig(BaseModel):
     input_sets: int = 4  # rotating input buffers, refilled with fresh values before every call
     recheck_calls: int = 5  # timed calls, drawn from all of them, whose outputs are re-checked
     flush_l2: bool = True
+    # GPU: the GPU is kept busy this long before each call (after the flush), so that getting the
+    # call's first launch to the GPU is not timed (host work beyond it is)
+    launch_window_us: float = 200.0
 
 
 class LimitsConfig(BaseModel):

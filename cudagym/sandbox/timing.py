@@ -7,9 +7,11 @@ content-keyed result caches can replay.
 CUDA (traced, the default). Per call:
 1. synchronize the device: the GPU is idle;
 2. on the timer's private stream, flush the L2 cache (zero a buffer twice its size) after
-   resetting persisting L2 lines; the caller's stream waits for the flush;
-3. call; the call is launched while the flush runs, so launch latency is hidden, as in Triton's
-   `do_bench`;
+   resetting persisting L2 lines, then keep the GPU busy for a short launch window (a sleep
+   kernel, `TimingConfig.launch_window_us`); the caller's stream waits for both;
+3. call. The call is launched while the flush and the window run, so the latency of getting
+   its first launch to the GPU is hidden (as in Triton's `do_bench`, where the flush alone
+   does it): it varies from process to process by tens of microseconds;
 4. the timer's stream waits for the caller's stream, then a 4-byte marker runs on it. The
    marker is issued after the call returned on the host, so host-side work is never hidden;
 5. synchronize the device, then run an end-of-call separator on the timer's stream, which the
@@ -18,12 +20,15 @@ CUDA (traced, the default). Per call:
 The CUDA profiler (CUPTI, through torch's Kineto) records every GPU activity on every stream:
 kernels, copies, memsets. A call owns the activities that start between its flush and its
 separator on streams other than the timer's. Its time runs:
-- from the end of its flush, or from the earliest start of its own activities if that is
-  earlier (work started on a side stream during the flush is counted);
+- from the end of the launch window, or from the earliest start of its own activities if that
+  is earlier (work started on a side stream that does not wait for the caller's stream is
+  counted from its start);
 - to the latest of the marker's start and the end of its own activities on any stream.
 
-Work on side streams is therefore inside the interval. The device-wide synchronize that
-separates calls is not: its wake-up latency varies from process to process.
+Work on side streams is therefore inside the interval, and so is host-side work: before the
+first launch, beyond the launch window, the GPU waits; after it, the marker waits. The
+device-wide synchronize that separates calls is not: its wake-up latency varies from process to
+process.
 
 The timer's stream must carry exactly the timer's operations. If it does not, the trace is
 rejected (`TimingTraceError`): something else used the stream, or the profiler was disturbed.
@@ -97,7 +102,8 @@ class DeviceTimer:
     duration of its activities; a diagnostic, traced mode only).
     """
 
-    def __init__(self, device: torch.device, flush_l2: bool = True, traced: bool | None = None):
+    def __init__(self, device: torch.device, flush_l2: bool = True, traced: bool | None = None,
+                 launch_window_us: float = 200.0):
         self.device = device
         self.cuda = device.type == "cuda"
         self.traced = self.cuda and (profiler_available() if traced is None else traced)
@@ -114,6 +120,7 @@ class DeviceTimer:
             self._cudart = _cudart()
             self._stream = torch.cuda.Stream(device) if self.traced else None
             self._marker = torch.empty(1, dtype=torch.int32, device=device)
+            self._window_cycles = _sleep_cycles(launch_window_us) if self.traced and launch_window_us > 0 else 0
         else:
             self._flush_buf = torch.empty(64 * 2**20 // 4, dtype=torch.int32) if flush_l2 else None
             self._cudart = None
@@ -123,8 +130,18 @@ class DeviceTimer:
             self._cudart.cudaCtxResetPersistingL2Cache()
         if self._flush_buf is not None:
             self._flush_buf.zero_()
-        elif self.traced:
-            self._marker.zero_()  # still a flush-shaped step on the timer's stream
+
+    @property
+    def _ops_per_call(self) -> int:
+        """Operations on the timer's stream per traced call: flush, window, marker, separator."""
+        return (self._flush_buf is not None) + 1 + 2
+
+    def _before_call(self) -> None:
+        self.flush()
+        if self._window_cycles:
+            torch.cuda._sleep(self._window_cycles)
+        else:
+            self._marker.zero_()  # the step's end is still one operation on the timer's stream
 
     # -- the timed session ------------------------------------------------------------------
     def start(self) -> None:
@@ -145,7 +162,7 @@ class DeviceTimer:
             caller = torch.cuda.current_stream(self.device)
             self._sync()
             torch.cuda.set_stream(self._stream)
-            self.flush()
+            self._before_call()
             torch.cuda.set_stream(caller)
             caller.wait_stream(self._stream)
             out = fn(*args)
@@ -195,7 +212,7 @@ class DeviceTimer:
         result = session.kineto_results
         if type(result) is not torch._C._autograd._ProfilerResult:
             raise TimingTraceError("the profiler's result is not torch's own")
-        self._times, self.kernel_ms = attribute(result.events(), self._calls)
+        self._times, self.kernel_ms = attribute(result.events(), self._calls, self._ops_per_call)
         return self._times
 
 
@@ -207,11 +224,24 @@ def _is_gpu_work(e: Any) -> bool:
     return not e.is_user_annotation() if hasattr(e, "is_user_annotation") else True
 
 
-def attribute(events: Sequence[Any], calls: int) -> tuple[list[float], list[float]]:
+def _sleep_cycles(us: float) -> int:
+    """GPU clock cycles of a sleep kernel that lasts about `us` microseconds (measured)."""
+    probe = 1_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):  # the first run loads the kernel
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+    return max(1, int(probe * us / 1e3 / max(start.elapsed_time(end), 1e-6)))
+
+
+def attribute(events: Sequence[Any], calls: int, per_call: int = 3) -> tuple[list[float], list[float]]:
     """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls.
 
     The first GPU activity of the trace is the separator that names the timer's stream; that
-    stream then holds flush, marker and separator for each call, in order.
+    stream then holds, for each call, `per_call` operations in order: those before the call
+    (flush, launch window), the marker, the separator.
     """
     acts = sorted(((e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events if _is_gpu_work(e)),
                   key=lambda a: a[1])
@@ -220,15 +250,17 @@ def attribute(events: Sequence[Any], calls: int) -> tuple[list[float], list[floa
     timer_stream = acts[0][0]
     own = [a for a in acts if a[0] == timer_stream]
     others = [a for a in acts if a[0] != timer_stream]
-    if len(own) != 1 + 3 * calls:
-        raise TimingTraceError(f"the timer's stream ran {len(own)} operations where the timer issued {1 + 3 * calls}")
+    if len(own) != 1 + per_call * calls:
+        raise TimingTraceError(f"the timer's stream ran {len(own)} operations where the timer issued "
+                               f"{1 + per_call * calls}")
     times, busy = [], []
     j = 0
     for i in range(calls):
-        flush, marker, sep = own[1 + 3 * i: 4 + 3 * i]
-        while j < len(others) and others[j][1] < flush[1]:
+        ops = own[1 + per_call * i: 1 + per_call * (i + 1)]
+        first, ready, marker, sep = ops[0], ops[-3], ops[-2], ops[-1]
+        while j < len(others) and others[j][1] < first[1]:
             j += 1  # the harness's own work between calls (input refill, kept outputs)
-        t0, t1, work = flush[2], marker[1], 0
+        t0, t1, work = ready[2], marker[1], 0
         while j < len(others) and others[j][1] < sep[1]:
             _, s, e = others[j]
             t0, t1, work = min(t0, s), max(t1, e), work + (e - s)
