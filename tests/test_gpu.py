@@ -254,6 +254,22 @@ def test_l2_flush_makes_cached_reads_cold():
     assert cold_ms > hot_ms, (cold_ms, hot_ms)
 
 
+def test_ncu_summary_holds_only_the_candidates_kernels(tmp_path, ev):
+    """Nsight Compute records the candidate's calls only: not the inputs' random generation, nor
+    the copies the harness makes around the calls."""
+    import shutil
+
+    from cudagym.sandbox.ncu import CALLS
+
+    if shutil.which("ncu") is None:
+        pytest.skip("ncu is not installed on this GPU machine")
+    task, ws = workspace(tmp_path, HONEST, "cuda", ev)
+    p = ev.profile(task, ws, ncu=True)
+    assert p.ok and p.ncu and "error" not in p.ncu, p.ncu
+    assert [k["launches"] for k in p.ncu["kernels"]] == [CALLS], p.ncu["kernels"]  # the one fused kernel
+    assert "gelu" in p.ncu["kernels"][0]["kernel"].lower(), p.ncu["kernels"]
+
+
 @pytest.mark.parametrize("task_id,fmt", [("ew_scale_bias_gelu", "cuda_binding"), ("ew_residual_relu_clamp", "cuda_inline")])
 def test_other_candidate_formats_accepted(tmp_path, ev, task_id, fmt):
     task, ws = workspace(tmp_path, task_id, fmt, ev)

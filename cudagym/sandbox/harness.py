@@ -719,14 +719,24 @@ def run_compile_inline(job: Job, ch: Channel) -> None:
 
 
 def run_ncu(job: Job, ch: Channel) -> None:
-    """Run the candidate's forward a few times (the parent's `ncu` records its kernels)."""
+    """Run the candidate's forward a few times; the parent's `ncu` records the kernels launched
+    between cudaProfilerStart and cudaProfilerStop, which enclose only the candidate's calls
+    (not the input generation and copies around them), after one warm-up call."""
+    from cudagym.sandbox.ncu import CALLS
+
     p = Problem(job, with_candidate=True)
     args = p.inputs(secrets.randbits(62))
+    sets = [clone_args(args) for _ in range(CALLS + 1)]
+    cudart = torch.cuda.cudart()
     with torch.no_grad():
-        for _ in range(3):
-            p.cand(*clone_args(args))
+        p.cand(*sets[0])
+        p.sync()
+        cudart.cudaProfilerStart()
+        for a in sets[1:]:
+            p.cand(*a)
             p.sync()
-    ch.final({"ok": True, "calls": 3})
+        cudart.cudaProfilerStop()
+    ch.final({"ok": True, "calls": CALLS})
 
 
 def run_probe(job: Job, ch: Channel) -> None:

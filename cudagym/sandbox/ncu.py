@@ -24,7 +24,7 @@ METRICS = (
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
 )
-CALLS = 3  # forward calls made by the `ncu` job
+CALLS = 3  # forward calls of the `ncu` job that ncu records (after one warm-up call)
 
 
 def parse_ncu_csv(text: str) -> dict[str, Any]:
@@ -69,7 +69,9 @@ async def ncu_summary(evaluator: Evaluator, task: Task, workspace: Workspace, ar
     tmp = workspace.build_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     env["TMPDIR"] = str(tmp)
+    # only the candidate's calls: the worker brackets them with cudaProfilerStart/Stop
     cmd = [*namespace_prefix(), ncu, "--csv", "--clock-control", "none", "--target-processes", "all",
+           "--profile-from-start", "off",
            "--metrics", ",".join(METRICS), "--log-file", str(log),
            sys.executable, "-m", "cudagym.sandbox.worker", str(w)]
     proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
