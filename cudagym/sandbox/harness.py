@@ -42,6 +42,7 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "torch.cuda.current_stream": (torch.cuda, "current_stream"),
     "torch.cuda.Stream.wait_stream": (torch.cuda.Stream, "wait_stream"),
     "torch.Tensor.zero_": (torch.Tensor, "zero_"),
+    "torch.sum": (torch, "sum"),
     "torch.autograd.profiler.profile.__enter__": (torch.autograd.profiler.profile, "__enter__"),
     "torch.autograd.profiler.profile.__exit__": (torch.autograd.profiler.profile, "__exit__"),
     "time.perf_counter": (time, "perf_counter"),

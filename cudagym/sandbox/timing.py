@@ -6,9 +6,10 @@ content-keyed result caches can replay.
 
 CUDA (traced, the default). Per call:
 1. synchronize the device: the GPU is idle;
-2. on the timer's private stream, flush the L2 cache (zero a buffer twice its size) after
-   resetting persisting L2 lines, then keep the GPU busy for a short launch window (a sleep
-   kernel, `TimingConfig.launch_window_us`); the caller's stream waits for both;
+2. on the timer's private stream, reset persisting L2 lines and flush the L2 cache by reading a
+   buffer twice its size (a read leaves clean lines: the call pays for no write-backs of the
+   flush), then keep the GPU busy for a short launch window (a sleep kernel,
+   `TimingConfig.launch_window_us`); the caller's stream waits for both;
 3. call. The call is launched while the flush and the window run, so the latency of getting
    its first launch to the GPU is hidden (as in Triton's `do_bench`, where the flush alone
    does it): it varies from process to process by tens of microseconds;
@@ -36,7 +37,7 @@ rejected (`TimingTraceError`): something else used the stream, or the profiler w
 CUDA without the profiler (under Nsight Compute, which owns CUPTI): events around each call, with
 a device-wide synchronize before the end event.
 
-CPU: the wall clock around the call, after flushing the caches with a buffer larger than the LLC.
+CPU: the wall clock around the call, after reading a buffer larger than the LLC.
 
 Per-call times are in milliseconds. Statistics are computed by the parent (`TimingStats`).
 """
@@ -116,20 +117,22 @@ class DeviceTimer:
         self.kernel_ms: list[float] = []
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
-            self._flush_buf = torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=device) if flush_l2 else None
+            flush_bytes = max(2 * l2, 64 * 2**20)
             self._cudart = _cudart()
             self._stream = torch.cuda.Stream(device) if self.traced else None
             self._marker = torch.empty(1, dtype=torch.int32, device=device)
             self._window_cycles = _sleep_cycles(launch_window_us) if self.traced and launch_window_us > 0 else 0
         else:
-            self._flush_buf = torch.empty(64 * 2**20 // 4, dtype=torch.int32) if flush_l2 else None
+            flush_bytes = 64 * 2**20
             self._cudart = None
+        self._flush_buf = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device) if flush_l2 else None
+        self._flush_sink = torch.empty(flush_bytes // 4096, dtype=torch.int32, device=device)
 
     def flush(self) -> None:
         if self._cudart is not None:
             self._cudart.cudaCtxResetPersistingL2Cache()
-        if self._flush_buf is not None:
-            self._flush_buf.zero_()
+        if self._flush_buf is not None:  # read, not written: the lines left in the cache are clean
+            torch.sum(self._flush_buf.view(-1, 1024), dim=1, out=self._flush_sink)
 
     @property
     def _ops_per_call(self) -> int:
