@@ -1,7 +1,8 @@
 """On-disk cache of baseline timings (eager and torch.compile) and roofline inputs.
 
-Keyed by (task code digest, device model, torch version, timing settings): an episode pays for
-the first `torch.compile` of a reference once per task and device, not once per profile.
+Keyed by (task code digest, device model, torch version, timing settings and protocol version):
+an episode pays for the first `torch.compile` of a reference once per task and device, not once
+per profile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.timing import PROTOCOL_VERSION
 
 
 class BaselineCache:
@@ -25,8 +27,8 @@ class BaselineCache:
 
     @staticmethod
     def key(task_digest: str, device_name: str, timing: TimingConfig, with_compile: bool) -> str:
-        blob = json.dumps([task_digest, device_name, torch.__version__, timing.model_dump(), with_compile],
-                          sort_keys=True)
+        blob = json.dumps([task_digest, device_name, torch.__version__, timing.model_dump(), with_compile,
+                           PROTOCOL_VERSION], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
     def get(self, key: str) -> dict[str, Any] | None:

@@ -57,6 +57,9 @@ import torch
 
 from cudagym.sandbox.protocol import TimingConfig
 
+# Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
+PROTOCOL_VERSION = "traced-1"
+
 # GPU activity kinds that carry work (Kineto's names); runtime calls and sync records do not
 _WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
