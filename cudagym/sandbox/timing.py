@@ -45,6 +45,7 @@ Per-call times are in milliseconds. Statistics are computed by the parent (`Timi
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -129,7 +130,7 @@ class DeviceTimer:
             flush_bytes = 64 * 2**20
             self._cudart = None
         self._flush_buf = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device) if flush_l2 else None
-        self._flush_sink = torch.empty(flush_bytes // 4096, dtype=torch.int32, device=device)
+        self._flush_sink = torch.empty(flush_bytes // 4096, dtype=torch.int32, device=device) if flush_l2 else None
 
     def flush(self) -> None:
         if self._cudart is not None:
@@ -149,6 +150,12 @@ class DeviceTimer:
         else:
             self._marker.zero_()  # the step's end is still one operation on the timer's stream
 
+    def _on_timer_stream(self, op: Callable[[], None], caller: Any) -> None:
+        """Issue `op` on the timer's stream, then make `caller` current again."""
+        torch.cuda.set_stream(self._stream)
+        op()
+        torch.cuda.set_stream(caller)
+
     # -- the timed session ------------------------------------------------------------------
     def start(self) -> None:
         """Begin recording timed calls."""
@@ -167,15 +174,11 @@ class DeviceTimer:
         if self.traced:
             caller = torch.cuda.current_stream(self.device)
             self._sync()
-            torch.cuda.set_stream(self._stream)
-            self._before_call()
-            torch.cuda.set_stream(caller)
+            self._on_timer_stream(self._before_call, caller)
             caller.wait_stream(self._stream)
             out = fn(*args)
             self._stream.wait_stream(caller)
-            torch.cuda.set_stream(self._stream)
-            self._marker.zero_()
-            torch.cuda.set_stream(caller)
+            self._on_timer_stream(self._marker.zero_, caller)
             self._sync()
             self._separator(caller)
             self._calls += self._recording
@@ -199,9 +202,7 @@ class DeviceTimer:
         return out
 
     def _separator(self, caller: Any) -> None:
-        torch.cuda.set_stream(self._stream)
-        self._marker.zero_()
-        torch.cuda.set_stream(caller)
+        self._on_timer_stream(self._marker.zero_, caller)
         caller.wait_stream(self._stream)
 
     def finish(self) -> list[float]:
@@ -230,8 +231,10 @@ def _is_gpu_work(e: Any) -> bool:
     return not e.is_user_annotation() if hasattr(e, "is_user_annotation") else True
 
 
+@functools.cache
 def _sleep_cycles(us: float) -> int:
-    """GPU clock cycles of a sleep kernel that lasts about `us` microseconds (measured)."""
+    """GPU clock cycles of a sleep kernel that lasts about `us` microseconds (measured once per
+    process: a spare measures it while idle)."""
     probe = 1_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(2):  # the first run loads the kernel
