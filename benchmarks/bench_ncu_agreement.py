@@ -31,6 +31,7 @@ def main() -> None:
     table = Table(title="profile vs Nsight Compute (per forward call)")
     for c in ("task", "profile median ms", "GPU busy median ms", "ncu kernel ms", "ratio (profile / ncu)"):
         table.add_column(c)
+    latency = None
     with Evaluator(EvaluatorConfig(target="cuda", cache_dir=cache, compile_baseline=False)) as ev:
         for tid in ids:
             task = bundled_task(tid).for_target(ev.target)
@@ -42,9 +43,12 @@ def main() -> None:
             busy = f"{p.candidate_kernel.median_ms:.4f}" if p.candidate_kernel else "-"
             table.add_row(tid, f"{p.candidate.median_ms:.4f}", busy, "-" if not k else f"{k:.4f}",
                           "-" if not k else f"{p.candidate.median_ms / k:.3f}")
+            latency = p.harness_latency_ns or latency
             if not k:
                 console.print(p.ncu)
     console.print(table)
+    if latency:
+        console.print(f"harness latencies left out of each call (start, end): {latency[0]} ns, {latency[1]} ns")
 
 
 if __name__ == "__main__":

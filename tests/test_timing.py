@@ -129,3 +129,31 @@ def test_with_a_launch_window_the_call_starts_when_the_window_ends() -> None:
     assert busy == [pytest.approx(60 / 1000)]
     recs = [Rec(TIMER, 0, 1), *ops, Rec(CALLER, 332, 382)]
     assert attribute(recs, 1, per_call=4)[0] == [pytest.approx((385 - 330) / 1000)]
+
+
+def test_the_harness_latencies_are_left_out_of_the_call_but_host_time_is_not() -> None:
+    # window ends at 330; the kernel waited for it and started 2 us later, and the marker waited
+    # for the kernel and started 1.5 us after its end
+    ops = [Rec(TIMER, 100, 130), Rec(TIMER, 130, 330), Rec(TIMER, 383.5, 384), Rec(TIMER, 405, 406)]
+    recs = [Rec(TIMER, 0, 1), *ops, Rec(CALLER, 332, 382)]
+    assert attribute(recs, 1, per_call=4)[0] == [pytest.approx((383.5 - 330) / 1000)]
+    assert attribute(recs, 1, per_call=4, latency_ns=(2000, 1500))[0] == [pytest.approx(0.050)]
+    # the first launch came 40 us after the window ended (host work): counted from the window's
+    # end plus the start latency
+    recs = [Rec(TIMER, 0, 1), *ops, Rec(CALLER, 370, 382)]
+    assert attribute(recs, 1, per_call=4, latency_ns=(2000, 1500))[0] == [pytest.approx((382 - 332) / 1000)]
+    # the call returned on the host 100 us after its kernel ended: counted up to the marker less
+    # the end latency
+    late = [Rec(TIMER, 100, 130), Rec(TIMER, 130, 330), Rec(TIMER, 482, 483), Rec(TIMER, 505, 506)]
+    recs = [Rec(TIMER, 0, 1), *late, Rec(CALLER, 332, 382)]
+    assert attribute(recs, 1, per_call=4, latency_ns=(2000, 1500))[0] == [pytest.approx((480.5 - 332) / 1000)]
+    # a call that ran no GPU work at all takes the window-to-marker time less both latencies
+    recs = [Rec(TIMER, 0, 1), *ops]
+    assert attribute(recs, 1, per_call=4, latency_ns=(2000, 1500))[0] == [pytest.approx((382 - 332) / 1000)]
+
+
+def test_the_latencies_a_timer_leaves_out_are_capped() -> None:
+    from cudagym.sandbox.timing import MAX_LATENCY_NS
+
+    timer = DeviceTimer(torch.device("cpu"), flush_l2=False, latency_ns=(10**9, -5))
+    assert timer.latency_ns == (MAX_LATENCY_NS, 0)

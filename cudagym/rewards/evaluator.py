@@ -338,6 +338,7 @@ class Evaluator:
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             candidate_kernel=_stats_or_none((final.get("diagnostics") or {}).get("candidate_kernel_ms")),
+            harness_latency_ns=(final.get("diagnostics") or {}).get("harness_latency_ns"),
         )
         if floor_ms > 0 and cand.median_ms < self.config.roofline_slack * floor_ms:
             why = (f"implausible: {cand.median_ms:.4f} ms is below the roofline floor of this problem "

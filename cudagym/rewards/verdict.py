@@ -108,6 +108,7 @@ class ProfileResult(BaseModel):
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
     candidate_kernel: TimingStats | None = None  # diagnostic: GPU busy time per timed call (CUDA profiler)
+    harness_latency_ns: list[int] | None = None  # diagnostic: the timer's own start/end latencies, not timed
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None

@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, TimingTraceError, profiler_available, run_timed_loop
+from cudagym.sandbox.timing import (DeviceTimer, TimingTraceError, harness_latency_ns, profiler_available,
+                                    run_timed_loop)
 
 # Identity snapshot, taken at import (before any candidate code runs) and checked after.
 _WATCHED: dict[str, tuple[Any, str]] = {
@@ -204,7 +205,7 @@ def check_tamper() -> None:
         if g.get(name) is not obj:
             raise CandidateError("tamper", f"the harness's {name} was replaced by the candidate")
     for (mod, name), (fn, code) in _HARNESS_FUNCS.items():
-        if getattr(mod, name, None) is not fn or fn.__code__ is not code:
+        if getattr(mod, name, None) is not fn or getattr(fn, "__wrapped__", fn).__code__ is not code:
             raise CandidateError("tamper", f"the harness function {name} was replaced by the candidate")
     for (cls, attr), fn in _HARNESS_METHODS.items():
         if cls.__dict__.get(attr) is not fn or (isinstance(fn, types.FunctionType) and fn.__code__ is not _METHOD_CODE[(cls, attr)]):
@@ -359,11 +360,8 @@ def prewarm() -> None:
         with OpRecorder(), profile(activities=activities) as prof:
             torch.ones(2, device="cuda" if cuda else "cpu") + 1
         prof.events()
-        if cuda:  # the timer's own session (CUDA activities only), once
-            timer = DeviceTimer(torch.device("cuda"), flush_l2=False)
-            timer.start()
-            timer.call(lambda: None, [])
-            timer.finish()
+        if cuda:  # the timer's own sessions (CUDA activities only), which measure its latencies
+            harness_latency_ns()
     _live_helpers()
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
@@ -609,6 +607,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     rng = secrets.SystemRandom()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
+    latency = timer.latency_ns
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
     ph.mark(f"{role}_setup")
     seed = [0]  # of the latest call's inputs: a re-check regenerates them instead of keeping a copy
@@ -644,10 +643,11 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     ph.mark(f"{role}_timed_loop")
     if timer.kernel_ms:
         ph.extra[f"{role}_kernel_ms"] = timer.kernel_ms
+        ph.extra["harness_latency_ns"] = list(latency)
     if role == "candidate":
         check_tamper()
         p.intact()
-        if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()):
+        if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.latency_ns != latency:
             raise CandidateError("tamper", "the harness's timer was modified by the candidate")
         for t, (call_seed, outs) in enumerate(kept):
             with torch.no_grad():
@@ -751,8 +751,9 @@ def run_probe(job: Job, ch: Channel) -> None:
 
 
 def _own_functions(mod: types.ModuleType) -> dict[tuple[types.ModuleType, str], tuple[Any, Any]]:
-    return {(mod, k): (v, v.__code__) for k, v in list(vars(mod).items())
-            if isinstance(v, types.FunctionType) and v.__module__ == mod.__name__}
+    """The module's functions (cached ones too) and their code."""
+    return {(mod, k): (v, getattr(v, "__wrapped__", v).__code__) for k, v in list(vars(mod).items())
+            if isinstance(getattr(v, "__wrapped__", v), types.FunctionType) and v.__module__ == mod.__name__}
 
 
 _timing_module = sys.modules[DeviceTimer.__module__]

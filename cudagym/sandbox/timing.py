@@ -21,15 +21,24 @@ CUDA (traced, the default). Per call:
 The CUDA profiler (CUPTI, through torch's Kineto) records every GPU activity on every stream:
 kernels, copies, memsets. A call owns the activities that start between its flush and its
 separator on streams other than the timer's. Its time runs:
-- from the end of the launch window, or from the earliest start of its own activities if that
-  is earlier (work started on a side stream that does not wait for the caller's stream is
-  counted from its start);
-- to the latest of the marker's start and the end of its own activities on any stream.
+- from the end of the launch window plus the harness's start latency, or from the earliest
+  start of its own activities if that is earlier (work started on a side stream that does not
+  wait for the caller's stream is counted from its start);
+- to the latest of the marker's start less the harness's end latency, and the end of its own
+  activities on any stream.
 
 Work on side streams is therefore inside the interval, and so is host-side work: before the
 first launch, beyond the launch window, the GPU waits; after it, the marker waits. The
 device-wide synchronize that separates calls is not: its wake-up latency varies from process to
 process.
+
+The harness's latencies are the delays its own stream hand-overs add: from the window's end to
+the start of a kernel that waited for it on the caller's stream, and from a kernel's end to the
+start of the marker that waited for it. Each is the least delay seen over calls of one tiny
+kernel, measured once per process before any candidate code is loaded, and at most
+`MAX_LATENCY_NS` (a couple of microseconds on an H200). Without them, a call of a 60 us kernel
+read about 7% longer than the kernel itself, and honest speedups of short kernels were pulled
+towards 1.
 
 The timer's stream must carry exactly the timer's operations. If it does not, the trace is
 rejected (`TimingTraceError`): something else used the stream, or the profiler was disturbed.
@@ -52,14 +61,18 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from cudagym.sandbox.protocol import TimingConfig
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "traced-1"
+PROTOCOL_VERSION = "traced-2"
+
+# The most the harness's latencies (start, end) may be, in ns: a measurement above it is capped
+MAX_LATENCY_NS = 5_000
+LATENCY_CALLS = 30  # calls of a tiny kernel that measure them
 
 # GPU activity kinds that carry work (Kineto's names); runtime calls and sync records do not
 _WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -108,7 +121,7 @@ class DeviceTimer:
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, traced: bool | None = None,
-                 launch_window_us: float = 200.0):
+                 launch_window_us: float = 200.0, latency_ns: tuple[int, int] | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.traced = self.cuda and (profiler_available() if traced is None else traced)
@@ -119,6 +132,7 @@ class DeviceTimer:
         self._recording = False
         self._calls = 0
         self.kernel_ms: list[float] = []
+        self.spans: list[CallSpan] = []
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             flush_bytes = max(2 * l2, 64 * 2**20)
@@ -126,9 +140,12 @@ class DeviceTimer:
             self._stream = torch.cuda.Stream(device) if self.traced else None
             self._marker = torch.empty(1, dtype=torch.int32, device=device)
             self._window_cycles = _sleep_cycles(launch_window_us) if self.traced and launch_window_us > 0 else 0
+            if latency_ns is None:
+                latency_ns = harness_latency_ns() if self.traced else (0, 0)
         else:
             flush_bytes = 64 * 2**20
             self._cudart = None
+        self.latency_ns = tuple(min(max(int(v), 0), MAX_LATENCY_NS) for v in (latency_ns or (0, 0)))
         self._flush_buf = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device) if flush_l2 else None
         self._flush_sink = torch.empty(flush_bytes // 4096, dtype=torch.int32, device=device) if flush_l2 else None
 
@@ -219,7 +236,9 @@ class DeviceTimer:
         result = session.kineto_results
         if type(result) is not torch._C._autograd._ProfilerResult:
             raise TimingTraceError("the profiler's result is not torch's own")
-        self._times, self.kernel_ms = attribute(result.events(), self._calls, self._ops_per_call)
+        self.spans = read_trace(result.events(), self._calls, self._ops_per_call)
+        self._times = [c.interval_ms(self.latency_ns) for c in self.spans]
+        self.kernel_ms = [c.busy / 1e6 for c in self.spans]
         return self._times
 
 
@@ -245,8 +264,25 @@ def _sleep_cycles(us: float) -> int:
     return max(1, int(probe * us / 1e3 / max(start.elapsed_time(end), 1e-6)))
 
 
-def attribute(events: Sequence[Any], calls: int, per_call: int = 3) -> tuple[list[float], list[float]]:
-    """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls.
+class CallSpan(NamedTuple):
+    """One traced call's landmarks (ns on the GPU's clock)."""
+
+    ready: int  # the launch window's end: the call's own work may start from here
+    first: int | None  # the start of its earliest own activity (None: it ran none)
+    last: int | None  # the end of its latest own activity
+    marker: int  # the start of the end marker (issued after the call returned on the host)
+    busy: int  # the summed duration of its activities
+
+    def interval_ms(self, latency_ns: tuple[int, int] = (0, 0)) -> float:
+        """The call's time, less the harness's own start and end latencies."""
+        t0, t1 = self.ready + latency_ns[0], self.marker - latency_ns[1]
+        if self.first is not None:
+            t0, t1 = min(t0, self.first), max(t1, self.last or t1)
+        return max(t1 - t0, 0) / 1e6
+
+
+def read_trace(events: Sequence[Any], calls: int, per_call: int = 3) -> list[CallSpan]:
+    """The landmarks of `calls` timed calls in a trace.
 
     The first GPU activity of the trace is the separator that names the timer's stream; that
     stream then holds, for each call, `per_call` operations in order: those before the call
@@ -262,21 +298,48 @@ def attribute(events: Sequence[Any], calls: int, per_call: int = 3) -> tuple[lis
     if len(own) != 1 + per_call * calls:
         raise TimingTraceError(f"the timer's stream ran {len(own)} operations where the timer issued "
                                f"{1 + per_call * calls}")
-    times, busy = [], []
+    spans = []
     j = 0
     for i in range(calls):
         ops = own[1 + per_call * i: 1 + per_call * (i + 1)]
         first, ready, marker, sep = ops[0], ops[-3], ops[-2], ops[-1]
         while j < len(others) and others[j][1] < first[1]:
             j += 1  # the harness's own work between calls (input refill, kept outputs)
-        t0, t1, work = ready[2], marker[1], 0
+        t0 = t1 = None
+        work = 0
         while j < len(others) and others[j][1] < sep[1]:
             _, s, e = others[j]
-            t0, t1, work = min(t0, s), max(t1, e), work + (e - s)
+            t0, t1, work = s if t0 is None else min(t0, s), e if t1 is None else max(t1, e), work + (e - s)
             j += 1
-        times.append((t1 - t0) / 1e6)
-        busy.append(work / 1e6)
-    return times, busy
+        spans.append(CallSpan(ready[2], t0, t1, marker[1], work))
+    return spans
+
+
+def attribute(events: Sequence[Any], calls: int, per_call: int = 3,
+              latency_ns: tuple[int, int] = (0, 0)) -> tuple[list[float], list[float]]:
+    """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls."""
+    spans = read_trace(events, calls, per_call)
+    return [c.interval_ms(latency_ns) for c in spans], [c.busy / 1e6 for c in spans]
+
+
+@functools.cache
+def harness_latency_ns() -> tuple[int, int]:
+    """The harness's start and end latencies on this process's GPU (see the module's text):
+    the least delays seen over `LATENCY_CALLS` traced calls of a 4-byte fill kernel, at most
+    `MAX_LATENCY_NS`. Measured once per process; a worker does it before loading any candidate
+    code (`harness.prewarm`)."""
+    timer = DeviceTimer(torch.device("cuda"), flush_l2=False, traced=True, latency_ns=(0, 0))
+    probe = torch.empty(1, dtype=torch.int32, device="cuda")
+    timer.start()
+    for _ in range(LATENCY_CALLS):
+        timer.call(probe.zero_, [])
+    timer.finish()
+    spans = [c for c in timer.spans if c.first is not None and c.last is not None]
+    if not spans:
+        return (0, 0)
+    start = min(c.first - c.ready for c in spans)  # type: ignore[operator]
+    end = min(c.marker - c.last for c in spans)  # type: ignore[operator]
+    return (min(max(start, 0), MAX_LATENCY_NS), min(max(end, 0), MAX_LATENCY_NS))
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
