@@ -8,6 +8,7 @@ import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.verdict import ErrorKind
+from cudagym.sandbox.timing import MAX_LATENCY_NS
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_task_ids
 
@@ -58,6 +59,9 @@ def test_honest_cuda_solution_accepted(tmp_path, ev, task_id):
     assert v.reward >= 1, v.summary()
     assert v.candidate_ms and v.eager_ms
     assert v.profile_result.telemetry["before"].get("gpu_name"), v.profile_result.telemetry
+    # the timer's own stream hand-overs were measured (before any candidate code) and left out
+    lat = v.profile_result.harness_latency_ns
+    assert lat and all(0 <= x <= MAX_LATENCY_NS for x in lat) and any(lat), lat
 
 
 def test_torch_ops_rejected_on_gpu(tmp_path, ev):

@@ -36,9 +36,12 @@ The harness's latencies are the delays its own stream hand-overs add: from the w
 the start of a kernel that waited for it on the caller's stream, and from a kernel's end to the
 start of the marker that waited for it. Each is the least delay seen over calls of one tiny
 kernel, measured once per process before any candidate code is loaded, and at most
-`MAX_LATENCY_NS` (a couple of microseconds on an H200). Without them, a call of a 60 us kernel
-read about 7% longer than the kernel itself, and honest speedups of short kernels were pulled
-towards 1.
+`MAX_LATENCY_NS` (1.1 us and 1.25 us on an H200). They are the harness's cost, not the call's;
+left in, they pulled honest speedups of short kernels towards 1.
+
+A known bias: CUPTI instruments kernels to trace them on every stream, which slows kernels of
+many short-lived blocks (one element per thread over 16M elements: 9-12% on an H200), and not
+torch's, cuBLAS's or Triton's kernels (`benchmarks/probe_ncu_gap.py`). See the README.
 
 The timer's stream must carry exactly the timer's operations. If it does not, the trace is
 rejected (`TimingTraceError`): something else used the stream, or the profiler was disturbed.
