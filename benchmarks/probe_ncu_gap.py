@@ -1,8 +1,8 @@
 """Why some kernels read longer under the CUDA profiler than under Nsight Compute.
 
 Found on an H200 (torch 2.11, CUDA 13): the CUDA profiler's concurrent-kernel tracing slows
-kernels of many short-lived blocks. With events around the kernel, `sbg` takes 58.1 us without
-the profiler and 64.9 us with it running (ncu: 56.6 us); v1, v3 and v4 are 4.6-6.7 us slower
+kernels of many short-lived blocks. With events around the kernel, `sbg` takes 57.9 us without
+the profiler and 64.9 us with it running (ncu: 56.4 us); v1, v3 and v4 are 4.6-6.7 us slower
 too. torch's `mul`, cuBLAS's `mm`, Triton's `sbg-triton` and the grid-stride v2 change by at
 most 0.4 us. The L2 preparation and the timer's streams change nothing (`read` and `protocol`
 agree within 0.3 us).
