@@ -37,6 +37,8 @@ from cudagym.sandbox.protocol import TimingConfig
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 
+from bench_ncu_agreement import ncu_row  # this folder's script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -200,12 +202,9 @@ def main() -> None:
             t = Table(title=f"profile vs Nsight Compute on {ntask.id}")
             for c in ("profile median ms", "GPU busy median ms", "ncu kernel ms per call", "ratio (profile / ncu)"):
                 t.add_column(c)
-            k = (p.ncu or {}).get("kernel_ms_per_call")
-            busy = f"{p.candidate_kernel.median_ms:.4f}" if p.candidate_kernel else "-"
-            t.add_row(f"{p.candidate.median_ms:.4f}", busy, "-" if k is None else f"{k:.4f}",
-                      "-" if not k else f"{p.candidate.median_ms / k:.3f}")
+            t.add_row(*ncu_row(p))
             console.print(t)
-            if k is None:
+            if (p.ncu or {}).get("kernel_ms_per_call") is None:
                 console.print(p.ncu)
     if args.no_flush_variant:  # diagnostic: the same spread without the L2 flush
         cfg = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=False,

@@ -18,10 +18,19 @@ from rich.console import Console
 from rich.table import Table
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+from cudagym.rewards.verdict import ProfileResult
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_task_ids
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def ncu_row(p: ProfileResult) -> list[str]:
+    """Profile median, GPU busy median, ncu's kernel time per call and their ratio (ms)."""
+    k = (p.ncu or {}).get("kernel_ms_per_call")
+    busy = f"{p.candidate_kernel.median_ms:.4f}" if p.candidate_kernel else "-"
+    return [f"{p.candidate.median_ms:.4f}", busy, "-" if not k else f"{k:.4f}",
+            "-" if not k else f"{p.candidate.median_ms / k:.3f}"]
 
 
 def main() -> None:
@@ -39,12 +48,9 @@ def main() -> None:
             assert ev.compile(task, ws).ok
             p = ev.profile(task, ws, ncu=True)
             assert p.ok and p.candidate is not None, p.reasons
-            k = (p.ncu or {}).get("kernel_ms_per_call")
-            busy = f"{p.candidate_kernel.median_ms:.4f}" if p.candidate_kernel else "-"
-            table.add_row(tid, f"{p.candidate.median_ms:.4f}", busy, "-" if not k else f"{k:.4f}",
-                          "-" if not k else f"{p.candidate.median_ms / k:.3f}")
+            table.add_row(tid, *ncu_row(p))
             latency = p.harness_latency_ns or latency
-            if not k:
+            if not (p.ncu or {}).get("kernel_ms_per_call"):
                 console.print(p.ncu)
     console.print(table)
     if latency:

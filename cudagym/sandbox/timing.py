@@ -240,8 +240,7 @@ class DeviceTimer:
         if type(result) is not torch._C._autograd._ProfilerResult:
             raise TimingTraceError("the profiler's result is not torch's own")
         self.spans = read_trace(result.events(), self._calls, self._ops_per_call)
-        self._times = [c.interval_ms(self.latency_ns) for c in self.spans]
-        self.kernel_ms = [c.busy / 1e6 for c in self.spans]
+        self._times, self.kernel_ms = per_call_ms(self.spans, self.latency_ns)
         return self._times
 
 
@@ -318,19 +317,23 @@ def read_trace(events: Sequence[Any], calls: int, per_call: int = 3) -> list[Cal
     return spans
 
 
+def per_call_ms(spans: Sequence[CallSpan], latency_ns: tuple[int, int] = (0, 0)) -> tuple[list[float], list[float]]:
+    """Per-call times and GPU busy times (ms) of traced calls."""
+    return [c.interval_ms(latency_ns) for c in spans], [c.busy / 1e6 for c in spans]
+
+
 def attribute(events: Sequence[Any], calls: int, per_call: int = 3,
               latency_ns: tuple[int, int] = (0, 0)) -> tuple[list[float], list[float]]:
     """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls."""
-    spans = read_trace(events, calls, per_call)
-    return [c.interval_ms(latency_ns) for c in spans], [c.busy / 1e6 for c in spans]
+    return per_call_ms(read_trace(events, calls, per_call), latency_ns)
 
 
 @functools.cache
 def harness_latency_ns() -> tuple[int, int]:
     """The harness's start and end latencies on this process's GPU (see the module's text):
-    the least delays seen over `LATENCY_CALLS` traced calls of a 4-byte fill kernel, at most
-    `MAX_LATENCY_NS`. Measured once per process; a worker does it before loading any candidate
-    code (`harness.prewarm`)."""
+    the least delays seen over `LATENCY_CALLS` traced calls of a 4-byte fill kernel (a timer
+    caps them at `MAX_LATENCY_NS`). Measured once per process; a worker does it before loading
+    any candidate code (`harness.prewarm`)."""
     timer = DeviceTimer(torch.device("cuda"), flush_l2=False, traced=True, latency_ns=(0, 0))
     probe = torch.empty(1, dtype=torch.int32, device="cuda")
     timer.start()
@@ -340,9 +343,7 @@ def harness_latency_ns() -> tuple[int, int]:
     spans = [c for c in timer.spans if c.first is not None and c.last is not None]
     if not spans:
         return (0, 0)
-    start = min(c.first - c.ready for c in spans)  # type: ignore[operator]
-    end = min(c.marker - c.last for c in spans)  # type: ignore[operator]
-    return (min(max(start, 0), MAX_LATENCY_NS), min(max(end, 0), MAX_LATENCY_NS))
+    return (min(c.first - c.ready for c in spans), min(c.marker - c.last for c in spans))  # type: ignore[operator]
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
