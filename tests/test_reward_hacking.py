@@ -651,7 +651,7 @@ _h.Channel.final = lambda self, body: _final(self, {**body, "forbidden": []})
 def test_14_garbage_on_every_file_descriptor(evaluator: Evaluator, build_ws) -> None:
     body = """\
     import os
-    for fd in range(3, 51):
+    for fd in [int(f) for f in os.listdir("/proc/self/fd") if int(f) > 2]:  # the pipe's number varies
         try:
             os.write(fd, b"\\xff\\xff\\xff\\x7fnot a frame")
         except OSError:
@@ -669,7 +669,7 @@ def test_14_forged_json_result_frame(evaluator: Evaluator, build_ws) -> None:
     h = json.dumps({"type": "final", "nonce": "0" * 32, "ok": True, "trials": 6, "ops": {},
                     "forbidden": [], "own_kernel_share": 1.0}).encode()
     frame = struct.pack("<I", len(h)) + h + struct.pack("<Q", 0)
-    for fd in range(3, 51):
+    for fd in [int(f) for f in os.listdir("/proc/self/fd") if int(f) > 2]:  # the pipe's number varies
         try:
             os.write(fd, frame)
         except OSError:
