@@ -17,12 +17,15 @@ v2 grid-stride over 8 blocks per SM, v3 32-bit indices, v4 a plain copy in the o
 Each runs after one of two preparations:
 
 - read:          the harness's L2 flush (reading a buffer twice the L2's size);
-- protocol:      the timer's whole protocol: flush and window on a second stream, which the
-                 kernel's stream waits for; a marker after it on the second stream.
+- protocol:      the traced timer's protocol (before the gate kernels): flush and a one-thread
+                 sleep window on a second stream, which the kernel's stream waits for; a marker
+                 after it on the second stream.
 
 Each kernel's own duration is read several ways, in separate processes: CUDA events right around
 it, without and with the CUDA profiler running (`events`, `events+cupti`), the CUDA profiler's
-own record of the kernel (CUPTI, through torch: `cupti`), and Nsight Compute's
+own record of the kernel (CUPTI, through torch: `cupti`), the current timer (`timer`: a
+`DeviceTimer` call, gate kernels and events, its overhead left out; shown on the protocol rows),
+and Nsight Compute's
 gpu__time_duration with `--cache-control all` (ncu flushes caches itself before the kernel) and
 with `--cache-control none` (ncu keeps the state the preparation left), with clocks not locked
 (`--clock-control none`, as in the profile tool's ncu summary). The SM clock (NVML) is sampled while the
@@ -62,7 +65,7 @@ def job(mode: str, calls: int, artifacts: str) -> dict[str, dict[str, float]]:
     import torch
 
     from cudagym import runtime
-    from cudagym.sandbox.timing import _sleep_cycles
+    from cudagym.sandbox.timing import DeviceTimer
 
     pynvml.nvmlInit()
     nvml = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -100,7 +103,7 @@ def job(mode: str, calls: int, artifacts: str) -> dict[str, dict[str, float]]:
     sink = torch.empty(buf.numel() // 1024, dtype=torch.int32, device=dev)
     marker = torch.empty(1, dtype=torch.int32, device=dev)
     side = torch.cuda.Stream()
-    cycles = _sleep_cycles(200.0)
+    cycles = sleep_cycles(200.0)
     kernels = {"mul": lambda: torch.mul(x, 1.7, out=o), "add": lambda: torch.add(x, y, out=o),
                "mm": lambda: torch.mm(a, b, out=c), "sbg": lambda: sbg["sbg"](xs),
                "sbg-ext": lambda: sbg["sbg-ext"](xs), "sbg-triton": lambda: triton(xs),
@@ -136,6 +139,17 @@ def job(mode: str, calls: int, artifacts: str) -> dict[str, dict[str, float]]:
         torch.cuda.synchronize()
 
     out: dict[str, dict[str, float]] = {}
+    if mode == "timer":
+        timer = DeviceTimer(dev)
+        for kernel in KERNELS:
+            fn = kernels[kernel]
+            for _ in range(20):
+                timer.call(fn, [])
+            timer.start()
+            for _ in range(calls):
+                timer.call(fn, [])
+            out[f"{kernel}/protocol"] = {"median_us": 1e3 * statistics.median(timer.finish())}
+        return out
     for kernel in KERNELS:
         for variant in VARIANTS:
             for _ in range(20):
@@ -169,6 +183,20 @@ def job(mode: str, calls: int, artifacts: str) -> dict[str, dict[str, float]]:
             if variant == "protocol":
                 out[key]["sm_mhz"] = statistics.median(clocks[kernel][-calls:])
     return out
+
+
+def sleep_cycles(us: float) -> int:
+    """GPU clock cycles of torch's sleep kernel that last about `us` microseconds."""
+    import torch
+
+    probe = 1_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):  # the first run loads the kernel
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+    return max(1, int(probe * us / 1e3 / max(start.elapsed_time(end), 1e-6)))
 
 
 def kind_of(name: str) -> str:
@@ -250,7 +278,7 @@ def build_sbg() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--child", choices=("cupti", "events", "events+cupti", "ncu"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("cupti", "events", "events+cupti", "timer", "ncu"), help=argparse.SUPPRESS)
     ap.add_argument("--artifacts", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -260,7 +288,7 @@ def main() -> None:
         return
     artifacts = build_sbg()
     cols: dict[str, dict[str, dict[str, float]]] = {}
-    for mode in ("events", "events+cupti", "cupti"):
+    for mode in ("events", "events+cupti", "cupti", "timer"):
         r = subprocess.run([sys.executable, __file__, "--child", mode, "--calls", str(a.calls), "--artifacts", artifacts],
                            capture_output=True, text=True)
         if r.returncode:
@@ -272,12 +300,12 @@ def main() -> None:
           + ", ".join(f"{k}: cupti {cols['cupti'].get(f'{k}/protocol', {}).get('sm_mhz')}, "
                       f"ncu {cols['ncu/all'].get(f'{k}/protocol', {}).get('sm_mhz')}" for k in KERNELS))
     names = list(cols)
-    print(f"{'kernel/preparation':22s}" + "".join(f"{n:>14s}" for n in names) + "   cupti/ncu-all")
+    print(f"{'kernel/preparation':22s}" + "".join(f"{n:>14s}" for n in names) + "   cupti/ncu   timer/ncu")
     for k in (f"{kn}/{v}" for kn in KERNELS for v in VARIANTS):
         vals = [cols[n].get(k, {}).get("median_us") for n in names]
-        ratio = (vals[2] / vals[3]) if vals[2] and vals[3] else None
-        print(f"{k:22s}" + "".join(f"{v:14.2f}" if v else f"{'-':>14s}" for v in vals)
-              + (f"   {ratio:.3f}" if ratio else ""))
+        ncu = cols["ncu/all"].get(k, {}).get("median_us")
+        ratios = [f"{v / ncu:12.3f}" if v and ncu else f"{'-':>12s}" for v in (vals[2], vals[3])]
+        print(f"{k:22s}" + "".join(f"{v:14.2f}" if v else f"{'-':>14s}" for v in vals) + "".join(ratios))
     print("(medians in microseconds)")
 
 

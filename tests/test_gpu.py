@@ -8,7 +8,7 @@ import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.verdict import ErrorKind
-from cudagym.sandbox.timing import MAX_LATENCY_NS
+from cudagym.sandbox.timing import MAX_OVERHEAD_NS
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_task_ids
 
@@ -59,9 +59,9 @@ def test_honest_cuda_solution_accepted(tmp_path, ev, task_id):
     assert v.reward >= 1, v.summary()
     assert v.candidate_ms and v.eager_ms
     assert v.profile_result.telemetry["before"].get("gpu_name"), v.profile_result.telemetry
-    # the timer's own stream hand-overs were measured (before any candidate code) and left out
-    lat = v.profile_result.harness_latency_ns
-    assert lat and all(0 <= x <= MAX_LATENCY_NS for x in lat) and any(lat), lat
+    # the timer's own overhead was measured (before any candidate code) and left out
+    assert 0 < (v.profile_result.harness_overhead_ns or 0) < MAX_OVERHEAD_NS, v.profile_result
+    assert v.profile_result.close_timeouts == 0
 
 
 def test_torch_ops_rejected_on_gpu(tmp_path, ev):
@@ -182,27 +182,98 @@ def test_timing_counts_work_on_side_streams_and_on_the_host(tmp_path, ev, side_c
     task, ws = hacked(tmp_path, ev, code, TIMED_CU)
     v = ev.evaluate(task, ws)
     assert v.correct, v.summary()
-    busy = v.profile_result.candidate_kernel.median_ms
-    assert v.candidate_ms > 1.0, (v.candidate_ms, busy, v.summary())
-    if side_cycles:
-        assert busy > 1.0, busy  # the spinning kernel is in the call's GPU busy time too
+    assert v.candidate_ms > 1.0, v.summary()
 
 
-def test_stopping_the_profiler_while_timed_is_tamper(tmp_path, ev):
-    code = TIMED_PY.replace("SIDE_CYCLES", "0").replace("HOST_S", "0.0") + """
-_calls = [0]
-_honest = ModelNew.forward
-def _stop(self, x):
-    _calls[0] += 1
-    if _calls[0] > 40 and torch.autograd._profiler_enabled():  # a profile job's timed calls
-        torch._C._autograd._disable_profiler()
-    return _honest(self, x)
-ModelNew.forward = _stop
+EARLY_CU = r"""
+#include <cstdint>
+#include <cuda_runtime.h>
+__global__ void gelu(const float* x, const float* bias, float* out, int64_t n, int64_t cols, float scale) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i] * scale + bias[i % cols]; out[i] = 0.5f * v * (1.0f + erff(v * 0.70710678f)); }
+}
+__global__ void wait_ns(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+extern "C" int launch(const float* x, const float* bias, float* out, int64_t rows, int64_t cols, float scale,
+                      void* s) {
+    // all of the call's work on a side stream that does not wait for the caller's stream (the
+    // caller's stream waits for it at the end): 150 us of waiting, then the result
+    static cudaStream_t side = nullptr;
+    static cudaEvent_t done = nullptr;
+    if (!side) { cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking); cudaEventCreateWithFlags(&done, cudaEventDisableTiming); }
+    int64_t n = rows * cols;
+    wait_ns<<<1, 1, 0, side>>>(150000ull);
+    gelu<<<(unsigned)((n + 255) / 256), 256, 0, side>>>(x, bias, out, n, cols, scale);
+    cudaEventRecord(done, side);
+    cudaStreamWaitEvent((cudaStream_t)s, done, 0);
+    return (int)cudaGetLastError();
+}
 """
-    task, ws = hacked(tmp_path, ev, code, TIMED_CU)
+EARLY_PY = HEADER + """
+_lib = kernel_library()
+_lib.launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p]
+
+def _forward(self, x):
+    out = torch.empty_like(x)
+    _lib.launch(ptr(x), ptr(self.bias), ptr(out), x.size(0), x.size(1), self.scale, stream())
+    return out
+ModelNew.forward = _forward
+"""
+
+
+def test_side_stream_work_cannot_start_inside_the_launch_window(tmp_path, ev):
+    """The call's work is launched while the timer's 200 us launch window runs, on a stream that
+    does not wait for the caller's stream (which waits for it). If the window left SMs free, the 150 us wait would be over before the
+    call's time starts."""
+    task, ws = hacked(tmp_path, ev, EARLY_PY, EARLY_CU)
     v = ev.evaluate(task, ws)
-    assert v.reward < 0 and v.error_kind == ErrorKind.TAMPER, v.summary()
-    assert "timing trace" in " ".join(v.reasons) + (v.error or ""), v.summary()
+    assert v.correct, v.summary()
+    assert v.candidate_ms > 0.15, v.summary()
+
+
+TAIL_CU = TIMED_CU.split("__global__ void spin")[0] + r"""
+extern "C" int launch(const float* x, const float* bias, float* scratch, float* out, int64_t rows, int64_t cols,
+                      float scale, void* s) {
+    // the result is computed on the caller's stream, then copied into the output by a copy
+    // engine on a side stream the caller's stream never waits for
+    static cudaStream_t side = nullptr;
+    static cudaEvent_t done = nullptr;
+    if (!side) { cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking); cudaEventCreateWithFlags(&done, cudaEventDisableTiming); }
+    int64_t n = rows * cols;
+    gelu<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)s>>>(x, bias, scratch, n, cols, scale);
+    cudaEventRecord(done, (cudaStream_t)s);
+    cudaStreamWaitEvent(side, done, 0);
+    cudaMemcpyAsync(out, scratch, n * sizeof(float), cudaMemcpyDeviceToDevice, side);
+    return (int)cudaGetLastError();
+}
+"""
+TAIL_PY = HEADER + """
+_lib = kernel_library()
+_lib.launch.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p]
+
+def _forward(self, x):
+    scratch, out = torch.empty_like(x), torch.empty_like(x)
+    _lib.launch(ptr(x), ptr(self.bias), ptr(scratch), ptr(out), x.size(0), x.size(1), self.scale, stream())
+    return out
+ModelNew.forward = _forward
+"""
+
+
+def test_a_copy_on_an_unjoined_stream_after_the_call_is_caught_or_timed(tmp_path, ev):
+    """A copy engine is not an SM, so the close kernel does not wait for it. The re-checked
+    outputs are sampled right after the end event: a copy still running there is a mismatch. A
+    driver that copies with a kernel instead gets the copy timed."""
+    task, honest = workspace(tmp_path / "honest", HONEST, "cuda", ev)
+    honest_ms = ev.evaluate(task, honest).candidate_ms
+    task, ws = hacked(tmp_path, ev, TAIL_PY, TAIL_CU)
+    v = ev.evaluate(task, ws)
+    if v.reward < 0:
+        assert v.error_kind == ErrorKind.MISMATCH, v.summary()
+    else:
+        assert v.candidate_ms > 1.3 * honest_ms, (honest_ms, v.summary())
 
 
 def test_illegal_memory_access_then_next_check_succeeds(tmp_path, ev):

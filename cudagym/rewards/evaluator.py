@@ -116,12 +116,6 @@ def _release_later(*outcomes: JobOutcome) -> None:
     _RELEASER.submit(held.clear)
 
 
-def _stats_or_none(samples: Any) -> TimingStats | None:
-    if not isinstance(samples, list) or not samples or not all(isinstance(x, (int, float)) for x in samples):
-        return None
-    return TimingStats.from_samples([float(x) for x in samples])
-
-
 def _job_breakdown(role: str, o: JobOutcome) -> dict[str, float]:
     """Seconds spent waiting for a ready worker, in the worker, and in each of its phases."""
     return {f"{role}.wait_ready_s": o.wait_s, f"{role}.worker_s": o.seconds,
@@ -331,15 +325,18 @@ class Evaluator:
         reasons: list[str] = []
         if base.get("compile_error"):
             reasons.append(f"torch.compile baseline unavailable: {base['compile_error'][:200]}")
+        diag = final.get("diagnostics") or {}
         result = ProfileResult(
             ok=True, candidate=cand, eager=eager, compiled=comp,
             speedup_vs_eager=eager.median_ms / cand.median_ms if eager and cand.median_ms > 0 else None,
             speedup_vs_compile=comp.median_ms / cand.median_ms if comp and cand.median_ms > 0 else None,
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
-            candidate_kernel=_stats_or_none((final.get("diagnostics") or {}).get("candidate_kernel_ms")),
-            harness_latency_ns=(final.get("diagnostics") or {}).get("harness_latency_ns"),
+            harness_overhead_ns=diag.get("harness_overhead_ns"), close_timeouts=diag.get("candidate_close_timeouts") or 0,
         )
+        if result.close_timeouts:
+            reasons.append(f"{result.close_timeouts} timed call(s) left kernels running over a second after the caller's "
+                           "stream ended (work on a stream it never waits for): timed to the device-wide synchronize")
         if floor_ms > 0 and cand.median_ms < self.config.roofline_slack * floor_ms:
             why = (f"implausible: {cand.median_ms:.4f} ms is below the roofline floor of this problem "
                    f"({floor_ms:.4f} ms at the device's peak bandwidth/FLOP rate)")

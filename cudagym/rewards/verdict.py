@@ -107,8 +107,8 @@ class ProfileResult(BaseModel):
     candidate: TimingStats | None = None
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
-    candidate_kernel: TimingStats | None = None  # diagnostic: GPU busy time per timed call (CUDA profiler)
-    harness_latency_ns: list[int] | None = None  # diagnostic: the timer's own start/end latencies, not timed
+    harness_overhead_ns: int | None = None  # diagnostic: the timer's own overhead, left out of every GPU call
+    close_timeouts: int = 0  # GPU calls whose SMs were still busy a second after the caller's stream ended
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None

@@ -4,50 +4,44 @@ Before every call (timed or warm-up, indistinguishable to the callee), the call'
 are refilled with fresh random values: same pointers, new contents, so neither pointer- nor
 content-keyed result caches can replay.
 
-CUDA (traced, the default). Per call:
+CUDA: CUDA events on the timer's private stream, no profiler. Per call:
 1. synchronize the device: the GPU is idle;
-2. on the timer's private stream, reset persisting L2 lines and flush the L2 cache by reading a
-   buffer twice its size (a read leaves clean lines: the call pays for no write-backs of the
-   flush), then keep the GPU busy for a short launch window (a sleep kernel,
-   `TimingConfig.launch_window_us`); the caller's stream waits for both;
-3. call. The call is launched while the flush and the window run, so the latency of getting
-   its first launch to the GPU is hidden (as in Triton's `do_bench`, where the flush alone
-   does it): it varies from process to process by tens of microseconds;
-4. the timer's stream waits for the caller's stream, then a 4-byte marker runs on it. The
-   marker is issued after the call returned on the host, so host-side work is never hidden;
-5. synchronize the device, then run an end-of-call separator on the timer's stream, which the
-   caller's stream waits for (so the harness's own work between calls is after the separator).
+2. on the timer's stream: reset persisting L2 lines, then the *open gate* kernel. It runs as
+   many 256-thread blocks as the GPU keeps resident at once (every SM full: no other kernel's
+   block can run beside them). Its blocks first flush the L2 cache by reading a buffer twice its
+   size (a read leaves clean lines: the call pays for no write-backs), then hold their SMs for
+   the launch window (`TimingConfig.launch_window_us`). Then the start event; the caller's
+   stream waits for it;
+3. call. The call is launched while the window runs, so the latency of getting its first launch
+   to the GPU is hidden (as in Triton's `do_bench`, where the flush alone does it: it varies
+   from process to process by tens of microseconds). None of its kernels, on any stream, can
+   start before the window ends: the SMs are full;
+4. the timer's stream waits for the caller's stream, then runs the *close gate* kernel: the
+   same blocks, which exit only once all of them have been resident at once, so once no kernel
+   of the call, on any stream, still holds an SM. Then the end event. The close kernel is
+   issued after the call returned on the host, so host-side work is never hidden. A re-checked
+   call's outputs are sampled right here, on the timer's stream (`after`);
+5. synchronize the device, then a last event on the timer's stream.
 
-The CUDA profiler (CUPTI, through torch's Kineto) records every GPU activity on every stream:
-kernels, copies, memsets. A call owns the activities that start between its flush and its
-separator on streams other than the timer's. Its time runs:
-- from the end of the launch window plus the harness's start latency, or from the earliest
-  start of its own activities if that is earlier (work started on a side stream that does not
-  wait for the caller's stream is counted from its start);
-- to the latest of the marker's start less the harness's end latency, and the end of its own
-  activities on any stream.
+A call's time is end event less start event, less the harness's overhead: that interval for a
+call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
+stream), the median of `CALIBRATION_CALLS` calls, measured once per process before any
+candidate code is loaded (`harness.prewarm`) and at most `MAX_OVERHEAD_NS`. So an honest call
+reads what events right around it on its own stream read.
 
-Work on side streams is therefore inside the interval, and so is host-side work: before the
-first launch, beyond the launch window, the GPU waits; after it, the marker waits. The
-device-wide synchronize that separates calls is not: its wake-up latency varies from process to
-process.
+What the SMs do not show is work on the copy engines (`cudaMemcpyAsync`, memsets) on a stream
+the caller's stream never waits for:
+- after the end event: a re-checked call's outputs are sampled as soon as the close kernel ends,
+  so an output still being written by a copy is a mismatch; if the close kernel gives up
+  (`CLOSE_TIMEOUT_NS`: something held an SM that long), the call runs to the last event, less
+  `TAIL_ALLOWANCE_MS`;
+- during the launch window: a copy may run. A task whose output is a plain copy of its inputs
+  could be answered by one; a computation cannot.
 
-The harness's latencies are the delays its own stream hand-overs add: from the window's end to
-the start of a kernel that waited for it on the caller's stream, and from a kernel's end to the
-start of the marker that waited for it. Each is the least delay seen over calls of one tiny
-kernel, measured once per process before any candidate code is loaded, and at most
-`MAX_LATENCY_NS` (1.1 us and 1.25 us on an H200). They are the harness's cost, not the call's;
-left in, they pulled honest speedups of short kernels towards 1.
-
-A known bias: CUPTI instruments kernels to trace them on every stream, which slows kernels of
-many short-lived blocks (one element per thread over 16M elements: 9-12% on an H200), and not
-torch's, cuBLAS's or Triton's kernels (`benchmarks/probe_ncu_gap.py`). See the README.
-
-The timer's stream must carry exactly the timer's operations. If it does not, the trace is
-rejected (`TimingTraceError`): something else used the stream, or the profiler was disturbed.
-
-CUDA without the profiler (under Nsight Compute, which owns CUPTI): events around each call, with
-a device-wide synchronize before the end event.
+No profiler, because the CUDA profiler's concurrent-kernel tracing (the way to see kernels on
+every stream) instruments kernels: it slowed kernels of many short-lived blocks by 9-12% on an
+H200 and left torch's, cuBLAS's and Triton's alone (`benchmarks/probe_ncu_gap.py`), a bias
+against honest candidates of a common style.
 
 CPU: the wall clock around the call, after reading a buffer larger than the LLC.
 
@@ -71,18 +65,74 @@ import torch
 from cudagym.sandbox.protocol import TimingConfig
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "traced-2"
+PROTOCOL_VERSION = "gated-events-3"
 
-# The most the harness's latencies (start, end) may be, in ns: a measurement above it is capped
-MAX_LATENCY_NS = 5_000
-LATENCY_CALLS = 30  # calls of a tiny kernel that measure them
+CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
+MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
+CLOSE_TIMEOUT_NS = 1_000_000_000  # the close kernel gives up after this long
+TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
+GATE_THREADS = 256
 
-# GPU activity kinds that carry work (Kineto's names); runtime calls and sync records do not
-_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_GATE_SOURCE = r"""
+#define THREADS 256
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// gate[0]: blocks of the close kernel that arrived; gate[1]: kept reads; gate[2]: close timeouts
+extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
+cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns) {
+    unsigned long long t0 = now_ns();
+    if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = 0u;
+    const volatile unsigned long long* p = flush;
+    unsigned long long acc = 0ull;
+    for (unsigned int i = blockIdx.x * THREADS + threadIdx.x; i < words; i += gridDim.x * THREADS) acc ^= p[i];
+    if (acc == 0x9e3779b97f4a7c15ull) gate[1] = 1u;  // the buffer is zeros: never, but the reads stay
+    while (now_ns() - t0 < window_ns) {}
+}
+extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
+cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns) {
+    if (threadIdx.x == 0) {
+        unsigned long long t0 = now_ns();
+        atomicAdd(gate, 1u);
+        volatile unsigned int* arrived = gate;
+        while (*arrived < blocks) {
+            if (now_ns() - t0 > timeout_ns) { atomicAdd(gate + 2, 1u); break; }
+        }
+    }
+    __syncthreads();
+}
+"""
 
 
-class TimingTraceError(RuntimeError):
-    """The profiler's record of the timed calls is not the one the timer produced."""
+class Gate(NamedTuple):
+    """The gate kernels of one GPU and their launch shape."""
+
+    open: Any  # torch's NVRTC kernel handles
+    close: Any
+    blocks: int  # the whole grid, resident at once
+    holds_every_sm: bool  # False: a GPU where the blocks cannot fill every SM's thread slots
+
+
+@functools.cache
+def gate_kernels(index: int) -> Gate:
+    """Compile (NVRTC) and load the gate kernels for GPU `index` (once per process)."""
+    from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
+
+    props = torch.cuda.get_device_properties(index)
+    per_sm = max(1, props.max_threads_per_multi_processor // GATE_THREADS)
+    with torch.cuda.device(index):
+        ptx, _ = _nvrtc_compile(_GATE_SOURCE.replace("BLOCKS_PER_SM", str(per_sm)), "cudagym_gate_open")
+        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
+        resident = ctypes.c_int(0)
+        libcuda = _get_gpu_runtime_library()
+        for k in kernels.values():
+            libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(resident), k.func, GATE_THREADS, 0)
+            per_sm = min(per_sm, resident.value)
+    per_sm = max(per_sm, 1)
+    return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], per_sm * props.multi_processor_count,
+                per_sm * GATE_THREADS >= props.max_threads_per_multi_processor)
 
 
 def _cudart() -> Any | None:
@@ -117,233 +167,131 @@ def profiler_available() -> bool:
 class DeviceTimer:
     """Times calls on `device` (cuda:N or cpu) under the protocol above.
 
-    Use: `start()`, then `call(fn, args)` per timed call, then `finish()` for the per-call times.
-    Calls made outside `start()`/`finish()` (warm-up) go through the same steps and are not
-    recorded. `kernel_ms` holds, after `finish()`, each timed call's GPU busy time (the summed
-    duration of its activities; a diagnostic, traced mode only).
+    Use: `start()`, then `call(fn, args)` per timed call, then `finish()` for the per-call times
+    in ms. Calls made outside `start()`/`finish()` (warm-up) go through the same steps and are
+    not recorded. `overhead_ns` is left out of every CUDA call (None: `harness_overhead_ns()`).
     """
 
-    def __init__(self, device: torch.device, flush_l2: bool = True, traced: bool | None = None,
-                 launch_window_us: float = 200.0, latency_ns: tuple[int, int] | None = None):
+    def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 200.0,
+                 overhead_ns: int | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.traced = self.cuda and (profiler_available() if traced is None else traced)
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self._perf = time.perf_counter
         self._times: list[float] = []
-        self._session: Any = None
+        self._events: list[tuple[Any, Any, Any]] = []
         self._recording = False
-        self._calls = 0
-        self.kernel_ms: list[float] = []
-        self.spans: list[CallSpan] = []
+        self.close_timeouts = 0  # calls whose close kernel gave up (after `finish()`)
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             flush_bytes = max(2 * l2, 64 * 2**20)
             self._cudart = _cudart()
-            self._stream = torch.cuda.Stream(device) if self.traced else None
-            self._marker = torch.empty(1, dtype=torch.int32, device=device)
-            self._window_cycles = _sleep_cycles(launch_window_us) if self.traced and launch_window_us > 0 else 0
-            if latency_ns is None:
-                latency_ns = harness_latency_ns() if self.traced else (0, 0)
+            self._stream = torch.cuda.Stream(device)
+            gate = gate_kernels(device.index if device.index is not None else torch.cuda.current_device())
+            self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
+            self.holds_every_sm = gate.holds_every_sm
+            self._gate = torch.zeros(4, dtype=torch.int32, device=device)
+            self._window_ns = int(launch_window_us * 1e3)
+            if overhead_ns is None:
+                overhead_ns = harness_overhead_ns()
         else:
             flush_bytes = 64 * 2**20
             self._cudart = None
-        self.latency_ns = tuple(min(max(int(v), 0), MAX_LATENCY_NS) for v in (latency_ns or (0, 0)))
-        self._flush_buf = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device) if flush_l2 else None
-        self._flush_sink = torch.empty(flush_bytes // 4096, dtype=torch.int32, device=device) if flush_l2 else None
+        self.overhead_ns = min(max(int(overhead_ns or 0), 0), MAX_OVERHEAD_NS)
+        self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
 
     def flush(self) -> None:
-        if self._cudart is not None:
-            self._cudart.cudaCtxResetPersistingL2Cache()
-        if self._flush_buf is not None:  # read, not written: the lines left in the cache are clean
-            torch.sum(self._flush_buf.view(-1, 1024), dim=1, out=self._flush_sink)
-
-    @property
-    def _ops_per_call(self) -> int:
-        """Operations on the timer's stream per traced call: flush, window, marker, separator."""
-        return (self._flush_buf is not None) + 1 + 2
-
-    def _before_call(self) -> None:
-        self.flush()
-        if self._window_cycles:
-            torch.cuda._sleep(self._window_cycles)
-        else:
-            self._marker.zero_()  # the step's end is still one operation on the timer's stream
-
-    def _on_timer_stream(self, op: Callable[[], None], caller: Any) -> None:
-        """Issue `op` on the timer's stream, then make `caller` current again."""
-        torch.cuda.set_stream(self._stream)
-        op()
-        torch.cuda.set_stream(caller)
+        """The CPU target's cache flush (on a GPU, the open gate kernel reads the buffer)."""
+        if self._flush_buf is not None:
+            torch.sum(self._flush_buf)
 
     # -- the timed session ------------------------------------------------------------------
     def start(self) -> None:
         """Begin recording timed calls."""
-        self._times, self.kernel_ms, self._calls = [], [], 0
-        if self.traced:
-            from torch.autograd.profiler import profile
-
-            self._sync()
-            self._session = profile(use_cpu=False, use_device="cuda", use_kineto=True)
-            self._session.__enter__()
-            self._separator(torch.cuda.current_stream(self.device))  # names the timer's stream in the trace
+        self._times, self._events = [], []
         self._recording = True
 
-    def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
-        """One call under the protocol; returns its output."""
-        if self.traced:
-            caller = torch.cuda.current_stream(self.device)
-            self._sync()
-            self._on_timer_stream(self._before_call, caller)
-            caller.wait_stream(self._stream)
-            out = fn(*args)
-            self._stream.wait_stream(caller)
-            self._on_timer_stream(self._marker.zero_, caller)
-            self._sync()
-            self._separator(caller)
-            self._calls += self._recording
-            return out
-        self.flush()
-        self._sync()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(*args)
-            self._sync()
-            end.record()
-            end.synchronize()
-            ms = float(start.elapsed_time(end))
-        else:
+    def call(self, fn: Callable[..., Any], args: Sequence[Any],
+             after: Callable[[Any], None] | None = None) -> Any:
+        """One call under the protocol; returns its output. `after(out)` runs right after the
+        call's end (on a GPU: on the timer's stream, before the device-wide synchronize)."""
+        if not self.cuda:
+            self.flush()
             t0 = self._perf()
             out = fn(*args)
             ms = (self._perf() - t0) * 1e3
+            if after is not None:
+                after(out)
+            if self._recording:
+                self._times.append(ms)
+            return out
+        caller, timer = torch.cuda.current_stream(self.device), self._stream
+        marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+        flush, words = (self._flush_buf, self._flush_buf.numel()) if self._flush_buf is not None else (self._gate, 0)
+        grid, block = (self._blocks, 1, 1), (GATE_THREADS, 1, 1)
+        self._sync()
+        if self._cudart is not None:
+            self._cudart.cudaCtxResetPersistingL2Cache()
+        self._open(grid, block, [flush, words, self._gate, self._window_ns], stream=timer)
+        marks[0].record(timer)
+        caller.wait_stream(timer)
+        out = fn(*args)
+        timer.wait_stream(caller)
+        self._close(grid, block, [self._gate, self._blocks, CLOSE_TIMEOUT_NS], stream=timer)
+        marks[1].record(timer)
+        if after is not None:
+            with torch.cuda.stream(timer):
+                after(out)
+        self._sync()
+        marks[2].record(timer)
         if self._recording:
-            self._times.append(ms)
+            self._events.append(marks)
         return out
-
-    def _separator(self, caller: Any) -> None:
-        self._on_timer_stream(self._marker.zero_, caller)
-        caller.wait_stream(self._stream)
 
     def finish(self) -> list[float]:
         """Stop recording; the per-call times in milliseconds."""
         self._recording = False
-        if not self.traced:
+        if not self.cuda:
             return self._times
         self._sync()
-        session, self._session = self._session, None
-        try:
-            session.__exit__(None, None, None)
-        except RuntimeError as e:  # stopped already, by someone else
-            raise TimingTraceError(f"the profiler could not be stopped: {e}") from None
-        result = session.kineto_results
-        if type(result) is not torch._C._autograd._ProfilerResult:
-            raise TimingTraceError("the profiler's result is not torch's own")
-        self.spans = read_trace(result.events(), self._calls, self._ops_per_call)
-        self._times, self.kernel_ms = per_call_ms(self.spans, self.latency_ns)
+        self.close_timeouts = int(self._gate[2].item())
+        self._times = [call_ms(start.elapsed_time(end), start.elapsed_time(last), self.overhead_ns)
+                       for start, end, last in self._events]
         return self._times
 
 
-def _is_gpu_work(e: Any) -> bool:
-    if e.device_type() != torch.autograd.DeviceType.CUDA:
-        return False
-    if hasattr(e, "activity_type"):  # torch >= 2.12 names the record's kind
-        return e.activity_type() in _WORK
-    return not e.is_user_annotation() if hasattr(e, "is_user_annotation") else True
+def call_ms(end_ms: float, last_ms: float, overhead_ns: int) -> float:
+    """A GPU call's time from its events (ms after the start event): to the end event, or to
+    the last event less the host's allowance if that is later (the close kernel gave up), less
+    the harness's overhead."""
+    return max(max(end_ms, last_ms - TAIL_ALLOWANCE_MS) - overhead_ns / 1e6, 0.0)
 
 
 @functools.cache
-def _sleep_cycles(us: float) -> int:
-    """GPU clock cycles of a sleep kernel that lasts about `us` microseconds (measured once per
-    process: a spare measures it while idle)."""
-    probe = 1_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(2):  # the first run loads the kernel
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-    return max(1, int(probe * us / 1e3 / max(start.elapsed_time(end), 1e-6)))
-
-
-class CallSpan(NamedTuple):
-    """One traced call's landmarks (ns on the GPU's clock)."""
-
-    ready: int  # the launch window's end: the call's own work may start from here
-    first: int | None  # the start of its earliest own activity (None: it ran none)
-    last: int | None  # the end of its latest own activity
-    marker: int  # the start of the end marker (issued after the call returned on the host)
-    busy: int  # the summed duration of its activities
-
-    def interval_ms(self, latency_ns: tuple[int, int] = (0, 0)) -> float:
-        """The call's time, less the harness's own start and end latencies."""
-        t0, t1 = self.ready + latency_ns[0], self.marker - latency_ns[1]
-        if self.first is not None:
-            t0, t1 = min(t0, self.first), max(t1, self.last or t1)
-        return max(t1 - t0, 0) / 1e6
-
-
-def read_trace(events: Sequence[Any], calls: int, per_call: int = 3) -> list[CallSpan]:
-    """The landmarks of `calls` timed calls in a trace.
-
-    The first GPU activity of the trace is the separator that names the timer's stream; that
-    stream then holds, for each call, `per_call` operations in order: those before the call
-    (flush, launch window), the marker, the separator.
-    """
-    acts = sorted(((e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events if _is_gpu_work(e)),
-                  key=lambda a: a[1])
-    if not acts:
-        raise TimingTraceError("the profiler recorded no GPU activity")
-    timer_stream = acts[0][0]
-    own = [a for a in acts if a[0] == timer_stream]
-    others = [a for a in acts if a[0] != timer_stream]
-    if len(own) != 1 + per_call * calls:
-        raise TimingTraceError(f"the timer's stream ran {len(own)} operations where the timer issued "
-                               f"{1 + per_call * calls}")
-    spans = []
-    j = 0
-    for i in range(calls):
-        ops = own[1 + per_call * i: 1 + per_call * (i + 1)]
-        first, ready, marker, sep = ops[0], ops[-3], ops[-2], ops[-1]
-        while j < len(others) and others[j][1] < first[1]:
-            j += 1  # the harness's own work between calls (input refill, kept outputs)
-        t0 = t1 = None
-        work = 0
-        while j < len(others) and others[j][1] < sep[1]:
-            _, s, e = others[j]
-            t0, t1, work = s if t0 is None else min(t0, s), e if t1 is None else max(t1, e), work + (e - s)
-            j += 1
-        spans.append(CallSpan(ready[2], t0, t1, marker[1], work))
-    return spans
-
-
-def per_call_ms(spans: Sequence[CallSpan], latency_ns: tuple[int, int] = (0, 0)) -> tuple[list[float], list[float]]:
-    """Per-call times and GPU busy times (ms) of traced calls."""
-    return [c.interval_ms(latency_ns) for c in spans], [c.busy / 1e6 for c in spans]
-
-
-def attribute(events: Sequence[Any], calls: int, per_call: int = 3,
-              latency_ns: tuple[int, int] = (0, 0)) -> tuple[list[float], list[float]]:
-    """Per-call times and GPU busy times (ms) from a trace of `calls` timed calls."""
-    return per_call_ms(read_trace(events, calls, per_call), latency_ns)
-
-
-@functools.cache
-def harness_latency_ns() -> tuple[int, int]:
-    """The harness's start and end latencies on this process's GPU (see the module's text):
-    the least delays seen over `LATENCY_CALLS` traced calls of a 4-byte fill kernel (a timer
-    caps them at `MAX_LATENCY_NS`). Measured once per process; a worker does it before loading
-    any candidate code (`harness.prewarm`)."""
-    timer = DeviceTimer(torch.device("cuda"), flush_l2=False, traced=True, latency_ns=(0, 0))
+def harness_overhead_ns() -> int:
+    """The harness's overhead on this process's GPU (see the module's text): the median over
+    `CALIBRATION_CALLS` calls of a 4-byte fill kernel of the call's time less the fill's own
+    (a timer caps it at `MAX_OVERHEAD_NS`). Measured once per process; a worker does it before
+    loading any candidate code (`harness.prewarm`)."""
+    timer = DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0)
     probe = torch.empty(1, dtype=torch.int32, device="cuda")
+    own: list[tuple[Any, Any]] = []
+
+    def fill() -> None:
+        marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks[0].record()
+        probe.zero_()
+        marks[1].record()
+        own.append(marks)
+
+    for _ in range(5):
+        timer.call(fill, [])
+    own.clear()
     timer.start()
-    for _ in range(LATENCY_CALLS):
-        timer.call(probe.zero_, [])
-    timer.finish()
-    spans = [c for c in timer.spans if c.first is not None and c.last is not None]
-    if not spans:
-        return (0, 0)
-    return (min(c.first - c.ready for c in spans), min(c.marker - c.last for c in spans))  # type: ignore[operator]
+    for _ in range(CALIBRATION_CALLS):
+        timer.call(fill, [])
+    times = timer.finish()
+    return int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in zip(times, own)))
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
@@ -368,8 +316,9 @@ def run_timed_loop(
     `cfg.target_ms` over the warm-up's median wall time per call, within
     [`cfg.min_calls`, `cfg.max_calls`]. It is fixed before the first timed call, so outputs to
     re-check can be drawn from all of them. The garbage collector is paused so that a
-    collection does not land inside a timed call. `keep(i, n, inputs, out)` is called after
-    timed call i of n (outside the timed interval).
+    collection does not land inside a timed call. `keep(i, n, inputs, out)` is called right
+    after timed call i of n ends (outside the timed interval; on a GPU, before the device-wide
+    synchronize, on the timer's stream: see the module's text).
     """
     k = len(input_sets)
     clock = timer._perf
@@ -390,10 +339,8 @@ def run_timed_loop(
         for i in range(n):
             args = input_sets[i % k]
             refill_(args, fresh_inputs())
-            out = timer.call(fn, args)
-            if keep is not None:
-                keep(i, n, args, out)
-            del out
+            after = None if keep is None else functools.partial(keep, i, n, args)
+            timer.call(fn, args, after)
         return timer.finish()
     finally:
         if gc_was_enabled:
