@@ -148,6 +148,43 @@ def test_1_blas_matmul_in_forward(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.AUDIT, "strict mode", "bmm")
 
 
+def test_1_15_torch_ops_only_while_timed(evaluator: Evaluator, build_ws) -> None:
+    """Run the own kernel while the verify's dispatch recorder watches; call torch once timed
+    (no recorder on the mode stack). The profiler that runs through the timed calls sees it."""
+    body = """\
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+    if _len_torch_dispatch_stack() == 0:
+        return F.gelu(x * self.scale + self.bias)
+    return run_kernel(x, self.bias, self.scale)
+    """
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw an honest kernel
+    assert_rejected(v, ErrorKind.AUDIT, "during timed calls", "aten::gelu")
+
+
+@pytest.mark.parametrize("how", ["suppress", "forge"])
+def test_1_15_hide_torch_ops_from_the_timed_calls_profiler(evaluator: Evaluator, build_ws, how: str) -> None:
+    """Once timed, call torch outside the harness's per-call profiler range: by making
+    record_function a no-op, or by closing the range early with a forged one of the same name."""
+    hide = {"suppress": """\
+        import torch.autograd.profiler as _p
+        _p.record_function.__enter__ = lambda self: self
+        _p.record_function.__exit__ = lambda self, *a: None
+    """, "forge": """\
+        with torch.profiler.record_function("cudagym::forward"):
+            pass
+    """}[how]
+    body = f"""\
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+    if _len_torch_dispatch_stack() == 0:
+{textwrap.indent(textwrap.dedent(hide), "        ")}
+        return F.gelu(x * self.scale + self.bias)
+    return run_kernel(x, self.bias, self.scale)
+    """
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    assert v.reward < 0 and v.error_kind in (ErrorKind.TAMPER, ErrorKind.AUDIT), (v.reasons, (v.error or "")[:1500])
+
+
 def test_1_torch_ops_hidden_from_the_dispatch_recorder(evaluator: Evaluator, build_ws) -> None:
     """Pop the harness's TorchDispatchMode off the mode stack while calling torch."""
     body = """\
@@ -751,10 +788,12 @@ TIMING_PATCHES = {
 
 @pytest.mark.parametrize("what", list(TIMING_PATCHES))
 def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, build_ws, what: str) -> None:
-    """Correct and unpatched while audited (the profiler is on during verify); once in the timed loop
-    (no profiler), rebind a piece of the timing machinery. The tamper checks after the loop see it."""
+    """Correct and unpatched while audited (the dispatch recorder is on the mode stack during
+    verify); once in the timed loop (no recorder), rebind a piece of the timing machinery. The
+    tamper checks after the loop see it."""
     body = f"""\
-    if not torch.autograd._profiler_enabled() and not getattr(self, "_patched", False):
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+    if _len_torch_dispatch_stack() == 0 and not getattr(self, "_patched", False):
         self._patched = True
 {textwrap.indent(textwrap.dedent(TIMING_PATCHES[what]), "        ")}
     return run_kernel(x, self.bias, self.scale)

@@ -317,6 +317,13 @@ class Evaluator:
             return ProfileResult(ok=False, error_kind=ErrorKind.MISMATCH, error=why, reasons=[why],
                                  seconds=time.perf_counter() - t0)
         final = o.final or {}
+        timed_ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
+        forbidden = forbidden_ops(timed_ops) if self.config.mode == "strict" else []
+        if forbidden:  # verify audits its trials; a candidate may behave differently once timed
+            why = ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
+                   + " (only your own kernels plus allocation/view ops are allowed)")
+            return ProfileResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
+                                 seconds=time.perf_counter() - t0)
         cand = TimingStats.from_samples(final["candidate_ms"])
         eager = TimingStats.from_samples(base["eager_ms"]) if base.get("eager_ms") else None
         comp = TimingStats.from_samples(base["compile_ms"]) if base.get("compile_ms") else None

@@ -14,6 +14,7 @@ import mmap
 import os
 import secrets
 import subprocess
+from bisect import bisect_right
 import sys
 import threading
 import time
@@ -45,6 +46,9 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "torch.sum": (torch, "sum"),
     "torch.autograd.profiler.profile.__enter__": (torch.autograd.profiler.profile, "__enter__"),
     "torch.autograd.profiler.profile.__exit__": (torch.autograd.profiler.profile, "__exit__"),
+    "torch.autograd._profiler_enabled": (torch.autograd, "_profiler_enabled"),
+    "torch.autograd.profiler.record_function.__enter__": (torch.autograd.profiler.record_function, "__enter__"),
+    "torch.autograd.profiler.record_function.__exit__": (torch.autograd.profiler.record_function, "__exit__"),
     "time.perf_counter": (time, "perf_counter"),
     "torch.allclose": (torch, "allclose"),
     "torch.Tensor.copy_": (torch.Tensor, "copy_"),
@@ -600,9 +604,31 @@ def _telemetry() -> dict[str, Any]:
 
 
 RECHECK_SAMPLE = 1 << 20  # elements re-checked per output of a timed call (all, if fewer)
+FORWARD_RANGE = "cudagym::forward"  # the profiler's range around each call of a timing run
 
 
-def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> list[float]:
+def ops_in_calls(events: Any, calls: int) -> Counter[str]:
+    """The ops a CPU profile saw start inside its `calls` forward ranges, on any thread."""
+    ranges = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == FORWARD_RANGE)
+    if len(ranges) != calls:
+        raise CandidateError("tamper", f"the harness's profiler saw {len(ranges)} forward calls where the harness "
+                             f"made {calls}: its ranges were suppressed or forged")
+    starts = [r[0] for r in ranges]
+    ops: Counter[str] = Counter()
+    for e in events:
+        name, t = e.name(), e.start_ns()
+        i = bisect_right(starts, t) - 1
+        if name != FORWARD_RANGE and "::" in name and i >= 0 and t <= ranges[i][1]:
+            ops[name] += 1
+    return ops
+
+
+def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> tuple[list[float], Counter[str]]:
+    """Time `fn` (the role's model) under the timing protocol, with a CPU profiler running as
+    it does during verify (so the profiler's state does not tell them apart); the per-call
+    times in ms, and the ops the candidate's calls (warm-up and timed) ran, for the op audit."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
     rng = secrets.SystemRandom()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
@@ -632,9 +658,28 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         if i in recheck_at:
             kept.append((seed[0], [sample(o) for o in as_outputs(out, "ModelNew.forward")]))
 
-    with torch.no_grad():
-        times = run_timed_loop(fn, sets, fresh_inputs, timer, job.timing, keep if role == "candidate" else None)
+    calls = [0]
+    enter, leave = _ORIGINALS["torch.autograd.profiler.record_function.__enter__"], \
+        _ORIGINALS["torch.autograd.profiler.record_function.__exit__"]
+
+    def forward(*args: Any) -> Any:
+        calls[0] += 1
+        scope = record_function(FORWARD_RANGE)
+        enter(scope)
+        try:
+            return fn(*args)
+        finally:
+            leave(scope, None, None, None)
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        times = run_timed_loop(forward, sets, fresh_inputs, timer, job.timing, keep if role == "candidate" else None)
+        still_profiling = _ORIGINALS["torch.autograd._profiler_enabled"]()
     ph.mark(f"{role}_timed_loop")
+    ops: Counter[str] = Counter()
+    if role == "candidate":
+        if not still_profiling:
+            raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
+        ops = ops_in_calls(prof.profiler.kineto_results.events(), calls[0])
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = overhead
         ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts
@@ -657,7 +702,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
             for i in range(len(outs), len(ref_out)):
                 ch.send_tensor("reference", t, i, ref_out[i])
         ph.mark("recheck")
-    return times
+    return times, ops
 
 
 def roofline_inputs(p: Problem) -> dict[str, float]:
@@ -679,18 +724,18 @@ def run_profile(job: Job, ch: Channel) -> None:
     p = Problem(job, with_candidate=True)
     ph.mark("load")
     tele0 = _telemetry() if p.device.type == "cuda" else {}
-    times = _timing_run(p, p.cand, job, ch, "candidate", ph)
+    times, ops = _timing_run(p, p.cand, job, ch, "candidate", ph)
     check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
-    ch.final({"ok": True, "candidate_ms": times, "telemetry": {"before": tele0, "after": tele1}, "phases": ph.times,
-              "diagnostics": ph.extra})
+    ch.final({"ok": True, "candidate_ms": times, "ops": dict(ops), "telemetry": {"before": tele0, "after": tele1},
+              "phases": ph.times, "diagnostics": ph.extra})
 
 
 def run_baseline(job: Job, ch: Channel) -> None:
     ph = Phases()
     p = Problem(job, with_candidate=False)
-    body: dict[str, Any] = {"ok": True, "eager_ms": _timing_run(p, p.ref, job, ch, "eager", ph)}
+    body: dict[str, Any] = {"ok": True, "eager_ms": _timing_run(p, p.ref, job, ch, "eager", ph)[0]}
     body.update(roofline_inputs(p))
     if job.with_compile_baseline:
         try:
@@ -698,7 +743,7 @@ def run_baseline(job: Job, ch: Channel) -> None:
             with torch.no_grad():
                 compiled(*p.inputs(secrets.randbits(62)))  # the first call compiles
             ph.mark("torch_compile")
-            body["compile_ms"] = _timing_run(p, compiled, job, ch, "compiled", ph)
+            body["compile_ms"] = _timing_run(p, compiled, job, ch, "compiled", ph)[0]
         except Exception as e:  # noqa: BLE001
             body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
     body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
