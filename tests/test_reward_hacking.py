@@ -162,11 +162,16 @@ def test_1_15_torch_ops_only_while_timed(evaluator: Evaluator, build_ws) -> None
     assert_rejected(v, ErrorKind.AUDIT, "during timed calls", "aten::gelu")
 
 
-@pytest.mark.parametrize("how", ["suppress", "forge"])
+@pytest.mark.parametrize("how", ["suppress", "forge", "pause", "record_function_off"])
 def test_1_15_hide_torch_ops_from_the_timed_calls_profiler(evaluator: Evaluator, build_ws, how: str) -> None:
-    """Once timed, call torch outside the harness's per-call profiler range: by making
-    record_function a no-op, or by closing the range early with a forged one of the same name."""
-    hide = {"suppress": """\
+    """Once timed, hide torch calls from the harness's profiler: make record_function a no-op,
+    close the per-call range early with a forged one of the same name, pause the profiler's
+    collection, or switch RecordFunction off."""
+    hide = {"pause": """\
+        torch.autograd.profiler._toggle_collection_dynamic(False, {torch.profiler.ProfilerActivity.CPU})
+    """, "record_function_off": """\
+        torch.autograd._enable_record_function(False)
+    """, "suppress": """\
         import torch.autograd.profiler as _p
         _p.record_function.__enter__ = lambda self: self
         _p.record_function.__exit__ = lambda self, *a: None

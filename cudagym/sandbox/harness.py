@@ -33,7 +33,27 @@ from cudagym.sandbox.protocol import Job, encode_frame_head
 from cudagym.sandbox.timing import DeviceTimer, harness_overhead_ns, profiler_available, run_timed_loop
 
 # Identity snapshot, taken at import (before any candidate code runs) and checked after.
+# Switches that would pause the profiler's op recording inside a call (and so hide torch ops
+# from the audit). The harness never uses them: in a worker they do nothing but leave a note.
+_PAUSE_SWITCHES = ("_toggle_collection_dynamic", "_enable_record_function")
+_PAUSE_ATTEMPTS: list[str] = []
+
+
+def _inert_switch(name: str) -> Any:
+    def switch(*args: Any, **kwargs: Any) -> None:
+        _PAUSE_ATTEMPTS.append(name)
+    return switch
+
+
+for _name in _PAUSE_SWITCHES:
+    _switch = _inert_switch(_name)
+    for _mod in (torch._C._autograd, torch.autograd, torch.autograd.profiler):
+        if hasattr(_mod, _name):
+            setattr(_mod, _name, _switch)
+
 _WATCHED: dict[str, tuple[Any, str]] = {
+    **{f"{m.__name__}.{n}": (m, n) for n in _PAUSE_SWITCHES
+       for m in (torch._C._autograd, torch.autograd, torch.autograd.profiler) if hasattr(m, n)},
     "torch.cuda.synchronize": (torch.cuda, "synchronize"),
     "torch.cuda.Event": (torch.cuda, "Event"),
     "torch.cuda.Event.record": (torch.cuda.Event, "record"),
@@ -200,6 +220,8 @@ def load_candidate(job: Job) -> types.ModuleType:
 
 def check_tamper() -> None:
     """Raise if a watched function, a harness function (or its code) or method was replaced."""
+    if _PAUSE_ATTEMPTS:
+        raise CandidateError("tamper", f"the candidate tried to pause the profiler's op recording ({_PAUSE_ATTEMPTS[0]})")
     for name, (obj, attr) in _WATCHED.items():
         if getattr(obj, attr, None) is not _ORIGINALS[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
