@@ -8,7 +8,6 @@ stream), 17 (L2 cache) and 19 (roofline floor) are GPU-only and live in the GPU 
 from __future__ import annotations
 
 import asyncio
-import os
 import textwrap
 import uuid
 from pathlib import Path
@@ -18,7 +17,6 @@ import pytest
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
-from cudagym.sandbox.protocol import TimingConfig
 from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.loaders import bundled_task_ids
 

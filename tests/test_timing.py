@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cudagym.sandbox.protocol import TimingConfig
-from cudagym.sandbox.timing import (_GATE_SOURCE, MAX_OVERHEAD_NS, TAIL_ALLOWANCE_MS, DeviceTimer, call_ms,
+from cudagym.sandbox.timing import (MAX_OVERHEAD_NS, TAIL_ALLOWANCE_MS, DeviceTimer, call_ms, gate_source,
                                     run_timed_loop)
 
 
@@ -67,7 +67,7 @@ def test_the_gate_kernels_compile_within_the_register_budget_that_fills_every_sm
     """The gate kernels hold an SM only if `per_sm` blocks of 256 threads fit its register file
     (64K registers): at most 65536 / (256 * per_sm) registers per thread."""
     src = tmp_path / "gate.cu"
-    src.write_text(_GATE_SOURCE.replace("BLOCKS_PER_SM", str(per_sm)))
+    src.write_text(gate_source(per_sm))
     r = subprocess.run(["nvcc", f"-arch={arch}", "-c", "-o", str(tmp_path / "gate.o"), "-Xptxas", "-v", str(src)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -341,6 +341,9 @@ class Evaluator:
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             harness_overhead_ns=diag.get("harness_overhead_ns"), close_timeouts=diag.get("candidate_close_timeouts") or 0,
         )
+        if diag.get("gate_holds_every_sm") is False:
+            reasons.append("the timer's gate kernels cannot fill every SM of this GPU: work on a stream that does not "
+                           "wait for the caller's could start inside the launch window, untimed")
         if result.close_timeouts:
             reasons.append(f"{result.close_timeouts} timed call(s) left kernels running over a second after the caller's "
                            "stream ended (work on a stream it never waits for): timed to the device-wide synchronize")

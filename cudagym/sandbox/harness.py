@@ -14,12 +14,12 @@ import mmap
 import os
 import secrets
 import subprocess
-from bisect import bisect_right
 import sys
 import threading
 import time
 import traceback
 import types
+from bisect import bisect_right
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,6 @@ from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.protocol import Job, encode_frame_head
 from cudagym.sandbox.timing import DeviceTimer, harness_overhead_ns, profiler_available, run_timed_loop
 
-# Identity snapshot, taken at import (before any candidate code runs) and checked after.
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
 # from the audit). The harness never uses them: in a worker they do nothing but leave a note.
 _PAUSE_SWITCHES = ("_toggle_collection_dynamic", "_enable_record_function")
@@ -51,6 +50,7 @@ for _name in _PAUSE_SWITCHES:
         if hasattr(_mod, _name):
             setattr(_mod, _name, _switch)
 
+# Identity snapshot, taken at import (before any candidate code runs) and checked after.
 _WATCHED: dict[str, tuple[Any, str]] = {
     **{f"{m.__name__}.{n}": (m, n) for n in _PAUSE_SWITCHES
        for m in (torch._C._autograd, torch.autograd, torch.autograd.profiler) if hasattr(m, n)},
@@ -705,6 +705,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = overhead
         ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts
+        ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     if role == "candidate":
         check_tamper()
         p.intact()

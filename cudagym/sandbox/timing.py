@@ -74,7 +74,7 @@ TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize,
 GATE_THREADS = 256
 
 _GATE_SOURCE = r"""
-#define THREADS 256
+#define THREADS GATE_THREADS
 __device__ __forceinline__ unsigned long long now_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -106,6 +106,11 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
 """
 
 
+def gate_source(blocks_per_sm: int) -> str:
+    """The gate kernels' CUDA source for GPUs that keep `blocks_per_sm` of their blocks resident."""
+    return _GATE_SOURCE.replace("GATE_THREADS", str(GATE_THREADS)).replace("BLOCKS_PER_SM", str(blocks_per_sm))
+
+
 class Gate(NamedTuple):
     """The gate kernels of one GPU and their launch shape."""
 
@@ -123,7 +128,7 @@ def gate_kernels(index: int) -> Gate:
     props = torch.cuda.get_device_properties(index)
     per_sm = max(1, props.max_threads_per_multi_processor // GATE_THREADS)
     with torch.cuda.device(index):
-        ptx, _ = _nvrtc_compile(_GATE_SOURCE.replace("BLOCKS_PER_SM", str(per_sm)), "cudagym_gate_open")
+        ptx, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open")
         kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
         resident = ctypes.c_int(0)
         libcuda = _get_gpu_runtime_library()
