@@ -11,8 +11,8 @@ Prints:
 4. agreement of the profile's candidate time with Nsight Compute's gpu__time_duration (GPU).
 
 The spread tables also show each job's harness overhead (left out of every call; measured by
-each fresh worker). Diagnostics: `--no-flush-variant` repeats the spread without the L2 flush, `--profile-compare` cProfiles one
-verify's output comparison.
+each fresh worker). Diagnostics: `--no-flush-variant` repeats the spread without the L2 flush,
+`--profile-compare` cProfiles one verify's output comparison.
 
 Usage: python benchmarks/bench_eval.py [--target auto|cuda|cpu] [--task ID] [--spread-tasks A,B]
            [--ncu-task ID] [--repeats N] [--think-s S] [--spread-jobs N]

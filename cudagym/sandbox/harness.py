@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, harness_overhead_ns, profiler_available, run_timed_loop
+from cudagym.sandbox.timing import DeviceTimer, harness_overhead_ns, run_timed_loop
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
 # from the audit). The harness never uses them: in a worker they do nothing but leave a note.
@@ -369,6 +369,11 @@ def premap_results(shm_fd: int, mb: int) -> None:
     _PREMAPPED.append(mm)
 
 
+def profiler_available() -> bool:
+    """Whether this process may use the CUDA profiler (not under Nsight Compute, which owns it)."""
+    return not os.environ.get("CUDAGYM_UNDER_NCU")
+
+
 def prewarm() -> None:
     """Pay for lazy initialization while idle: dynamo (via the dispatch mode), psutil, the
     profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML."""
@@ -697,16 +702,15 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         times = run_timed_loop(forward, sets, fresh_inputs, timer, job.timing, keep if role == "candidate" else None)
         still_profiling = _ORIGINALS["torch.autograd._profiler_enabled"]()
     ph.mark(f"{role}_timed_loop")
+    if timer.cuda:
+        ph.extra["harness_overhead_ns"] = overhead
+        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts
+        ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     ops: Counter[str] = Counter()
     if role == "candidate":
         if not still_profiling:
             raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
         ops = ops_in_calls(prof.profiler.kineto_results.events(), calls[0])
-    if timer.cuda:
-        ph.extra["harness_overhead_ns"] = overhead
-        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts
-        ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
-    if role == "candidate":
         check_tamper()
         p.intact()
         if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.overhead_ns != overhead:

@@ -65,7 +65,7 @@ import torch
 from cudagym.sandbox.protocol import TimingConfig
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-3"
+PROTOCOL_VERSION = "gated-events-4"  # 4: timing runs under a CPU op profiler
 
 CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
 MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
@@ -164,11 +164,6 @@ def _cudart() -> Any | None:
     return None
 
 
-def profiler_available() -> bool:
-    """Whether this process may use the CUDA profiler (not under Nsight Compute, which owns it)."""
-    return not os.environ.get("CUDAGYM_UNDER_NCU")
-
-
 class DeviceTimer:
     """Times calls on `device` (cuda:N or cpu) under the protocol above.
 
@@ -194,6 +189,7 @@ class DeviceTimer:
             self._stream = torch.cuda.Stream(device)
             gate = gate_kernels(device.index if device.index is not None else torch.cuda.current_device())
             self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
+            self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
             self.holds_every_sm = gate.holds_every_sm
             self._gate = torch.zeros(4, dtype=torch.int32, device=device)
             self._window_ns = int(launch_window_us * 1e3)
@@ -233,16 +229,15 @@ class DeviceTimer:
         caller, timer = torch.cuda.current_stream(self.device), self._stream
         marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         flush, words = (self._flush_buf, self._flush_buf.numel()) if self._flush_buf is not None else (self._gate, 0)
-        grid, block = (self._blocks, 1, 1), (GATE_THREADS, 1, 1)
         self._sync()
         if self._cudart is not None:
             self._cudart.cudaCtxResetPersistingL2Cache()
-        self._open(grid, block, [flush, words, self._gate, self._window_ns], stream=timer)
+        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns], stream=timer)
         marks[0].record(timer)
         caller.wait_stream(timer)
         out = fn(*args)
         timer.wait_stream(caller)
-        self._close(grid, block, [self._gate, self._blocks, CLOSE_TIMEOUT_NS], stream=timer)
+        self._close(self._grid, self._block, [self._gate, self._blocks, CLOSE_TIMEOUT_NS], stream=timer)
         marks[1].record(timer)
         if after is not None:
             with torch.cuda.stream(timer):
