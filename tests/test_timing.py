@@ -13,28 +13,29 @@ import subprocess
 import pytest
 import torch
 
-from cudagym.sandbox.protocol import TimingConfig
-from cudagym.sandbox.timing import (MAX_OVERHEAD_NS, TAIL_ALLOWANCE_MS, DeviceTimer, call_ms, gate_source,
-                                    run_timed_loop)
+from cudagym.sandbox.timing import MAX_OVERHEAD_NS, TAIL_ALLOWANCE_MS, DeviceTimer, call_ms, drive_calls, gate_source
 
 
-def test_the_cpu_loop_times_a_fixed_number_of_calls_and_offers_each_for_re_checks() -> None:
+def test_the_loop_makes_the_calls_the_parent_asks_for_with_each_calls_inputs() -> None:
     timer = DeviceTimer(torch.device("cpu"), flush_l2=False)
-    calls: list[int] = []
-    kept: list[tuple[int, int]] = []
-    x = [torch.zeros(1000)]
+    x = [torch.zeros(4)]
+    reports: list[dict] = []
+    seeds = iter([3, 5, 7])
+
+    def next_call(report: dict) -> int | None:
+        reports.append(report)
+        return next(seeds, None)
 
     def fn(a: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        return a + 1
+        return a * 2
 
-    cfg = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=7, max_calls=9, target_ms=1e6)
-    times = run_timed_loop(fn, [x], lambda: [torch.randn(1000)], timer, cfg, lambda i, n, args, out: kept.append((i, n)))
-    assert len(times) == 9 and all(t > 0 for t in times)  # target far away: max_calls
-    assert len(calls) == 3 + 9  # the warm-up calls are made, not recorded
-    assert kept == [(i, 9) for i in range(9)]
-    cfg = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=7, max_calls=9, target_ms=1e-6)
-    assert len(run_timed_loop(fn, [x], lambda: [torch.randn(1000)], timer, cfg)) == 7  # target met at once: min_calls
+    n = drive_calls(fn, [x], lambda s: [torch.full((4,), float(s))], next_call, timer,
+                    after=lambda i, out: {"first": float(out[0])})
+    assert n == 3
+    assert reports[0] == {}  # nothing to report before the first call
+    assert [r["first"] for r in reports[1:]] == [6.0, 10.0, 14.0]  # each call saw its own seed's inputs
+    assert all(r["ms"] >= 0 for r in reports[1:])
+    assert torch.equal(x[0], torch.full((4,), 7.0))  # the buffers are refilled in place
 
 
 def test_a_gpu_call_runs_to_its_end_event_less_the_harness_overhead() -> None:
@@ -54,9 +55,7 @@ def test_the_cpu_call_runs_the_after_hook_outside_the_timed_interval() -> None:
 
     timer = DeviceTimer(torch.device("cpu"), flush_l2=False)
     seen: list[torch.Tensor] = []
-    timer.start()
-    out = timer.call(lambda a: a + 1, [torch.zeros(3)], after=lambda o: (seen.append(o), time.sleep(0.05)))
-    (ms,) = timer.finish()
+    out, ms = timer.call(lambda a: a + 1, [torch.zeros(3)], after=lambda o: (seen.append(o), time.sleep(0.05)))
     assert seen[0] is out and torch.equal(out, torch.ones(3))
     assert ms < 50  # the hook's sleep is not in the call's time
 

@@ -18,16 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, Field
 
 from cudagym.rewards.audit import forbidden_ops
-from cudagym.rewards.compare import Comparison, compare_outputs
+from cudagym.rewards.compare import Comparison, compare_outputs, decode_tensor
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
 from cudagym.rewards.verdict import (
     AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, TimingStats, Verdict, VerifyResult,
 )
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
+from cudagym.sandbox.feed import CALIBRATION_ROLE, CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
@@ -105,6 +107,46 @@ async def _compare(o: JobOutcome, task: Task) -> Comparison:
     """Compare the outcome's outputs on the comparer thread (the event loop stays free)."""
     return await asyncio.get_running_loop().run_in_executor(
         _COMPARER, compare_outputs, o.tensors, task.effective_tolerance)
+
+
+def _raw(t: Any) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def sampled_pairs(candidate: list[tuple[dict[str, Any], Any]], reference: list[tuple[dict[str, Any], Any]],
+                  picks: list[tuple[int, int]]) -> list[tuple[dict[str, Any], bytes]] | str:
+    """Candidate/reference frames for `compare_outputs` from the samples of the picked timed
+    calls (`picks[t]` = (call index, seed); the reference worker ran seed t as its trial t): the
+    reference's outputs at the sampled positions. A string names a structural mismatch."""
+    samples: dict[tuple[int, int], dict[str, Any]] = {}
+    for h, payload in candidate:
+        if h.get("role") in ("sample", "positions"):
+            samples.setdefault((h.get("trial"), h.get("index")), {})[h["role"]] = (h, payload)
+    refs: dict[tuple[int, int], tuple[dict[str, Any], Any]] = {
+        (h.get("trial"), h.get("index")): (h, p) for h, p in reference if h.get("role") == "reference"}
+    pairs: list[tuple[dict[str, Any], bytes]] = []
+    for t, (call, _seed) in enumerate(picks):
+        outs = sorted(j for (c, j) in samples if c == call)
+        want = sorted(j for (tt, j) in refs if tt == t)
+        if outs != want:
+            return f"timed call {call}: ModelNew returned {len(outs)} outputs, the reference {len(want)}"
+        for j in outs:
+            sh, sp = samples[(call, j)]["sample"]
+            rh, rp = refs[(t, j)]
+            if list(sh.get("full_shape") or []) != list(rh.get("shape") or []) or sh.get("dtype") != rh.get("dtype"):
+                return (f"timed call {call}: output {j} is {sh.get('dtype')} {tuple(sh.get('full_shape') or [])}, "
+                        f"expected {rh.get('dtype')} {tuple(rh.get('shape') or [])}")
+            ref = decode_tensor(rh, rp)
+            if "positions" in samples[(call, j)]:
+                ph, pp = samples[(call, j)]["positions"]
+                idx = decode_tensor(ph, pp)
+                if idx.dtype != torch.int64 or idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= ref.numel()):
+                    return f"timed call {call}: the sampled positions of output {j} are invalid"
+                ref = ref.reshape(-1)[idx]
+            head = {"trial": t, "index": j, "dtype": rh.get("dtype"), "shape": list(ref.shape)}
+            pairs.append(({**head, "role": "candidate", "shape": list(sh.get("shape") or [])}, bytes(sp)))
+            pairs.append(({**head, "role": "reference"}, _raw(ref)))
+    return pairs
 
 
 def _release_later(*outcomes: JobOutcome) -> None:
@@ -195,13 +237,19 @@ class Evaluator:
         n = self.config.verify.trials
         orders = ["candidate_first"] * (n // 2) + ["reference_first"] * (n - n // 2)
         secrets.SystemRandom().shuffle(orders)
-        plan = dict(init_seed=secrets.randbits(62) | 1, trial_seeds=[secrets.randbits(62) for _ in range(n)],
+        init_seed = secrets.randbits(62) | 1
+        plan = dict(trial_seeds=[secrets.randbits(62) for _ in range(n)],
                     trial_scales=[0.5 if (self.config.verify.scaled_trial and t == n - 1) else 1.0 for t in range(n)],
                     trial_orders=orders)
-        cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, **plan)
-        ref_job = self._job("reference", task, None, **plan)
-        outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device), self.sandbox.run(ref_job, self.device))
+        # the candidate's worker learns each trial's inputs only when the trial starts
+        feed = TrialFeed(plan["trial_seeds"], plan["trial_scales"], plan["trial_orders"])
+        cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, trials=n)
+        ref_job = self._job("reference", task, None, init_seed=init_seed, **plan)
+        outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device, feed),
+                                            self.sandbox.run(ref_job, self.device))
         ref_failure, failure = _outcome_failure(ref, "reference"), _outcome_failure(outcome, "verify")
+        if feed.violations:
+            failure = ErrorKind.TAMPER, "verify: " + feed.violations[0]
         if ref_failure and not failure:
             return VerifyResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"the reference failed: {ref_failure[1]}",
                                 reasons=["the reference itself failed (not the candidate's fault)"],
@@ -248,14 +296,15 @@ class Evaluator:
         audit = AuditResult(mode=self.config.mode, passed=passed, forbidden_ops=forbidden, ops_seen=ops,
                             own_kernel_share=share, reasons=audit_reasons)
         correct = cmp.kind is None and cmp.passed == cmp.trials and cmp.trials >= self.config.verify.trials
-        reasons = list(cmp.reasons) + audit_reasons
+        params = final.get("params") or None
+        reasons = list(cmp.reasons) + audit_reasons + ([f"parameters: {params}"] if params else [])
         kind = None
         if not correct:
             kind = ErrorKind(cmp.kind or "mismatch")
         elif not passed:
             kind = ErrorKind.AUDIT
         return VerifyResult(ok=correct and passed, correct=correct, trials=cmp.trials, trials_passed=cmp.passed,
-                            max_abs_error=cmp.max_abs_error, audit=audit, error_kind=kind,
+                            max_abs_error=cmp.max_abs_error, audit=audit, params=params, error_kind=kind,
                             error="\n".join(reasons) or None, reasons=reasons)
 
     # -- profile ----------------------------------------------------------------------------
@@ -279,12 +328,15 @@ class Evaluator:
             # Only the trusted reference runs here; inductor writes large precompiled headers.
             job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600),
                                                        "max_file_mb": 4096, "memory_mb": max(job.limits.memory_mb, 16384)})
-            o = await self.sandbox.run(job, self.device)
+            feed = CallFeed(self.config.timing, (CALIBRATION_ROLE, "eager", "compiled"))
+            o = await self.sandbox.run(job, self.device, feed)
             failure = _outcome_failure(o, "baseline")
-            if failure:
-                return {"error": failure[1], "cached": False}
+            if failure or feed.violations:
+                return {"error": failure[1] if failure else feed.violations[0], "cached": False}
             f = o.final or {}
-            value = {k: f.get(k) for k in ("eager_ms", "compile_ms", "compile_error", "bytes", "flops", "device_name")}
+            value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "device_name")}
+            value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
+                         eager_clock_gap_ms=feed.clock_gap_ms("eager"))
             self.baselines.put(key, value)
             return {**value, "cached": False}
         finally:
@@ -303,28 +355,43 @@ class Evaluator:
         if "error" in base:
             return ProfileResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"baseline failed: {base['error']}",
                                  seconds=time.perf_counter() - t0)
-        o = await self.sandbox.run(self._job("profile", task, workspace, artifact_dir=built.artifact_dir), self.device)
+        init_seed = secrets.randbits(62) | 1
+        feed = CallFeed(self.config.timing, (CALIBRATION_ROLE, "candidate"))
+        job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed)
+        o = await self.sandbox.run(job, self.device, feed)
         t_job = time.perf_counter()
         failure = _outcome_failure(o, "profile")
+        if feed.violations:
+            failure = ErrorKind.TAMPER, "profile: " + feed.violations[0]
+        times = feed.times_ms("candidate")
+        if not failure and not times:
+            failure = ErrorKind.TAMPER, "profile: the timed loop ended before the evaluator stopped it"
         if failure:
+            _release_later(o)
             return ProfileResult(ok=False, error_kind=failure[0], error=failure[1], reasons=[failure[1].splitlines()[0]],
                                  seconds=time.perf_counter() - t0)
-        cmp = await _compare(o, task)
+        why = await self._recheck(task, o, feed, init_seed)
         _release_later(o)
         t_cmp = time.perf_counter()
-        if cmp.kind is not None:
-            why = "outputs of timed calls are wrong: " + "; ".join(cmp.reasons[:3])
+        if why:
             return ProfileResult(ok=False, error_kind=ErrorKind.MISMATCH, error=why, reasons=[why],
                                  seconds=time.perf_counter() - t0)
         final = o.final or {}
-        timed_ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
+        timed_ops = feed.ops("candidate")  # every call of the loop, warm-up included
         forbidden = forbidden_ops(timed_ops) if self.config.mode == "strict" else []
         if forbidden:  # verify audits its trials; a candidate may behave differently once timed
             why = ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
                    + " (only your own kernels plus allocation/view ops are allowed)")
             return ProfileResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
                                  seconds=time.perf_counter() - t0)
-        cand = TimingStats.from_samples(final["candidate_ms"])
+        cand = TimingStats.from_samples(times)
+        gap = feed.clock_gap_ms("candidate")
+        slack = self.config.timing.clock_slack_ms + self.config.timing.clock_slack_rel * cand.median_ms
+        if gap is not None and gap > slack:
+            why = (f"the reported call times are {gap:.4f} ms per call below what the evaluator's own clock saw "
+                   f"(median {cand.median_ms:.4f} ms reported; allowed {slack:.4f} ms): forged or tampered timing")
+            return ProfileResult(ok=False, error_kind=ErrorKind.TAMPER, error=why, reasons=[why], clock_gap_ms=gap,
+                                 seconds=time.perf_counter() - t0)
         eager = TimingStats.from_samples(base["eager_ms"]) if base.get("eager_ms") else None
         comp = TimingStats.from_samples(base["compile_ms"]) if base.get("compile_ms") else None
         bw, flops = peaks_for(self.device_name if self._target == Target.CUDA else "cpu")
@@ -340,6 +407,7 @@ class Evaluator:
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             harness_overhead_ns=diag.get("harness_overhead_ns"), close_timeouts=diag.get("candidate_close_timeouts") or 0,
+            clock_gap_ms=gap,
         )
         if diag.get("gate_holds_every_sm") is False:
             reasons.append("the timer's gate kernels cannot fill every SM of this GPU: work on a stream that does not "
@@ -360,6 +428,35 @@ class Evaluator:
                      **_job_breakdown("candidate", o), "compare_s": t_cmp - t_job,
                      "stats_s": time.perf_counter() - t_cmp}
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
+
+    async def _recheck(self, task: Task, o: JobOutcome, feed: CallFeed, init_seed: int) -> str | None:
+        """Compare the samples of timed calls drawn by the parent with a reference-only worker's
+        outputs for the same seeds (and parameters); a reason if they differ."""
+        picks = feed.recheck_sample("candidate", self.config.timing.recheck_calls)
+        if not picks:
+            return "no timed call could be re-checked"
+        k = len(picks)
+        ref_job = self._job("reference", task, None, init_seed=init_seed, trial_seeds=[s for _, s in picks],
+                            trial_scales=[1.0] * k, trial_orders=["reference_first"] * k)
+        ref = await self.sandbox.run(ref_job, self.device)
+        try:
+            failure = _outcome_failure(ref, "reference")
+            if failure:
+                return f"the reference failed while re-checking timed calls: {failure[1]}"
+            try:
+                pairs = await asyncio.get_running_loop().run_in_executor(
+                    _COMPARER, sampled_pairs, o.tensors, ref.tensors, picks)
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:  # frames the worker should not have sent
+                return f"outputs of timed calls could not be read: {e}"
+            if isinstance(pairs, str):
+                return "outputs of timed calls are wrong: " + pairs
+            cmp = await asyncio.get_running_loop().run_in_executor(
+                _COMPARER, compare_outputs, pairs, task.effective_tolerance)
+        finally:
+            _release_later(ref)
+        if cmp.kind is not None:
+            return "outputs of timed calls are wrong: " + "; ".join(cmp.reasons[:3])
+        return None
 
     # -- the whole pipeline -----------------------------------------------------------------
     async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:

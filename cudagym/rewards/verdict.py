@@ -95,6 +95,7 @@ class VerifyResult(BaseModel):
     trials_passed: int = 0
     max_abs_error: float | None = None
     audit: AuditResult | None = None
+    params: str | None = None  # how ModelNew got its parameters (the reference's state_dict, or the same seed)
     error_kind: ErrorKind | None = None
     error: str | None = None  # the candidate's own traceback / crash message, trimmed
     reasons: list[str] = Field(default_factory=list)
@@ -109,6 +110,9 @@ class ProfileResult(BaseModel):
     compiled: TimingStats | None = None  # torch.compile baseline
     harness_overhead_ns: int | None = None  # diagnostic: the timer's own overhead, left out of every GPU call
     close_timeouts: int = 0  # GPU calls whose SMs were still busy a second after the caller's stream ended
+    # the parent's clock less the reported times, beyond the loop's calibrated overhead (median, ms
+    # per call; about 0 when honest): the bound on what an in-process forgery could hide
+    clock_gap_ms: float | None = None
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None

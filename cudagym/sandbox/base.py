@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +28,25 @@ class JobOutcome:
     phases: dict[str, float] = field(default_factory=dict)  # the worker's own time per phase (s)
 
 
+# Answers a worker's request during its job: `responder(request, arrived_s)` gets the request
+# frame's header and the `time.perf_counter()` at which it arrived, and returns the answer (a
+# JSON object written to the worker as one line). Called on the sandbox's own thread, one request
+# at a time per job; it must not block.
+Responder = Callable[[dict[str, Any], float], dict[str, Any]]
+
+
 class Sandbox(abc.ABC):
     """Runs jobs in fresh worker processes. Implementations: `LocalSandbox` (this host)."""
 
     @abc.abstractmethod
-    async def run(self, job: Job, device: str) -> JobOutcome:
+    async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
         """Run `job` on `device` ("cpu" or "cuda:N") in a fresh worker; never raises for the
-        candidate's failures (crash, hang, limits): those are described in the outcome."""
+        candidate's failures (crash, hang, limits): those are described in the outcome.
+
+        While the job runs, the worker may send request frames (`{"type": "request", ...}`);
+        each is answered by `responder` (without one: `{"refused": ...}`). This is how a secret
+        reaches a worker only when the step that needs it starts (a trial's inputs, a timed
+        call's), and how the parent observes the pace of timed calls with its own clock."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -1,14 +1,20 @@
 """What a worker does with one job: load the reference and the candidate, check, time, report.
 
 Runs inside the sandboxed worker process, next to the candidate's code, so it trusts nothing
-the candidate can reach: it sends raw outputs and raw timings to the parent, which compares and
-computes statistics; it keeps references to the timing and synchronization functions captured
-before any candidate code runs and reports any replacement as tampering.
+the candidate can reach and keeps nothing that decides the reward:
+- secrets arrive one step at a time, on request (`Channel.request`): a verify trial's inputs when
+  the trial starts, a timed call's when the call starts (`cudagym.sandbox.feed`);
+- raw outputs, samples of timed outputs and each call's time go to the parent as soon as they
+  exist; the parent compares them with a separate reference-only worker's outputs and computes
+  the statistics;
+- references to the timing and synchronization functions are captured before any candidate code
+  runs, and any replacement is reported as tampering.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import mmap
 import os
@@ -29,8 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
+from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, harness_overhead_ns, run_timed_loop
+from cudagym.sandbox.timing import DeviceTimer, drive_calls, harness_overhead_ns
+from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
 # from the audit). The harness never uses them: in a worker they do nothing but leave a note.
@@ -77,6 +85,8 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "torch.Tensor.__new__": (torch.Tensor, "__new__"),
     "torch.nn.Module.__call__": (torch.nn.Module, "__call__"),
     "os.write": (os, "write"),
+    "os.read": (os, "read"),
+    "os.urandom": (os, "urandom"),
     # input generation: a hook here would reveal a timed call's inputs before its timer starts
     "torch.manual_seed": (torch, "manual_seed"),
     "torch.random.manual_seed": (torch.random, "manual_seed"),
@@ -150,10 +160,10 @@ class Channel:
         if len(payload):
             self._write_all(payload)
 
-    def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor) -> None:
+    def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor, **extra: Any) -> None:
         c = t.detach()
         header = {"type": "tensor", "role": role, "trial": trial, "index": index,
-                  "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape)}
+                  "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape), **extra}
         n = c.numel() * c.element_size()
         if n and self._shm is not None:
             off = self._shm_off
@@ -178,16 +188,58 @@ class Channel:
     def final(self, body: dict[str, Any]) -> None:
         self.send({"type": "final", "nonce": self._nonce, **body})
 
+    def request(self, what: str, **body: Any) -> dict[str, Any]:
+        """Ask the parent for the next step (see `cudagym.sandbox.feed`); its answer."""
+        self.send({"type": "request", "what": what, **body})
+        line = STDIN.readline()
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise CandidateError("tamper", "the evaluator's answers on stdin were taken or garbled by the candidate")
+        if "refused" in answer:
+            raise CandidateError("tamper", f"the evaluator refused a request: {answer['refused']}")
+        return answer
+
+
+class LineReader:
+    """Lines from a file descriptor, unbuffered beyond the current line's read (the job line,
+    then the parent's answers, arrive on stdin one at a time)."""
+
+    def __init__(self, fd: int):
+        self._fd, self._buf = fd, bytearray()
+        self._read = os.read
+
+    def readline(self) -> bytes:
+        while b"\n" not in self._buf:
+            chunk = self._read(self._fd, 1 << 16)
+            if not chunk:
+                line, self._buf = bytes(self._buf), bytearray()
+                return line
+            self._buf += chunk
+        end = self._buf.index(b"\n") + 1
+        line = bytes(self._buf[:end])
+        del self._buf[:end]
+        return line
+
+
+STDIN = LineReader(0)
+
 
 # -- loading ----------------------------------------------------------------------------------
+MAX_MESSAGE = 1000  # characters of an exception's own message kept in a verdict
+
+
 def candidate_traceback(exc: BaseException, roots: list[str]) -> str:
     """The exception with only the frames from the candidate's own files."""
     tb = traceback.extract_tb(exc.__traceback__)
     keep = [f for f in tb if any(f.filename.startswith(r) for r in roots) or f.filename.startswith("<candidate")]
-    lines = traceback.format_list(keep) if keep else []
-    return ("Traceback (candidate frames):\n" + "".join(lines) if lines else "") + "".join(
-        traceback.format_exception_only(type(exc), exc)
-    ).strip()[-4000:]
+    lines = traceback.format_list(keep)[-12:] if keep else []
+    what = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if len(what) > MAX_MESSAGE:  # the candidate's own message, trimmed (it may hold raw data)
+        what = what[:MAX_MESSAGE] + f" ... ({len(what)} characters)"
+    return ("Traceback (candidate frames):\n" + "".join(lines) if lines else "") + what
 
 
 def load_reference(job: Job) -> types.ModuleType:
@@ -238,7 +290,13 @@ def check_tamper() -> None:
 
 
 class Problem:
-    """Reference and candidate models built from the same init inputs, plus input generation."""
+    """Reference and candidate models built from the same init inputs, plus input generation.
+
+    Parameters follow KernelBench's convention: both models are built right after the same
+    `init_seed`; if the reference's `state_dict` loads into ModelNew it is loaded (same values
+    whatever ModelNew's initialization), otherwise ModelNew keeps what it built (fused, renamed
+    or dropped parameters) and the outputs decide. `params` says which.
+    """
 
     def __init__(self, job: Job, with_candidate: bool):
         self.job = job
@@ -251,30 +309,44 @@ class Problem:
         self.init_seed = job.init_seed or secrets.randbits(62)
         torch.manual_seed(self.init_seed)
         with torch.device(self.device):
-            init = list(self.ref_mod.get_init_inputs())
-            self.ref = self.ref_mod.Model(*init)
+            self._init = list(self.ref_mod.get_init_inputs())
+            self.ref = self.ref_mod.Model(*self._init)
         self.cand = None
+        self.params = ""
         if with_candidate:
-            cand_mod = load_candidate(job)
-            cls = cand_mod.ModelNew
-            if issubclass(cls, self.ref_mod.Model) or any(
-                c.__name__ == "Model" and c.__module__ in ("model", "cudagym_reference") for c in cls.__mro__
-            ):
-                raise CandidateError("audit", "ModelNew must not be (a subclass of) the reference Model")
-            torch.manual_seed(self.init_seed)
-            try:
-                with torch.device(self.device):
-                    self.cand = cls(*init)
-            except Exception as e:  # noqa: BLE001
-                raise CandidateError(_failure_kind(e), "ModelNew(*get_init_inputs()) failed:\n"
-                                     + candidate_traceback(e, [job.workspace])) from None
-            try:
-                self.cand.load_state_dict(self.ref.state_dict())
-            except Exception as e:  # noqa: BLE001
-                raise CandidateError("exception", "ModelNew's parameters must match Model's "
-                                     f"(load_state_dict failed): {str(e)[:1500]}") from None
+            self.load_candidate()
+
+    def load_candidate(self) -> None:
+        """Import model_new.py and build ModelNew (see the class's text)."""
+        job = self.job
+        cand_mod = load_candidate(job)
+        cls = cand_mod.ModelNew
+        if issubclass(cls, self.ref_mod.Model) or any(
+            c.__name__ == "Model" and c.__module__ in ("model", "cudagym_reference") for c in cls.__mro__
+        ):
+            raise CandidateError("audit", "ModelNew must not be (a subclass of) the reference Model")
+        torch.manual_seed(self.init_seed)
+        try:
+            with torch.device(self.device):
+                self.cand = cls(*self._init)
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(_failure_kind(e), "ModelNew(*get_init_inputs()) failed:\n"
+                                 + candidate_traceback(e, [job.workspace])) from None
+        if not isinstance(self.cand, torch.nn.Module):
+            raise CandidateError("exception", f"ModelNew(...) built a {type(self.cand).__name__}, not an nn.Module")
+        try:
+            self.cand.load_state_dict(self.ref.state_dict())
+            self.params = "the reference's state_dict was loaded into ModelNew"
+        except Exception as e:  # noqa: BLE001 - ModelNew organizes its parameters its own way
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            self.params = ("ModelNew's parameters differ from Model's, so both were built after the same seed and "
+                           f"the outputs decide (load_state_dict: {first})")
+        try:
             self.cand.to(self.device)
-            check_tamper()
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(_failure_kind(e), "ModelNew.to(device) failed:\n"
+                                 + candidate_traceback(e, [job.workspace])) from None
+        check_tamper()
 
     def intact(self) -> None:
         """Raise if the candidate rebound the reference's functions or this object's methods."""
@@ -319,14 +391,23 @@ def clone_args(args: list[Any]) -> list[Any]:
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def as_outputs(out: Any, who: str) -> list[torch.Tensor]:
-    """The output as a list of plain tensors; anything else is an error of `who`."""
+def as_outputs(out: Any, who: str, device: torch.device | None = None) -> list[torch.Tensor]:
+    """The output as a list of plain, dense tensors of a dtype the result channel carries (on
+    `device`, if given); anything else is an output-format error of `who`, named."""
     items = list(out) if isinstance(out, (tuple, list)) else [out]
     for t in items:
         if type(t) is not torch.Tensor:
             raise CandidateError("output_format", f"{who} returned {type(t).__module__}.{type(t).__qualname__}, "
                                  "not a plain torch.Tensor")
-        if t.layout != torch.strided or (t.numel() and t.untyped_storage().data_ptr() == 0):
+        if t.is_nested or t.is_quantized or t.layout != torch.strided:
+            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else str(t.layout)
+            raise CandidateError("output_format", f"{who} returned a {kind} tensor; outputs must be dense (strided)")
+        if str(t.dtype).removeprefix("torch.") not in WIRE_DTYPES:
+            raise CandidateError("output_format", f"{who} returned a tensor of dtype {t.dtype}, which cannot be "
+                                 "compared; return the reference's dtype")
+        if device is not None and t.device != device:
+            raise CandidateError("output_format", f"{who} returned a tensor on {t.device}, expected {device}")
+        if t.numel() and t.untyped_storage().data_ptr() == 0:
             raise CandidateError("output_format", f"{who} returned a tensor without real storage")
     return items
 
@@ -369,6 +450,9 @@ def premap_results(shm_fd: int, mb: int) -> None:
     _PREMAPPED.append(mm)
 
 
+_OPWATCH: list[Any] = []  # the op counter, loaded by `prewarm` (built by the parent beforehand)
+
+
 def profiler_available() -> bool:
     """Whether this process may use the CUDA profiler (not under Nsight Compute, which owns it)."""
     return not os.environ.get("CUDAGYM_UNDER_NCU")
@@ -395,6 +479,7 @@ def prewarm() -> None:
     _live_helpers()
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
+    _OPWATCH.append(OpWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home())))
     # torch rebinds some functions when dynamo loads (torch.manual_seed, for one): the identity
     # snapshot is retaken here, still before any candidate code runs
     _ORIGINALS.update({name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()})
@@ -434,12 +519,15 @@ def run_verify(job: Job, ch: Channel) -> None:
     ph = Phases()
     p = Problem(job, with_candidate=True)
     ph.mark("load")
-    trials = len(job.trial_seeds)
+    trials = job.trials
     ops: Counter[str] = Counter()
     out_bytes = 1 << 20
     profiler_enabled = torch.autograd._profiler_enabled
+    watch = op_watch()
     for t in range(trials):
-        base = p.inputs(job.trial_seeds[t], job.trial_scales[t])
+        plan = ch.request("trial", index=t)  # this trial's secret, only now
+        order = plan.get("order")
+        base = p.inputs(int(plan["seed"]), float(plan.get("scale", 1.0)))
 
         def run_reference() -> None:
             args = clone_args(base)
@@ -451,7 +539,7 @@ def run_verify(job: Job, ch: Channel) -> None:
                     o.fill_(float("nan"))
             del out, args
 
-        if job.trial_orders[t] == "reference_first":
+        if order == "reference_first":
             run_reference()
         args = clone_args(base)
         poison_allocator(p.device, out_bytes)
@@ -459,9 +547,14 @@ def run_verify(job: Job, ch: Channel) -> None:
         ph.mark("reference")
         rec = OpRecorder()
         still_profiling = True
+        before_watch = watch.counts()
         try:
             with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof, rec:
-                out = p.cand(*args)
+                watch.arm()
+                try:
+                    out = p.cand(*args)
+                finally:
+                    watch.disarm()
                 p.sync_caller_stream()
                 still_profiling = profiler_enabled()
         except CandidateError:
@@ -473,9 +566,10 @@ def run_verify(job: Job, ch: Channel) -> None:
         p.intact()
         if not still_profiling:
             raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
-        ops.update(rec.ops)
-        ops.update(_aten_ops_seen_by_profiler(prof) - rec.ops)  # ops hidden from the dispatch mode
-        outs = as_outputs(out, "ModelNew.forward")
+        _watch_alive(watch)
+        seen = rec.ops | (_aten_ops_seen_by_profiler(prof) - rec.ops)  # ops hidden from the dispatch mode
+        ops.update(seen | (watch.counts() - before_watch - seen))  # and from both
+        outs = as_outputs(out, "ModelNew.forward", p.device)
         after = _live_helpers()
         if after[1] > before[1]:
             raise CandidateError("audit", "ModelNew.forward left child processes running after it returned")
@@ -487,7 +581,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         for i, o in enumerate(snap):
             ch.send_tensor("candidate", t, i, o)
         ph.mark("send")
-        if job.trial_orders[t] == "candidate_first":
+        if order == "candidate_first":
             run_reference()
         ph.mark("reference")
         # Outputs must not change once forward has returned: re-read them later (after this
@@ -507,7 +601,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         ph.mark("own_share")
     check()
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
-              "own_kernel_share": own_share, "phases": ph.times})
+              "own_kernel_share": own_share, "params": p.params, "phases": ph.times})
 
 
 def run_reference_outputs(job: Job, ch: Channel) -> None:
@@ -630,106 +724,108 @@ def _telemetry() -> dict[str, Any]:
         return {"error": str(e)[:200]}
 
 
-RECHECK_SAMPLE = 1 << 20  # elements re-checked per output of a timed call (all, if fewer)
-FORWARD_RANGE = "cudagym::forward"  # the profiler's range around each call of a timing run
+SAMPLE_SIZE = 2048  # elements of each output of every timed-loop call sent to the parent (all, if fewer)
 
 
-def ops_in_calls(events: Any, calls: int) -> Counter[str]:
-    """The ops a CPU profile saw start inside its `calls` forward ranges, on any thread."""
-    ranges = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == FORWARD_RANGE)
-    if len(ranges) != calls:
-        raise CandidateError("tamper", f"the harness's profiler saw {len(ranges)} forward calls where the harness "
-                             f"made {calls}: its ranges were suppressed or forged")
-    starts = [r[0] for r in ranges]
-    ops: Counter[str] = Counter()
-    for e in events:
-        name, t = e.name(), e.start_ns()
-        i = bisect_right(starts, t) - 1
-        if name != FORWARD_RANGE and "::" in name and i >= 0 and t <= ranges[i][1]:
-            ops[name] += 1
-    return ops
+def op_watch() -> Any:
+    """The process's op counter (`cudagym.sandbox.opwatch`), loaded by `prewarm`."""
+    if not _OPWATCH:
+        raise RuntimeError("the op counter was not loaded (prewarm)")
+    return _OPWATCH[0]
 
 
-def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> tuple[list[float], Counter[str]]:
-    """Time `fn` (the role's model) under the timing protocol, with a CPU profiler running as
-    it does during verify (so the profiler's state does not tell them apart); the per-call
-    times in ms, and the ops the candidate's calls (warm-up and timed) ran, for the op audit."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+def _watch_alive(watch: Any) -> None:
+    why = watch.check_alive()
+    if why:
+        raise CandidateError("tamper", f"the harness's op counter was disabled: {why}")
 
+
+def _calibration_fn(p: Problem) -> Any:
+    """A call of one tiny kernel: the calibration calls that measure the timed loop's own
+    overhead on the parent's clock (`cudagym.sandbox.feed`), before any candidate code loads."""
+    probe = torch.zeros(1, dtype=torch.int32, device=p.device)
+
+    def fill(*args: Any) -> torch.Tensor:
+        probe.zero_()
+        return probe
+
+    return fill
+
+
+def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> int:
+    """Make the calls of `role` that the parent asks for, under the timing protocol
+    (`cudagym.sandbox.timing`); returns how many were made.
+
+    The same steps for every role and every call: the op counter armed around the call (the
+    candidate's cumulative counts go with each request), a sample of every output taken right
+    after the call ends (`SAMPLE_SIZE` secret random positions, drawn after the call returned)
+    and sent with the call's time before the next call is asked for.
+    """
     rng = secrets.SystemRandom()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     overhead = timer.overhead_ns
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
+    watch = op_watch()
+    watch.reset()  # the role's counts start here; the parent sees them only grow
+    threads = threading.active_count()
+    pending: list[tuple[torch.Size, torch.Tensor | None, torch.Tensor]] = []
+    made = [0]
+    who = "ModelNew.forward" if role == "candidate" else f"the {role} model"
     ph.mark(f"{role}_setup")
-    seed = [0]  # of the latest call's inputs: a re-check regenerates them instead of keeping a copy
-    kept: list[tuple[int, list[tuple[torch.Size, torch.Tensor | None, torch.Tensor]]]] = []
-    recheck_at: set[int] = set()
 
-    def fresh_inputs() -> list[Any]:
-        seed[0] = rng.getrandbits(62)
-        return p.inputs(seed[0])
-
-    def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
-        """Secret random positions of an output (chosen after the call returned), or all of it."""
-        o = o.detach()
-        if o.numel() <= RECHECK_SAMPLE:
-            return o.shape, None, o.clone()
-        gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
-        idx = torch.randint(o.numel(), (RECHECK_SAMPLE,), device=o.device, generator=gen)
-        return o.shape, idx, o.reshape(-1)[idx]
-
-    def keep(i: int, n: int, args: list[Any], out: Any) -> None:
-        if not recheck_at:  # drawn from all timed calls, whose number is fixed before the first
-            recheck_at.update(rng.sample(range(n), min(job.timing.recheck_calls, n)))
-        if i in recheck_at:
-            kept.append((seed[0], [sample(o) for o in as_outputs(out, "ModelNew.forward")]))
-
-    calls = [0]
-    enter, leave = _ORIGINALS["torch.autograd.profiler.record_function.__enter__"], \
-        _ORIGINALS["torch.autograd.profiler.record_function.__exit__"]
-
-    def forward(*args: Any) -> Any:
-        calls[0] += 1
-        scope = record_function(FORWARD_RANGE)
-        enter(scope)
+    def call(*args: Any) -> Any:
+        watch.arm()
         try:
             return fn(*args)
+        except CandidateError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(_failure_kind(e), f"{who} raised in a timed-loop call:\n"
+                                 + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
-            leave(scope, None, None, None)
+            watch.disarm()
 
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        times = run_timed_loop(forward, sets, fresh_inputs, timer, job.timing, keep if role == "candidate" else None)
-        still_profiling = _ORIGINALS["torch.autograd._profiler_enabled"]()
+    def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
+        o = o.detach()
+        if o.numel() <= SAMPLE_SIZE:
+            return o.shape, None, o.clone()
+        gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
+        idx = torch.randint(o.numel(), (SAMPLE_SIZE,), device=o.device, generator=gen)
+        return o.shape, idx, o.reshape(-1)[idx]
+
+    def after(i: int, out: Any) -> dict[str, Any]:
+        pending.extend(sample(o) for o in as_outputs(out, who, p.device))
+        return {}
+
+    def next_call(report: dict[str, Any]) -> int | None:
+        for j, (shape, idx, values) in enumerate(pending):
+            ch.send_tensor("sample", made[0] - 1, j, values, full_shape=list(shape))
+            if idx is not None:
+                ch.send_tensor("positions", made[0] - 1, j, idx)
+        pending.clear()
+        if made[0]:
+            _watch_alive(watch)
+            if threading.active_count() > threads:
+                raise CandidateError("audit", f"{who} left threads running after it returned")
+        answer = ch.request("call", role=role, index=made[0], ops=dict(watch.counts()), **report)
+        if answer.get("stop"):
+            return None
+        made[0] += 1
+        return int(answer["seed"])
+
+    with torch.no_grad():
+        n = drive_calls(call, sets, p.inputs, next_call, timer, after)
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = overhead
-        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts
+        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts()
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
-    ops: Counter[str] = Counter()
-    if role == "candidate":
-        if not still_profiling:
-            raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
-        ops = ops_in_calls(prof.profiler.kineto_results.events(), calls[0])
-        check_tamper()
-        p.intact()
-        if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.overhead_ns != overhead:
-            raise CandidateError("tamper", "the harness's timer was modified by the candidate")
-        for t, (call_seed, outs) in enumerate(kept):
-            with torch.no_grad():
-                ref_out = as_outputs(p.ref(*p.inputs(call_seed)), "the reference")
-            for i, (shape, idx, o) in enumerate(outs):
-                r = ref_out[i] if i < len(ref_out) else None
-                if r is not None and idx is not None:
-                    # a sampled output is compared at the same positions, if the shapes agree
-                    r = r.reshape(-1)[idx] if r.shape == shape else r
-                ch.send_tensor("candidate", t, i, o)
-                if r is not None:
-                    ch.send_tensor("reference", t, i, r)
-            for i in range(len(outs), len(ref_out)):
-                ch.send_tensor("reference", t, i, ref_out[i])
-        ph.mark("recheck")
-    return times, ops
+    check_tamper()
+    p.intact()
+    if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.overhead_ns != overhead:
+        raise CandidateError("tamper", "the harness's timer was modified by the candidate")
+    return n
 
 
 def roofline_inputs(p: Problem) -> dict[str, float]:
@@ -746,35 +842,42 @@ def roofline_inputs(p: Problem) -> dict[str, float]:
 
 
 def run_profile(job: Job, ch: Channel) -> None:
+    """Calibration calls (before any candidate code loads), then the candidate's timed loop;
+    the times and samples go to the parent call by call (see `_timing_run`)."""
     check = check_tamper  # bound before any candidate code runs
     ph = Phases()
-    p = Problem(job, with_candidate=True)
+    p = Problem(job, with_candidate=False)
+    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph)
+    p.load_candidate()
     ph.mark("load")
     tele0 = _telemetry() if p.device.type == "cuda" else {}
-    times, ops = _timing_run(p, p.cand, job, ch, "candidate", ph)
+    calls = _timing_run(p, p.cand, job, ch, "candidate", ph)
     check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
-    ch.final({"ok": True, "candidate_ms": times, "ops": dict(ops), "telemetry": {"before": tele0, "after": tele1},
+    ch.final({"ok": True, "calls": calls, "params": p.params, "telemetry": {"before": tele0, "after": tele1},
               "phases": ph.times, "diagnostics": ph.extra})
 
 
 def run_baseline(job: Job, ch: Channel) -> None:
+    """The reference's timed loops (eager, then torch.compile), under the candidate's protocol."""
     ph = Phases()
     p = Problem(job, with_candidate=False)
-    body: dict[str, Any] = {"ok": True, "eager_ms": _timing_run(p, p.ref, job, ch, "eager", ph)[0]}
-    body.update(roofline_inputs(p))
+    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph)
+    _timing_run(p, p.ref, job, ch, "eager", ph)
+    body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}
     if job.with_compile_baseline:
         try:
             compiled = torch.compile(p.ref)
             with torch.no_grad():
                 compiled(*p.inputs(secrets.randbits(62)))  # the first call compiles
             ph.mark("torch_compile")
-            body["compile_ms"] = _timing_run(p, compiled, job, ch, "compiled", ph)[0]
         except Exception as e:  # noqa: BLE001
             body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        else:
+            _timing_run(p, compiled, job, ch, "compiled", ph)
     body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
-    ch.final({**body, "phases": ph.times})
+    ch.final({**body, "phases": ph.times, "diagnostics": ph.extra})
 
 
 def run_compile_inline(job: Job, ch: Channel) -> None:
@@ -826,7 +929,8 @@ _timing_module = sys.modules[DeviceTimer.__module__]
 _HARNESS_FUNCS = {**_own_functions(sys.modules[__name__]), **_own_functions(_timing_module)}
 # every callable the harness names (its own and imported ones), as bound at import
 _HARNESS_NAMES = {k: v for k, v in list(globals().items()) if callable(v) and not k.startswith("__")}
-_HARNESS_METHODS = {(cls, k): v for cls in (Channel, OpRecorder, Problem, CandidateError, Phases, DeviceTimer)
+_HARNESS_METHODS = {(cls, k): v for cls in (Channel, LineReader, OpRecorder, Problem, CandidateError, Phases, DeviceTimer,
+                                            OpWatch)
                     for k, v in vars(cls).items() if callable(v)}
 _METHOD_CODE = {key: fn.__code__ for key, fn in _HARNESS_METHODS.items() if isinstance(fn, types.FunctionType)}
 

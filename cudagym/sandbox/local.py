@@ -11,6 +11,7 @@ the sandbox.
 from __future__ import annotations
 
 import asyncio
+import json
 import mmap
 import os
 import select
@@ -28,7 +29,7 @@ from pydantic import BaseModel
 
 import cudagym
 from cudagym.errors import SandboxError
-from cudagym.sandbox.base import JobOutcome, Sandbox
+from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
 from cudagym.sandbox.gpu import gpu_count, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
 from cudagym.sandbox.protocol import TIMING_KINDS, FrameError, Job, read_frame
@@ -81,6 +82,8 @@ class _FrameReader:
     Frames are small (tensor bytes go through the worker's result memory); a payload that does
     come on the pipe is read straight into its own buffer.
     `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
+    Request frames are answered here, as they arrive, by the job's responder (see
+    `Sandbox.run`), on the worker's stdin (`answer_fd`); `requests` counts them.
     """
 
     def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int):
@@ -90,6 +93,9 @@ class _FrameReader:
         self.final_seen: asyncio.Future[None] = loop.create_future()  # the harness's result arrived
         self.frames: list[tuple[dict[str, Any], memoryview]] = []
         self.error: str | None = None  # a malformed frame (not a worker that died mid-frame)
+        self.responder: Responder | None = None  # set when the job starts
+        self.answer_fd: int | None = None
+        self.requests = 0
         self._stop = threading.Event()
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -109,6 +115,22 @@ class _FrameReader:
             view = view[n:]
         return True
 
+    def _answer(self, request: dict[str, Any], arrived: float) -> None:
+        """Answer one request on the worker's stdin (a worker that stopped reading gets none)."""
+        self.requests += 1
+        if self.responder is None or self.answer_fd is None:
+            answer: dict[str, Any] = {"refused": "this job takes no requests"}
+        else:
+            try:
+                answer = self.responder(request, arrived)
+            except Exception as e:  # noqa: BLE001 - a responder bug must not hang the worker
+                answer = {"refused": f"the evaluator could not answer: {type(e).__name__}: {e}"}
+        if self.answer_fd is not None:
+            try:
+                _write_all(self.answer_fd, (json.dumps(answer) + "\n").encode())
+            except OSError:
+                pass
+
     def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
         def set_() -> None:
             if not fut.done():
@@ -126,11 +148,16 @@ class _FrameReader:
             self._resolve(self.ready, ok)
             while ok:
                 frame = read_frame(self._read_into, self._budget)
+                arrived = time.perf_counter()
                 if frame is None:
                     break
                 self._budget -= len(frame[1])
+                kind = frame[0].get("type")
+                if kind == "request":
+                    self._answer(frame[0], arrived)
+                    continue
                 self.frames.append(frame)
-                if frame[0].get("type") == "final":
+                if kind == "final":
                     self._resolve(self.final_seen, None)
         except FrameError as e:
             if "truncated" not in str(e):  # a worker that died mid-frame has no result: a crash
@@ -146,19 +173,27 @@ class _FrameReader:
             self._resolve(self.done, None)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 @dataclass
 class _Worker:
     proc: asyncio.subprocess.Process
     frames: _FrameReader  # reading the result pipe since the worker started
     shm_fd: int  # the worker's result memory (a sealed memfd), mapped once the worker is gone
     device: str
+    stdin_fd: int  # the job line, then the answers to the worker's requests
 
     def release(self) -> None:
         self.frames.stop()
-        try:
-            os.close(self.shm_fd)
-        except OSError:
-            pass
+        for fd in (self.shm_fd, self.stdin_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class LocalSandbox(Sandbox):
@@ -187,12 +222,12 @@ class LocalSandbox(Sandbox):
         }
 
     # -- public API -------------------------------------------------------------------------
-    async def run(self, job: Job, device: str) -> JobOutcome:
-        fut = asyncio.run_coroutine_threadsafe(self._run(job, device), self._loop)
+    async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
+        fut = asyncio.run_coroutine_threadsafe(self._run(job, device, responder), self._loop)
         return await asyncio.wrap_future(fut)
 
-    def run_sync(self, job: Job, device: str) -> JobOutcome:
-        return asyncio.run_coroutine_threadsafe(self._run(job, device), self._loop).result()
+    def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
+        return asyncio.run_coroutine_threadsafe(self._run(job, device, responder), self._loop).result()
 
     def warm(self, device: str) -> None:
         """Start spare workers for `device` now (they are otherwise started on first use)."""
@@ -253,6 +288,7 @@ class LocalSandbox(Sandbox):
 
     async def _spawn(self, device: str) -> _Worker:
         r, w = os.pipe()
+        job_r, job_w = os.pipe()  # the worker's stdin: written from the frame reader's thread too
         shm = _result_memory(self.config.max_result_mb << 20)
         # Spares start at a low CPU priority, so that starting them does not slow the jobs and
         # comparisons running meanwhile; a worker gets normal priority when it takes a job.
@@ -260,16 +296,17 @@ class LocalSandbox(Sandbox):
         cmd = [*nice, *self._prefix, self.config.python, "-m", "cudagym.sandbox.worker", str(w), str(shm)]
         try:
             proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                *cmd, stdin=job_r, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm), env=self._env(device), start_new_session=True,
             )
         except OSError as e:
-            for fd in (r, w, shm):
+            for fd in (r, w, shm, job_r, job_w):
                 os.close(fd)
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
+        os.close(job_r)
         frames = _FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20)
-        return _Worker(proc, frames, shm, device)
+        return _Worker(proc, frames, shm, device, job_w)
 
     async def _replenish(self, device: str) -> None:
         pool = self._spares.setdefault(device, [])
@@ -330,7 +367,7 @@ class LocalSandbox(Sandbox):
         except psutil.Error:
             return []
 
-    async def _run(self, job: Job, device: str) -> JobOutcome:
+    async def _run(self, job: Job, device: str, responder: Responder | None) -> JobOutcome:
         if device == "cuda":
             if self._gpu_leases is None:
                 self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
@@ -340,7 +377,7 @@ class LocalSandbox(Sandbox):
                     if lease.try_acquire(exclusive):
                         gone: asyncio.Future[None] | None = None
                         try:
-                            outcome, gone = await self._run_on(job, f"cuda:{i}")
+                            outcome, gone = await self._run_on(job, f"cuda:{i}", responder)
                             return outcome
                         finally:  # the GPU is free once the worker (and its CUDA context) is gone
                             if gone is None:
@@ -353,13 +390,14 @@ class LocalSandbox(Sandbox):
             self._cpu_timing = asyncio.Lock()
         if job.kind in TIMING_KINDS:
             async with self._cpu_timing:
-                outcome, gone = await self._run_on(job, device)
+                outcome, gone = await self._run_on(job, device, responder)
                 await gone
                 return outcome
         async with self._cpu_slots:
-            return (await self._run_on(job, device))[0]
+            return (await self._run_on(job, device, responder))[0]
 
-    async def _run_on(self, job: Job, device: str) -> tuple[JobOutcome, asyncio.Future[None]]:
+    async def _run_on(self, job: Job, device: str,
+                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]:
         """Run `job` in a spare; returns the outcome as soon as the result is in (the worker is
         killed then) and a future that resolves once the worker has exited and been cleaned up."""
         timing = job.kind in TIMING_KINDS
@@ -391,12 +429,10 @@ class LocalSandbox(Sandbox):
                                memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
             for p in self._tree(w.proc.pid):
                 cgroup.add(p.pid)
-        try:
-            assert w.proc.stdin is not None
-            w.proc.stdin.write((job.model_dump_json() + "\n").encode())
-            await w.proc.stdin.drain()
-            w.proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):
+        frames.responder, frames.answer_fd = responder, w.stdin_fd
+        try:  # a large job line would block on the pipe until the worker reads it
+            await asyncio.to_thread(_write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
+        except OSError:  # the worker is gone: its outcome says how
             pass
 
         async def watchdog() -> None:

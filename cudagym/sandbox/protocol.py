@@ -40,11 +40,15 @@ class TimingConfig(BaseModel):
     max_calls: int = 500
     target_ms: float = 300.0  # wall-clock budget of the timed calls (sets their number after warm-up)
     input_sets: int = 4  # rotating input buffers, refilled with fresh values before every call
-    recheck_calls: int = 5  # timed calls, drawn from all of them, whose outputs are re-checked
+    recheck_calls: int = 6  # timed calls, drawn by the parent from all of them, whose samples are re-checked
     flush_l2: bool = True
     # GPU: the GPU is kept busy this long before each call (after the flush), so that getting the
     # call's first launch to the GPU is not timed (host work beyond it is)
     launch_window_us: float = 200.0
+    # The parent's clock bounds the reported times (`cudagym.sandbox.feed`): a median gap beyond
+    # clock_slack_ms + clock_slack_rel x the median call is reported as tampering
+    clock_slack_ms: float = 0.2
+    clock_slack_rel: float = 0.25
 
 
 class LimitsConfig(BaseModel):
@@ -70,9 +74,12 @@ class Job(BaseModel):
     inline_build_root: str | None = None  # compile_inline only
     mode: AuditMode = "strict"
     seed: int = 0  # secret; never derived from anything the candidate sees
-    # verify/reference: the same plan goes to the candidate's worker and to a reference-only
-    # worker, whose outputs are the ones compared (correctness cannot be forged in-process).
+    # verify: the candidate's worker gets the number of trials here and each trial's seed, scale
+    # and order only when the trial starts (`cudagym.sandbox.feed.TrialFeed`); the reference-only
+    # worker, which runs no candidate code, gets the whole plan here. Its outputs are the ones
+    # compared (correctness cannot be forged in-process).
     init_seed: int = 0
+    trials: int = 0
     trial_seeds: list[int] = Field(default_factory=list)
     trial_scales: list[float] = Field(default_factory=list)
     trial_orders: list[str] = Field(default_factory=list)

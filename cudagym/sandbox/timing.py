@@ -1,8 +1,13 @@
-"""The timing protocol, run inside a worker.
+"""The timing protocol, run inside a worker, driven by the parent.
 
-Before every call (timed or warm-up, indistinguishable to the callee), the call's input buffers
-are refilled with fresh random values: same pointers, new contents, so neither pointer- nor
-content-keyed result caches can replay.
+The parent decides every call: the worker asks it for the next call (`drive_calls`), and gets
+the seed of that call's inputs or the word to stop. Which calls are warm-up and which are timed,
+and how many there are, is the parent's decision (`cudagym.sandbox.feed.CallFeed`), made with its
+own clock; the worker cannot tell them apart, and neither can the callee. Before every call the
+call's input buffers are refilled with values generated from its seed: same pointers, new
+contents, so neither pointer- nor content-keyed result caches can replay. Each call's time is
+computed as soon as the call is over and goes to the parent with the next request; no record of
+past calls stays in the worker.
 
 CUDA: CUDA events on the timer's private stream, no profiler. Per call:
 1. synchronize the device: the GPU is idle;
@@ -21,7 +26,7 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
    of the call, on any stream, still holds an SM. Then the end event. The close kernel is
    issued after the call returned on the host, so host-side work is never hidden. A re-checked
    call's outputs are sampled right here, on the timer's stream (`after`);
-5. synchronize the device, then a last event on the timer's stream.
+5. synchronize the device, then a last event on the timer's stream; the call's time is read.
 
 A call's time is end event less start event, less the harness's overhead: that interval for a
 call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
@@ -53,7 +58,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
-import math
 import os
 import statistics
 import time
@@ -62,10 +66,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cudagym.sandbox.protocol import TimingConfig
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-4"  # 4: timing runs under a CPU op profiler
+PROTOCOL_VERSION = "gated-events-5"  # 5: parent-driven calls, no profiler (an op counter) in the loop
 
 CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
 MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
@@ -167,9 +170,9 @@ def _cudart() -> Any | None:
 class DeviceTimer:
     """Times calls on `device` (cuda:N or cpu) under the protocol above.
 
-    Use: `start()`, then `call(fn, args)` per timed call, then `finish()` for the per-call times
-    in ms. Calls made outside `start()`/`finish()` (warm-up) go through the same steps and are
-    not recorded. `overhead_ns` is left out of every CUDA call (None: `harness_overhead_ns()`).
+    `call(fn, args)` makes one call and returns its output and its time in ms. `overhead_ns` is
+    left out of every CUDA call (None: `harness_overhead_ns()`). `close_timeouts()` counts the
+    calls so far whose close kernel gave up.
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 200.0,
@@ -178,10 +181,6 @@ class DeviceTimer:
         self.cuda = device.type == "cuda"
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self._perf = time.perf_counter
-        self._times: list[float] = []
-        self._events: list[tuple[Any, Any, Any]] = []
-        self._recording = False
-        self.close_timeouts = 0  # calls whose close kernel gave up (after `finish()`)
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             flush_bytes = max(2 * l2, 64 * 2**20)
@@ -206,16 +205,11 @@ class DeviceTimer:
         if self._flush_buf is not None:
             torch.sum(self._flush_buf)
 
-    # -- the timed session ------------------------------------------------------------------
-    def start(self) -> None:
-        """Begin recording timed calls."""
-        self._times, self._events = [], []
-        self._recording = True
-
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
-             after: Callable[[Any], None] | None = None) -> Any:
-        """One call under the protocol; returns its output. `after(out)` runs right after the
-        call's end (on a GPU: on the timer's stream, before the device-wide synchronize)."""
+             after: Callable[[Any], None] | None = None) -> tuple[Any, float]:
+        """One call under the protocol; returns its output and its time in ms. `after(out)` runs
+        right after the call's end (on a GPU: on the timer's stream, before the device-wide
+        synchronize)."""
         if not self.cuda:
             self.flush()
             t0 = self._perf()
@@ -223,9 +217,7 @@ class DeviceTimer:
             ms = (self._perf() - t0) * 1e3
             if after is not None:
                 after(out)
-            if self._recording:
-                self._times.append(ms)
-            return out
+            return out, ms
         caller, timer = torch.cuda.current_stream(self.device), self._stream
         marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         flush, words = (self._flush_buf, self._flush_buf.numel()) if self._flush_buf is not None else (self._gate, 0)
@@ -244,20 +236,12 @@ class DeviceTimer:
                 after(out)
         self._sync()
         marks[2].record(timer)
-        if self._recording:
-            self._events.append(marks)
-        return out
+        marks[2].synchronize()
+        return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]), self.overhead_ns)
 
-    def finish(self) -> list[float]:
-        """Stop recording; the per-call times in milliseconds."""
-        self._recording = False
-        if not self.cuda:
-            return self._times
-        self._sync()
-        self.close_timeouts = int(self._gate[2].item())
-        self._times = [call_ms(start.elapsed_time(end), start.elapsed_time(last), self.overhead_ns)
-                       for start, end, last in self._events]
-        return self._times
+    def close_timeouts(self) -> int:
+        """Calls so far whose close kernel gave up (timed to the device-wide synchronize)."""
+        return int(self._gate[2].item()) if self.cuda else 0
 
 
 def call_ms(end_ms: float, last_ms: float, overhead_ns: int) -> float:
@@ -287,10 +271,7 @@ def harness_overhead_ns() -> int:
     for _ in range(5):
         timer.call(fill, [])
     own.clear()
-    timer.start()
-    for _ in range(CALIBRATION_CALLS):
-        timer.call(fill, [])
-    times = timer.finish()
+    times = [timer.call(fill, [])[1] for _ in range(CALIBRATION_CALLS)]
     return int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in zip(times, own)))
 
 
@@ -301,47 +282,40 @@ def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
             b.copy_(f)
 
 
-def run_timed_loop(
+def drive_calls(
     fn: Callable[..., Any],
     input_sets: list[list[Any]],
-    fresh_inputs: Callable[[], list[Any]],
+    inputs_for: Callable[[int], list[Any]],
+    next_call: Callable[[dict[str, Any]], int | None],
     timer: DeviceTimer,
-    cfg: TimingConfig,
-    keep: Callable[[int, int, list[Any], Any], None] | None = None,
-) -> list[float]:
-    """Warm up, then time a number of calls fixed from the warm-up; returns times in ms.
+    after: Callable[[int, Any], dict[str, Any]] | None = None,
+) -> int:
+    """Make the calls the parent asks for; returns how many were made.
 
-    Warm-up lasts `cfg.warmup_calls` calls and at least `cfg.warmup_ms` of wall-clock time (so
-    clocks leave their idle state however short the call). The number of timed calls is then
-    `cfg.target_ms` over the warm-up's median wall time per call, within
-    [`cfg.min_calls`, `cfg.max_calls`]. It is fixed before the first timed call, so outputs to
-    re-check can be drawn from all of them. The garbage collector is paused so that a
-    collection does not land inside a timed call. `keep(i, n, inputs, out)` is called right
-    after timed call i of n ends (outside the timed interval; on a GPU, before the device-wide
-    synchronize, on the timer's stream: see the module's text).
+    `next_call(report)` asks the parent for the next call, reporting the previous one (`{}`
+    before the first; then `{"ms": its time, **after(i, out)}`), and returns the seed of the
+    next call's inputs, or None to stop. Before call i, the buffers `input_sets[i % k]` are
+    refilled with `inputs_for(seed)`. `after(i, out)` runs right after call i ends (on a GPU: on
+    the timer's stream, before the device-wide synchronize; see the module's text) and returns
+    what to report about it. The garbage collector is paused so that a collection does not land
+    inside a call.
     """
     k = len(input_sets)
-    clock = timer._perf
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        t0, i, walls = clock(), 0, []
-        while i < cfg.warmup_calls or ((clock() - t0) * 1e3 < cfg.warmup_ms and i < cfg.max_calls):
-            refill_(input_sets[i % k], fresh_inputs())
-            t = clock()
-            timer.call(fn, input_sets[i % k])
-            walls.append(clock() - t)
-            i += 1
-        per_call_ms = statistics.median(walls[len(walls) // 2:]) * 1e3
-        n = max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.target_ms / max(per_call_ms, 1e-6))))
-        timer.start()
-        for i in range(n):
+        report: dict[str, Any] = {}
+        i = 0
+        while (seed := next_call(report)) is not None:
             args = input_sets[i % k]
-            refill_(args, fresh_inputs())
-            after = None if keep is None else functools.partial(keep, i, n, args)
-            timer.call(fn, args, after)
-        return timer.finish()
+            refill_(args, inputs_for(seed))
+            seen: dict[str, Any] = {}
+            hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
+            _, ms = timer.call(fn, args, hook)
+            report = {"ms": ms, **seen}
+            i += 1
+        return i
     finally:
         if gc_was_enabled:
             gc.enable()

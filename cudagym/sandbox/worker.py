@@ -21,6 +21,22 @@ def _uses_cpp_extension(workspace: str) -> bool:
         return False
 
 
+MAX_ERROR_CHARS = 3000
+
+
+def raised_by_candidate(exc: BaseException, roots: list[str], depth: int = 0) -> bool:
+    """Whether the candidate's code is on the exception's path (a frame of its files, or of
+    the code it ran): then the exception is the candidate's, whatever harness code it passed."""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name.startswith("<candidate") or any(name.startswith(r) for r in roots):
+            return True
+        tb = tb.tb_next
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and depth < 8 and raised_by_candidate(cause, roots, depth + 1)
+
+
 def _pin(cpus: str | None) -> None:
     """Restrict the calling thread (and threads it starts later) to `cpus` ("3" or "0,1,2")."""
     if cpus:
@@ -47,7 +63,7 @@ def main() -> None:
         harness.premap_results(shm_fd, int(os.environ.get("CUDAGYM_PREMAP_MB", "0") or 0))
     os.write(fd, encode_frame({"type": "ready"}))  # the parent starts the job's clock now
 
-    line = sys.stdin.readline()
+    line = harness.STDIN.readline()  # the parent's later answers arrive on the same stdin
     if not line:
         os._exit(0)
     job = Job.model_validate_json(line)
@@ -79,13 +95,16 @@ def main() -> None:
         ch.final({"ok": False, "kind": "memory_limit", "error": "the job ran out of its memory limit"})
     except BaseException as e:  # noqa: BLE001 - report, never hang
         msg = f"{type(e).__name__}: {e}"
+        roots = [r for r in (job.workspace, job.artifact_dir) if r]
         if "can't allocate memory" in msg or "out of memory" in msg:
             kind = "memory_limit"
         elif "CUDA error" in msg or "illegal memory access" in msg or "device-side assert" in msg:
             kind = "crash"  # the candidate's kernel broke the CUDA context
+        elif raised_by_candidate(e, roots):
+            kind, msg = "exception", harness.candidate_traceback(e, roots)
         else:
             kind = "internal"
-        ch.final({"ok": False, "kind": kind, "error": msg[-3000:]})
+        ch.final({"ok": False, "kind": kind, "error": msg[-MAX_ERROR_CHARS:]})
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,0 +1,200 @@
+"""What the parent answers a worker while its job runs (see `Sandbox.run`'s responder).
+
+Secrets reach the candidate's process one step at a time, and the parent keeps the record:
+
+- `TrialFeed` (verify): trial t's input seed, scale and order are revealed when the worker asks
+  for trial t, after `ModelNew` is built and trial t-1's outputs are sent; each trial once, in
+  order. Nothing about a later trial is in the worker before it starts.
+- `CallFeed` (profile, baseline): the parent decides every timed-loop call. The worker asks for
+  call i (reporting call i-1: its time and the cumulative op counts of the candidate's calls)
+  and gets the seed of call i's inputs or `stop`. Warm-up, the number of timed calls and which
+  calls count are decided here, with the parent's clock; every seed, report and arrival time is
+  kept here, not in the worker.
+
+A request out of order, a repeated one, or a report that does not add up is a *violation*: the
+request is refused (the worker reports tampering) and the violation is kept for the verdict.
+
+The parent's clock bounds the worker's reported times (`CallFeed.clock_gap_ms`): the interval
+between the requests for calls i and i+1 holds call i entirely (the worker synchronizes the
+device before asking again), plus the loop's own overhead, which the parent measures on
+calibration calls of a tiny kernel made through the same loop before any candidate code is
+loaded. A candidate that under-reports its times in its own process shows up as a gap between
+what the parent's clock saw and what was reported, beyond the overhead's jitter.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from cudagym.sandbox.protocol import TimingConfig
+
+CALIBRATION_ROLE = "calibrate"
+CALIBRATION_WARMUP = 5
+CALIBRATION_CALLS = 30
+
+
+@dataclass
+class Call:
+    """One call of a timed loop, as the parent saw it."""
+
+    seed: int
+    asked_s: float  # when the worker asked for it (parent's clock, s)
+    wall_ms: float | None = None  # from its request to the next request (parent's clock)
+    ms: float | None = None  # the worker's measured time of the call
+
+
+def _violation(violations: list[str], why: str) -> dict[str, Any]:
+    violations.append(why)
+    return {"refused": why}
+
+
+class TrialFeed:
+    """Reveals verify's trials one at a time, in order (see the module's text)."""
+
+    def __init__(self, seeds: list[int], scales: list[float], orders: list[str]):
+        self._plan = list(zip(seeds, scales, orders, strict=True))
+        self.served = 0
+        self.violations: list[str] = []
+
+    def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+        index = request.get("index")
+        if request.get("what") != "trial":
+            return _violation(self.violations, f"a request for {request.get('what')!r} during verify")
+        if index != self.served or self.served >= len(self._plan):
+            return _violation(self.violations, f"trial {index!r} was asked for out of order "
+                              f"({self.served} of {len(self._plan)} served)")
+        seed, scale, order = self._plan[self.served]
+        self.served += 1
+        return {"seed": seed, "scale": scale, "order": order}
+
+
+@dataclass
+class _Role:
+    """The calls of one role (calibrate, candidate, eager, compiled) of a job."""
+
+    calls: list[Call] = field(default_factory=list)
+    timed_from: int | None = None  # index of the first timed call, once warm-up is over
+    timed_n: int = 0
+    stopped: bool = False
+    ops: dict[str, int] = field(default_factory=dict)  # cumulative op counts, as last reported
+
+
+class CallFeed:
+    """Plans and records the calls of a job's timed loops, one role after another.
+
+    `roles` are the roles the job runs, in order (the calibration role first). Each role's
+    calls: warm-up until `cfg.warmup_calls` calls and `cfg.warmup_ms` of the parent's clock
+    have passed, then `cfg.target_ms` over the warm-up's median wall time per call (second half),
+    within [`cfg.min_calls`, `cfg.max_calls`], fixed before the first timed call. Calibration:
+    `CALIBRATION_WARMUP` then `CALIBRATION_CALLS`.
+    """
+
+    def __init__(self, cfg: TimingConfig, roles: tuple[str, ...]):
+        self.cfg = cfg
+        self.roles = roles
+        self._roles: dict[str, _Role] = {}
+        self.violations: list[str] = []
+
+    # -- answering ---------------------------------------------------------------------------
+    def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+        role_name, index = request.get("role"), request.get("index")
+        if request.get("what") != "call" or role_name not in self.roles:
+            return _violation(self.violations, f"an unexpected request {request.get('what')!r} "
+                              f"for role {role_name!r}")
+        expected = self.roles[len(self._roles) - 1] if self._roles else self.roles[0]
+        if role_name not in self._roles:
+            if self._roles and not self._roles[expected].stopped:
+                return _violation(self.violations, f"calls of {role_name!r} began before {expected!r} ended")
+            if list(self.roles).index(role_name) != len(self._roles):
+                return _violation(self.violations, f"calls of {role_name!r} out of order")
+            self._roles[role_name] = _Role()
+        role = self._roles[role_name]
+        if role.stopped or index != len(role.calls):
+            return _violation(self.violations, f"call {index!r} of {role_name!r} was asked for out of order "
+                              f"({len(role.calls)} served)")
+        why = self._take_report(role, request, arrived_s)
+        if why:
+            return _violation(self.violations, why)
+        if self._plan_next(role_name, role, arrived_s):
+            role.stopped = True
+            return {"stop": True}
+        seed = secrets.randbits(62)
+        role.calls.append(Call(seed=seed, asked_s=arrived_s))
+        return {"seed": seed}
+
+    def _take_report(self, role: _Role, request: dict[str, Any], arrived_s: float) -> str | None:
+        """Record the previous call's report and the role's op counts; a reason if they do not add up."""
+        if role.calls:
+            prev = role.calls[-1]
+            ms = request.get("ms")
+            if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) or ms < 0:
+                return f"call {len(role.calls) - 1} reported an invalid time {ms!r}"
+            prev.ms = float(ms)
+            prev.wall_ms = (arrived_s - prev.asked_s) * 1e3
+        ops = request.get("ops") or {}
+        if not isinstance(ops, dict) or not all(isinstance(v, int) for v in ops.values()):
+            return "the op counts reported are malformed"
+        if any(ops.get(k, 0) < v for k, v in role.ops.items()):
+            return "the op counts went down between calls (the op counter was reset or forged)"
+        role.ops = {str(k): int(v) for k, v in ops.items()}
+        return None
+
+    def _plan_next(self, name: str, role: _Role, now_s: float) -> bool:
+        """Fix the timed calls once warm-up is over; True when the role is done."""
+        made = len(role.calls)
+        if role.timed_from is None:
+            if name == CALIBRATION_ROLE:
+                if made < CALIBRATION_WARMUP:
+                    return False
+                role.timed_from, role.timed_n = made, CALIBRATION_CALLS
+            else:
+                cfg = self.cfg
+                elapsed_ms = (now_s - role.calls[0].asked_s) * 1e3 if role.calls else 0.0
+                if made < max(cfg.warmup_calls, 1) or (elapsed_ms < cfg.warmup_ms and made < cfg.max_calls):
+                    return False
+                walls = [c.wall_ms for c in role.calls[made // 2:] if c.wall_ms is not None]
+                per_call = statistics.median(walls) if walls else 1.0
+                role.timed_from = made
+                role.timed_n = max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.target_ms / max(per_call, 1e-6))))
+        return made >= role.timed_from + role.timed_n
+
+    # -- results -----------------------------------------------------------------------------
+    def timed(self, role: str) -> list[Call]:
+        """The role's timed calls (warm-up excluded), each with its reported time."""
+        r = self._roles.get(role)
+        if r is None or r.timed_from is None or not r.stopped:
+            return []
+        return r.calls[r.timed_from:]
+
+    def times_ms(self, role: str) -> list[float]:
+        return [c.ms for c in self.timed(role) if c.ms is not None]
+
+    def ops(self, role: str) -> dict[str, int]:
+        """The cumulative op counts of the role's calls (warm-up and timed), as last reported."""
+        r = self._roles.get(role)
+        return dict(r.ops) if r else {}
+
+    def loop_overhead_ms(self, role: str) -> float | None:
+        """Median over the role's timed calls of the parent's wall time less the reported time."""
+        gaps = [c.wall_ms - c.ms for c in self.timed(role) if c.wall_ms is not None and c.ms is not None]
+        return statistics.median(gaps) if gaps else None
+
+    def clock_gap_ms(self, role: str) -> float | None:
+        """How much more of the parent's clock the role's calls took than the calibration calls,
+        beyond what the worker reported (median, ms per call); about 0 for honest reports, and
+        an under-reported time shows up in full. None without both."""
+        cal, own = self.loop_overhead_ms(CALIBRATION_ROLE), self.loop_overhead_ms(role)
+        return None if cal is None or own is None else own - cal
+
+    def recheck_sample(self, role: str, k: int) -> list[tuple[int, int]]:
+        """`k` of the role's timed calls drawn at random by the parent: (call index, seed)."""
+        r = self._roles.get(role)
+        calls = self.timed(role)
+        if r is None or r.timed_from is None or not calls:
+            return []
+        picked = secrets.SystemRandom().sample(range(len(calls)), min(k, len(calls)))
+        return sorted((r.timed_from + i, calls[i].seed) for i in picked)
