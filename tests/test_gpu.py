@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -319,10 +320,7 @@ def test_l2_flush_makes_cached_reads_cold():
     def median_ms(timer: DeviceTimer) -> float:
         for _ in range(5):
             timer.call(fn, [x])
-        timer.start()
-        for _ in range(30):
-            timer.call(fn, [x])
-        return sorted(timer.finish())[15]
+        return sorted(timer.call(fn, [x])[1] for _ in range(30))[15]
 
     hot_ms = median_ms(DeviceTimer(torch.device("cuda"), flush_l2=False))
     cold_ms = median_ms(DeviceTimer(torch.device("cuda"), flush_l2=True))
@@ -352,3 +350,60 @@ def test_other_candidate_formats_accepted(tmp_path, ev, task_id, fmt):
     assert c.ok, c.errors
     v = ev.evaluate(task, ws)
     assert v.reward >= 1, v.summary()
+
+
+# -- reward integrity on the GPU: attacks that keep the GPU busy -------------------------------
+def busy_model(attack: str, answer: str, cycles: int) -> str:
+    """The honest solution, plus `attack` run once timed (no verify recorder on the mode stack),
+    after which each call keeps the GPU busy `cycles` and returns `answer` (`out`: the honest
+    output)."""
+    honest = (SOLUTIONS / HONEST / "cuda" / "model_new.py").read_text().replace("class ModelNew(", "class _Honest(")
+    return honest + f"""
+
+class ModelNew(_Honest):
+    def forward(self, x):
+        from torch.utils._python_dispatch import _len_torch_dispatch_stack
+        timed = _len_torch_dispatch_stack() == 0
+        if timed and not getattr(self, "_armed", False):
+            self._armed = True
+{textwrap.indent(textwrap.dedent(attack), " " * 12)}
+        out = _Honest.forward(self, x)
+        if not timed:
+            return out
+        torch.cuda._sleep({cycles})
+{textwrap.indent(textwrap.dedent(answer), " " * 8)}
+"""
+
+
+def test_rebinding_the_reference_once_timed_is_caught_on_the_gpu(tmp_path, ev):
+    attack = """\
+    import gc, types
+    for o in gc.get_objects():
+        if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
+            o.Model.forward = lambda self, *a: torch.zeros_like(a[0])
+    """
+    task, ws = workspace(tmp_path, HONEST, "cuda", ev)
+    ws.write("model_new.py", busy_model(attack, "return torch.zeros_like(x)", 200_000))
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind in (ErrorKind.MISMATCH, ErrorKind.TAMPER, ErrorKind.AUDIT), v.summary()
+
+
+def test_forged_call_times_with_blinded_identity_checks_are_caught_on_the_gpu(tmp_path, ev):
+    """A tenth of each call's time reported, the identity snapshot made to agree, and the GPU kept
+    busy ~2 ms per call: only the parent's clock disagrees."""
+    attack = """\
+    import cudagym.sandbox.harness as _h
+    import cudagym.sandbox.timing as _t
+    _call = _t.DeviceTimer.call
+    def _fast(timer, fn, args, after=None):
+        out, ms = _call(timer, fn, args, after)
+        return out, ms / 10
+    _t.DeviceTimer.call = _fast
+    _h._HARNESS_METHODS[(_t.DeviceTimer, "call")] = _fast
+    _h._METHOD_CODE[(_t.DeviceTimer, "call")] = _fast.__code__
+    """
+    task, ws = workspace(tmp_path, HONEST, "cuda", ev)
+    ws.write("model_new.py", busy_model(attack, "return out", 4_000_000))
+    v = ev.evaluate(task, ws)
+    assert v.reward < 0 and v.error_kind == ErrorKind.TAMPER, v.summary()
+    assert "own clock" in " ".join(v.reasons), v.reasons

@@ -148,7 +148,7 @@ def test_1_blas_matmul_in_forward(evaluator: Evaluator, build_ws) -> None:
 
 def test_1_15_torch_ops_only_while_timed(evaluator: Evaluator, build_ws) -> None:
     """Run the own kernel while the verify's dispatch recorder watches; call torch once timed
-    (no recorder on the mode stack). The profiler that runs through the timed calls sees it."""
+    (no recorder on the mode stack). The op counter that runs through every call sees it."""
     body = """\
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
     if _len_torch_dispatch_stack() == 0:
@@ -160,22 +160,29 @@ def test_1_15_torch_ops_only_while_timed(evaluator: Evaluator, build_ws) -> None
     assert_rejected(v, ErrorKind.AUDIT, "during timed calls", "aten::gelu")
 
 
-@pytest.mark.parametrize("how", ["suppress", "forge", "pause", "record_function_off"])
-def test_1_15_hide_torch_ops_from_the_timed_calls_profiler(evaluator: Evaluator, build_ws, how: str) -> None:
-    """Once timed, hide torch calls from the harness's profiler: make record_function a no-op,
-    close the per-call range early with a forged one of the same name, pause the profiler's
-    collection, or switch RecordFunction off."""
+@pytest.mark.parametrize("how", ["pause", "record_function_off", "reset_counter", "disarm_counter"])
+def test_1_15_hide_torch_ops_from_the_timed_calls_op_counter(evaluator: Evaluator, build_ws, how: str) -> None:
+    """Once timed, hide torch calls from the harness's watchers: pause the profiler's collection,
+    switch RecordFunction off, reset the op counter's counts, or disarm it around the call."""
     hide = {"pause": """\
         torch.autograd.profiler._toggle_collection_dynamic(False, {torch.profiler.ProfilerActivity.CPU})
     """, "record_function_off": """\
         torch.autograd._enable_record_function(False)
-    """, "suppress": """\
-        import torch.autograd.profiler as _p
-        _p.record_function.__enter__ = lambda self: self
-        _p.record_function.__exit__ = lambda self, *a: None
-    """, "forge": """\
-        with torch.profiler.record_function("cudagym::forward"):
-            pass
+    """, "reset_counter": """\
+        import gc
+        from cudagym.sandbox.opwatch import OpWatch
+        _w = next(o for o in gc.get_objects() if isinstance(o, OpWatch))
+        _out = F.gelu(x * self.scale + self.bias)
+        _w.reset()
+        return _out
+    """, "disarm_counter": """\
+        import gc
+        from cudagym.sandbox.opwatch import OpWatch
+        _w = next(o for o in gc.get_objects() if isinstance(o, OpWatch))
+        _w.disarm()
+        _out = F.gelu(x * self.scale + self.bias)
+        _w.arm()
+        return _out
     """}[how]
     body = f"""\
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
@@ -496,7 +503,8 @@ class ModelNew(nn.Module):
         return run_kernel(x, self.zero_bias, self.scale)
 """
     v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
-    assert_rejected(v, ErrorKind.EXCEPTION, "parameters must match")
+    # its parameters do not load the reference's: built after the same seed, and the outputs decide
+    assert_rejected(v, ErrorKind.MISMATCH, "mismatches", "built after the same seed")
 
 
 def test_9_return_a_smaller_slice(evaluator: Evaluator, build_ws) -> None:
@@ -755,15 +763,22 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
 
 
 TIMING_PATCHES = {
-    "the timing loop the harness imported": """\
+    "the harness's request to the parent": """\
     import cudagym.sandbox.harness as _h
-    _loop = _h.run_timed_loop
-    _h.run_timed_loop = lambda fn, sets, fresh, timer, cfg, keep=None: [t / 10 for t in _loop(fn, sets, fresh, timer, cfg, keep)]
+    _request = _h.Channel.request
+    def _fast(ch, what, **body):
+        if "ms" in body:
+            body["ms"] = body["ms"] / 10
+        return _request(ch, what, **body)
+    _h.Channel.request = _fast
     """,
     "the timer's method": """\
     import cudagym.sandbox.timing as _t
-    _finish = _t.DeviceTimer.finish
-    _t.DeviceTimer.finish = lambda self: [t / 10 for t in _finish(self)]
+    _call = _t.DeviceTimer.call
+    def _fast(self, fn, args, after=None):
+        out, ms = _call(self, fn, args, after)
+        return out, ms / 10
+    _t.DeviceTimer.call = _fast
     """,
     "the timer object's clock": """\
     import gc, time
@@ -803,7 +818,9 @@ def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, b
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
     assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw an honest kernel
-    assert_rejected(v, ErrorKind.TAMPER, "by the candidate")
+    # an identity check names the replaced piece, or the parent saw a report that does not add up
+    assert_rejected(v, ErrorKind.TAMPER)
+    assert any(w in " ".join(v.reasons) for w in ("by the candidate", "invalid time", "own clock")), v.reasons
 
 
 def test_14_tensor_frame_pointing_outside_the_result_memory(evaluator: Evaluator, build_ws) -> None:

@@ -451,6 +451,7 @@ def premap_results(shm_fd: int, mb: int) -> None:
 
 
 _OPWATCH: list[Any] = []  # the op counter, loaded by `prewarm` (built by the parent beforehand)
+_OPWATCH_CHANGES: list[Any] = []  # its C library's count of arms, disarms and resets
 
 
 def profiler_available() -> bool:
@@ -480,6 +481,7 @@ def prewarm() -> None:
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
     _OPWATCH.append(OpWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home())))
+    _OPWATCH_CHANGES.append(_OPWATCH[0]._lib.opwatch_state_changes)  # bound before any candidate code
     # torch rebinds some functions when dynamo loads (torch.manual_seed, for one): the identity
     # snapshot is retaken here, still before any candidate code runs
     _ORIGINALS.update({name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()})
@@ -524,6 +526,7 @@ def run_verify(job: Job, ch: Channel) -> None:
     out_bytes = 1 << 20
     profiler_enabled = torch.autograd._profiler_enabled
     watch = op_watch()
+    changes = _OPWATCH_CHANGES[0]()
     for t in range(trials):
         plan = ch.request("trial", index=t)  # this trial's secret, only now
         order = plan.get("order")
@@ -566,7 +569,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         p.intact()
         if not still_profiling:
             raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
-        _watch_alive(watch)
+        _watch_alive(watch, changes + 2 * (t + 1))
         seen = rec.ops | (_aten_ops_seen_by_profiler(prof) - rec.ops)  # ops hidden from the dispatch mode
         ops.update(seen | (watch.counts() - before_watch - seen))  # and from both
         outs = as_outputs(out, "ModelNew.forward", p.device)
@@ -734,8 +737,12 @@ def op_watch() -> Any:
     return _OPWATCH[0]
 
 
-def _watch_alive(watch: Any) -> None:
+def _watch_alive(watch: Any, expected_changes: int) -> None:
+    """Raise unless the op counter still counts and its state changed only as the harness changed
+    it (`expected_changes`: arms, disarms and resets so far, by the C library's own count)."""
     why = watch.check_alive()
+    if not why and _OPWATCH_CHANGES[0]() != expected_changes:
+        why = "it was armed, disarmed or reset by the candidate"
     if why:
         raise CandidateError("tamper", f"the harness's op counter was disabled: {why}")
 
@@ -768,6 +775,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
     watch = op_watch()
     watch.reset()  # the role's counts start here; the parent sees them only grow
+    changes = _OPWATCH_CHANGES[0]()  # then one arm and one disarm per call
     threads = threading.active_count()
     pending: list[tuple[torch.Size, torch.Tensor | None, torch.Tensor]] = []
     made = [0]
@@ -805,7 +813,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
                 ch.send_tensor("positions", made[0] - 1, j, idx)
         pending.clear()
         if made[0]:
-            _watch_alive(watch)
+            _watch_alive(watch, changes + 2 * made[0])
             if threading.active_count() > threads:
                 raise CandidateError("audit", f"{who} left threads running after it returned")
         answer = ch.request("call", role=role, index=made[0], ops=dict(watch.counts()), **report)

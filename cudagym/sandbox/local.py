@@ -32,6 +32,7 @@ from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
 from cudagym.sandbox.gpu import gpu_count, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
+from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import TIMING_KINDS, FrameError, Job, read_frame
 
 _OUTPUT_LIMIT = 20_000
@@ -201,6 +202,9 @@ class LocalSandbox(Sandbox):
         self.config = config or LocalSandboxConfig()
         self.home = Path(home or Path.home() / ".cache" / "cudagym" / "home")
         self.home.mkdir(parents=True, exist_ok=True)
+        # The harness's op counter, built here (trusted) once per machine, loaded read-only by workers
+        self.opwatch_dir = Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home() / ".cache" / "cudagym")
+        build_library(self.opwatch_dir)
         self._prefix = namespace_prefix() if self.config.isolate else ()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cudagym-sandbox", daemon=True)
@@ -271,6 +275,7 @@ class LocalSandbox(Sandbox):
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONUNBUFFERED": "1",
             "CUDAGYM_DEVICE": "cuda" if device.startswith("cuda") else "cpu",
+            "CUDAGYM_OPWATCH_DIR": str(self.opwatch_dir),
         }
         for k in ("OMP_NUM_THREADS", "LD_LIBRARY_PATH", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST",
                   "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):

@@ -63,7 +63,8 @@ async def ncu_summary(evaluator: Evaluator, task: Task, workspace: Workspace, ar
     log = workspace.build_dir / "ncu.csv"
     r, w = os.pipe()
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HOME")}
-    env.update(CUDAGYM_DEVICE="cuda", PYTHONUNBUFFERED="1", CUDAGYM_UNDER_NCU="1")  # no profiler of our own
+    env.update(CUDAGYM_DEVICE="cuda", PYTHONUNBUFFERED="1", CUDAGYM_UNDER_NCU="1",  # no profiler of our own
+               CUDAGYM_OPWATCH_DIR=str(getattr(evaluator.sandbox, "opwatch_dir", "")))
     # ncu's injected library takes a lock under $TMPDIR (default /tmp/nvidia) from inside the
     # worker, whose writes are confined to the workspace
     tmp = workspace.build_dir / "tmp"
