@@ -65,7 +65,9 @@ DRIVER = HERE / "timing_driver.py"
 SPREAD = (("relu_4096x16384", 0.01), ("relu_16x16384", 0.03))
 ACCEPT_REL, ACCEPT_ABS_MS = 0.10, 0.002  # single-kernel rows: within 10% of ncu or 2 µs
 NCU_METRIC = "gpu__time_duration.sum"
-NCU_UNIT_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+# ncu 2025.3 writes "ns"; older versions wrote "nsecond"
+NCU_UNIT_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0,
+               "s": 1e3, "second": 1e3}
 
 
 def progress(msg: str) -> None:
@@ -166,8 +168,11 @@ def ncu_launches(text: str) -> list[tuple[str, float]]:
     for row in csv.DictReader(io.StringIO(text[start:])):
         if row.get("Metric Name") != NCU_METRIC:
             continue
+        unit = row["Metric Unit"]
+        if unit not in NCU_UNIT_MS:
+            raise RuntimeError(f"ncu's log gives {NCU_METRIC} in an unknown unit {unit!r}")
         value = float(row["Metric Value"].replace(",", ""))
-        launches.append((int(row["ID"]), row["Kernel Name"], value * NCU_UNIT_MS[row["Metric Unit"]]))
+        launches.append((int(row["ID"]), row["Kernel Name"], value * NCU_UNIT_MS[unit]))
     launches.sort()
     return [(name, ms) for _, name, ms in launches]
 
