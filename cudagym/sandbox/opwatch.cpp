@@ -1,0 +1,202 @@
+// opwatch: counts the ATen ops that enter the dispatcher, through one global RecordFunction
+// callback. Loaded with ctypes by cudagym/sandbox/opwatch.py, which documents the contract;
+// plain C ABI (no Python.h, no pybind11) so that it builds in seconds against ATen/c10.
+//
+// The callback is installed once per process and never removed, so every call of every job
+// takes the same path through the dispatcher; arming only decides whether the callback counts.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct OpCount {
+  std::string name;      // "aten::add", as the dispatcher's schema names it
+  std::string overload;  // "Tensor" ("" for the default overload)
+  std::atomic<uint64_t> count{0};
+};
+
+// Entries are created once per distinct op and never freed, so the per-thread caches below can
+// hold raw pointers to them; reset only zeroes the counts.
+std::mutex table_mutex;
+std::deque<OpCount> entries;
+std::unordered_map<std::string, OpCount*> by_key;  // key: name + '\0' + overload
+
+std::atomic<bool> armed{false};
+std::atomic<uint64_t> state_changes{0};  // arm/disarm/reset calls: a caller that did not make one can tell
+std::atomic<at::CallbackHandle> handle{at::INVALID_CALLBACK_HANDLE};
+
+// The probe of opwatch_alive counts here, on its own thread only, so it never touches the table.
+thread_local bool probing = false;
+thread_local uint64_t probe_hits = 0;
+
+// Per-thread direct-mapped cache from the name/overload pointers of an op to its entry. A hit
+// is confirmed by comparing the strings, so a pointer that was reused for another name (or whose
+// bytes changed) only costs a miss, never a wrong count.
+struct CacheSlot {
+  const char* name;
+  const char* overload;
+  OpCount* entry;
+};
+constexpr size_t kCacheSlots = 256;
+thread_local CacheSlot cache[kCacheSlots];
+
+OpCount* lookup_slow(const char* name, const char* overload) {
+  std::string key = std::string(name) + '\0' + overload;
+  std::lock_guard<std::mutex> lock(table_mutex);
+  auto it = by_key.find(key);
+  if (it != by_key.end()) {
+    return it->second;
+  }
+  OpCount& e = entries.emplace_back();
+  e.name = name;
+  e.overload = overload;
+  by_key.emplace(std::move(key), &e);
+  return &e;
+}
+
+void count_op(const char* name, const char* overload) {
+  auto bits = reinterpret_cast<uintptr_t>(name) ^ (reinterpret_cast<uintptr_t>(overload) >> 3);
+  CacheSlot& slot = cache[(bits >> 4) % kCacheSlots];
+  OpCount* e = slot.entry;
+  if (!(e && slot.name == name && slot.overload == overload && e->name == name && e->overload == overload)) {
+    e = lookup_slow(name, overload);
+    slot = CacheSlot{name, overload, e};
+  }
+  e->count.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (probing) {
+    ++probe_hits;
+  } else if (armed.load(std::memory_order_relaxed)) {
+    const char* overload = fn.overload_name();
+    count_op(fn.name(), overload ? overload : "");
+  }
+  return nullptr;
+}
+
+// True where the dispatcher runs `op` on dense, sparse, quantized, nested or mkldnn CPU/CUDA
+// tensors as its CompositeImplicitAutograd kernel: a function that calls other ops through the
+// dispatcher, which are counted themselves (so `aten::to` of a tensor that already has the
+// dtype, or `aten::dropout` in eval mode, computes nothing). An op with a kernel of its own for
+// any of these backends does its own work there and is not "decomposed".
+bool decomposes(const std::string& name, const std::string& overload) {
+  auto op = c10::Dispatcher::singleton().findOp(c10::OperatorName(name, overload));
+  if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    return false;
+  }
+  static const c10::DispatchKeySet own_kernels = c10::DispatchKeySet({
+      c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::SparseCPU,
+      c10::DispatchKey::SparseCUDA, c10::DispatchKey::SparseCsrCPU, c10::DispatchKey::SparseCsrCUDA,
+      c10::DispatchKey::QuantizedCPU, c10::DispatchKey::QuantizedCUDA,
+      c10::DispatchKey::NestedTensorCPU, c10::DispatchKey::NestedTensorCUDA,
+      c10::DispatchKey::MkldnnCPU});
+  return !op->hasKernelForAnyDispatchKey(own_kernels) &&
+         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Registers the callback (once per process; later calls do nothing). Returns 0, or -1 if torch
+// refused the registration.
+int opwatch_install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    try {
+      handle = at::addGlobalCallback(at::RecordFunctionCallback(on_op_start)
+                                         .needsInputs(false)
+                                         .needsOutputs(false)
+                                         .needsIds(false)
+                                         .scopes({at::RecordScope::FUNCTION}));
+    } catch (...) {
+      handle = at::INVALID_CALLBACK_HANDLE;
+    }
+  });
+  return handle == at::INVALID_CALLBACK_HANDLE ? -1 : 0;
+}
+
+void opwatch_arm() {
+  state_changes.fetch_add(1);
+  armed.store(true);
+}
+
+void opwatch_disarm() {
+  state_changes.fetch_add(1);
+  armed.store(false);
+}
+
+void opwatch_reset() {
+  state_changes.fetch_add(1);
+  std::lock_guard<std::mutex> lock(table_mutex);
+  for (OpCount& e : entries) {
+    e.count.store(0);
+  }
+}
+
+uint64_t opwatch_state_changes() {
+  return state_changes.load();
+}
+
+// Writes "name\toverload\tcount\tdecomposes\n" for every op counted since the last reset
+// (decomposes: 1 or 0, see `decomposes`) into buf, NUL-terminated, as far as cap allows.
+// Returns the length of the whole text without the NUL: call again with a larger buffer when
+// it is >= cap.
+size_t opwatch_dump(char* buf, size_t cap) {
+  std::vector<std::pair<const OpCount*, uint64_t>> counted;
+  {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    for (const OpCount& e : entries) {
+      if (uint64_t n = e.count.load()) {
+        counted.emplace_back(&e, n);
+      }
+    }
+  }
+  // the dispatcher is asked outside the table's lock: it takes its own
+  std::string text;
+  for (const auto& [e, n] : counted) {
+    text += e->name + '\t' + e->overload + '\t' + std::to_string(n) + '\t' +
+            (decomposes(e->name, e->overload) ? '1' : '0') + '\n';
+  }
+  if (cap > 0) {
+    size_t n = text.size() < cap - 1 ? text.size() : cap - 1;
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
+
+// Whether the callback still sees ops on the calling thread: 0 if it does; 1 if RecordFunction
+// is switched off on this thread; 2 if it is on but an op run here did not reach the callback
+// (the callback was removed or disabled); 3 if the callback was never installed.
+int opwatch_alive() {
+  if (handle == at::INVALID_CALLBACK_HANDLE) {
+    return 3;
+  }
+  if (!at::isRecordFunctionEnabled()) {
+    return 1;
+  }
+  probing = true;
+  probe_hits = 0;
+  try {
+    at::empty({0});
+  } catch (...) {
+  }
+  probing = false;
+  return probe_hits > 0 ? 0 : 2;
+}
+
+}  // extern "C"

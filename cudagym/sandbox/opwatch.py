@@ -1,0 +1,228 @@
+"""An always-on ATen op counter for the harness: one global `at::RecordFunction` callback.
+
+`OpWatch.load(cache_dir)` builds `opwatch.cpp` (once per torch install, compiler and source:
+`cache_dir/opwatch/<key>/libopwatch.so`), loads it with ctypes and installs the callback for the
+rest of the process. From then on every op that enters the dispatcher on any thread (from
+Python, from C++ through `at::`, inside `torch.no_grad()`, from `torch.compile`d code that calls
+ATen) runs the callback; while *armed* the callback counts the op by name. The callback is
+the same in every call of every job, so a candidate cannot tell warm-up, verify and timed
+calls apart by it, and it costs a fraction of a microsecond per op (see
+`benchmarks/bench_opwatch.py`), so it may stay armed inside timed intervals.
+
+What it counts, compared with a `TorchDispatchMode` (the harness's `OpRecorder`):
+- names are the dispatcher's schema names without the overload (`aten::add`), the form the
+  mode's `func._schema.name` gives and `cudagym.rewards.audit` expects;
+- it sees every op that enters the dispatcher, the mode only those that reach the Python key.
+  `counts()` leaves out ops that the dispatcher runs as their CompositeImplicitAutograd
+  function (`aten::reshape`, `aten::to`, `aten::dropout`: they only call other ops, which are
+  counted themselves), so an honest `.float()` of a float tensor is no op here either. It
+  still sees more than the mode: ops that kernels call inside themselves (`aten::empty_like`
+  allocating with `aten::empty_strided`, `aten::add` of a Python number casting it with
+  `aten::_to_copy`) and ops torch runs with the Python key excluded (`torch.tensor(data)`
+  builds its tensor with `aten::empty` and `aten::to`); a candidate can exclude that key too,
+  so the mode alone is blind where this is not. The CPU profiler, which reads the same RecordFunction
+  events, saw all of these as well.
+
+Build in the parent: `build_library(cache_dir)` compiles (tens of seconds, once per key), so an
+evaluator calls it before it starts workers, and a worker's `OpWatch.load` only finds and loads.
+
+What it cannot see: work done without the dispatcher: a candidate's own kernels (the point),
+C++ that calls ATen's kernels directly, and the kernels inductor generates for `torch.compile`d
+code (a compiled region shows as `Torch-Compiled Region: 0/0` and `TorchDynamo Cache Lookup`,
+which are no ATen ops, plus the ATen ops it still calls, such as `aten::mm`); and ops on a
+thread whose C++ switched RecordFunction off. `check_alive()` tells, after a call, whether the
+callback is still installed and RecordFunction is on for the calling thread, and whether anyone
+but this object armed, disarmed or reset the counter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+from cudagym.errors import ToolchainError
+
+SOURCE = Path(__file__).with_name("opwatch.cpp")
+CXX = "g++"
+BUILD_TIMEOUT_S = 300.0
+
+_ALIVE_FAILURES = {
+    1: "RecordFunction was switched off on the calling thread (at::enableRecordFunction(false))",
+    2: "the op watcher's callback no longer runs (it was removed or disabled)",
+    3: "the op watcher's callback was never installed",
+}
+
+
+class OpCount(NamedTuple):
+    """One op overload as the callback counted it."""
+
+    name: str  # "aten::add"
+    overload: str  # "Tensor"; "" for the default overload
+    count: int
+    decomposes: bool  # run as its CompositeImplicitAutograd function (calls other ops) on CPU/CUDA
+
+
+def _build_flags() -> tuple[list[str], list[str], str]:
+    """(compile flags, link flags, torch's identity) for a plain C++ library against ATen/c10."""
+    import torch
+    import torch.utils.cpp_extension as cpp
+
+    compile_flags = ["-O2", "-fPIC", "-shared", "-std=c++17",
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     *(f for d in cpp.include_paths() for f in ("-isystem", d))]
+    lib = cpp.TORCH_LIB_PATH
+    link_flags = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    return compile_flags, link_flags, f"{torch.__version__}\n{lib}"
+
+
+def _compiler_identity(cxx: str) -> tuple[str, str]:
+    """(resolved path, path and `--version` output) of `cxx`."""
+    found = shutil.which(cxx)
+    if found is None:
+        raise ToolchainError(f"compiler {cxx!r} was not found on PATH; the op watcher needs it")
+    path = os.path.realpath(found)
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ToolchainError(f"cannot run compiler {path}: {e}") from e
+    return path, f"{path}\n{version}"
+
+
+def build_library(cache_dir: Path, source: Path = SOURCE, cxx: str = CXX) -> Path:
+    """`cache_dir/opwatch/<key>/lib<source stem>.so`, built from the C++ file `source` if absent.
+
+    The library is plain C++ against ATen/c10, linked to torch's `libc10`/`libtorch_cpu` with
+    an rpath. The key hashes torch's version and library directory, the compiler's identity,
+    the flags and the source. The library is linked under a temporary directory and renamed into place, so
+    concurrent builders are safe (the first rename wins; the others use it). Raises
+    `ToolchainError` when the compiler is missing, fails or runs past `BUILD_TIMEOUT_S`.
+    """
+    from cudagym.sandbox.toolchain import _run, trim_log
+
+    compile_flags, link_flags, torch_id = _build_flags()
+    path, identity = _compiler_identity(cxx)
+    name = f"lib{source.stem}.so"
+    key = hashlib.sha256("\0".join([identity, torch_id, *compile_flags, *link_flags, name]).encode()
+                         + b"\0" + source.read_bytes()).hexdigest()[:32]
+    root = Path(cache_dir).resolve() / "opwatch"
+    final = root / key
+    if (final / name).is_file():
+        return final / name
+    staging = root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        argv = [path, *compile_flags, str(source), "-o", str(staging / name), *link_flags]
+        run = _run(argv, staging, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C",
+                                   "LC_ALL": "C", "TMPDIR": str(staging)}, BUILD_TIMEOUT_S)
+        if run.timed_out:
+            raise ToolchainError(f"building {source.name} timed out after {BUILD_TIMEOUT_S:g} s")
+        if run.returncode != 0 or not (staging / name).is_file():
+            raise ToolchainError(f"building {source.name} failed with status "
+                                 f"{run.returncode}:\n{trim_log(run.output, 40)}")
+        try:
+            os.rename(staging, final)
+        except OSError:  # another process renamed the same key into place first: use theirs
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final / name
+
+
+class OpWatch:
+    """The loaded counter. Its C state is per process; hold one `OpWatch` per process.
+
+    Bind what the harness needs from it before any candidate code runs: the candidate shares
+    the process and could rebind Python attributes (not the C library's state, which
+    `check_alive` watches).
+    """
+
+    def __init__(self, library: Path):
+        """Loads `library` (from `build_library`) and installs its callback; see `load`."""
+        lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
+        for name, restype, argtypes in (
+            ("opwatch_install", ctypes.c_int, []),
+            ("opwatch_arm", None, []),
+            ("opwatch_disarm", None, []),
+            ("opwatch_reset", None, []),
+            ("opwatch_state_changes", ctypes.c_uint64, []),
+            ("opwatch_dump", ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+            ("opwatch_alive", ctypes.c_int, []),
+        ):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        if lib.opwatch_install() != 0:
+            raise ToolchainError("torch refused to register the op watcher's RecordFunction callback")
+        self.library = library
+        self._lib = lib
+        self._state_changes = lib.opwatch_state_changes()
+
+    @classmethod
+    def load(cls, cache_dir: Path) -> OpWatch:
+        """Build (if needed) and load the library from `cache_dir`, and install the callback.
+
+        The callback starts disarmed. Installing is idempotent: a second load in one process
+        shares the first one's callback and counts.
+        """
+        return cls(build_library(cache_dir))
+
+    def arm(self) -> None:
+        """Count ops from now on (on every thread)."""
+        self._lib.opwatch_arm()
+        self._state_changes += 1
+
+    def disarm(self) -> None:
+        """Stop counting; the counts stay until `reset`."""
+        self._lib.opwatch_disarm()
+        self._state_changes += 1
+
+    def reset(self) -> None:
+        """Zero every count."""
+        self._lib.opwatch_reset()
+        self._state_changes += 1
+
+    def ops(self) -> list[OpCount]:
+        """Every op overload counted since the last reset, in the order first seen."""
+        cap = 1 << 14
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            need = self._lib.opwatch_dump(buf, cap)
+            if need < cap:
+                break
+            cap = need + 1024  # ops counted on other threads meanwhile may have made it longer
+        out = []
+        for line in buf.value.decode().splitlines():
+            name, overload, count, decomposes = line.split("\t")
+            out.append(OpCount(name, overload, int(count), decomposes == "1"))
+        return out
+
+    def counts(self) -> Counter[str]:
+        """Ops run since the last reset, by name (`aten::add`), the form the op audit reads.
+
+        Ops that decompose into other ops are left out (see the module docstring).
+        """
+        out: Counter[str] = Counter()
+        for op in self.ops():
+            if not op.decomposes:
+                out[op.name] += op.count
+        return out
+
+    def check_alive(self) -> str | None:
+        """None while the watcher works on the calling thread; else the reason it does not.
+
+        Call it on the thread that ran the candidate, after the call: it runs one ATen op of
+        its own (not counted) and checks that the callback saw it, that RecordFunction is on
+        for this thread, and that nobody but this object armed, disarmed or reset the counter.
+        """
+        code = self._lib.opwatch_alive()
+        if code in _ALIVE_FAILURES:
+            return _ALIVE_FAILURES[code]
+        if self._lib.opwatch_state_changes() != self._state_changes:
+            return "the op watcher was armed, disarmed or reset by code other than the harness"
+        return None
