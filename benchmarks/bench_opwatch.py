@@ -138,7 +138,7 @@ def main() -> None:
             median = statistics.median(times)
             table.add_row(condition, label, f"{median:.0f}", f"{min(times):.0f}", f"{q[2] - q[0]:.0f}",
                           f"{median / base:.2f}")
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 if __name__ == "__main__":
