@@ -11,7 +11,7 @@ from collections.abc import Mapping
 # Ops ModelNew.forward may run in strict mode: allocation, views, layout copies, metadata.
 STRICT_ALLOWED = frozenset(
     """empty empty_like empty_strided new_empty new_empty_strided zeros zeros_like new_zeros
-    ones ones_like full full_like new_full new_ones fill_ zero_ lift_fresh detach alias view
+    ones ones_like full full_like new_full new_ones fill_ zero_ lift_fresh detach detach_ alias view
     _unsafe_view reshape _reshape_alias as_strided permute transpose t expand expand_as squeeze
     unsqueeze slice select narrow split split_with_sizes chunk unbind unflatten flatten movedim
     contiguous clone copy_ resize_ record_stream _local_scalar_dense sym_size sym_stride

@@ -2,8 +2,8 @@
 // callback. Loaded with ctypes by cudagym/sandbox/opwatch.py, which documents the contract;
 // plain C ABI (no Python.h, no pybind11) so that it builds in seconds against ATen/c10.
 //
-// The callback is installed once per process and stays installed: whether it counts (armed)
-// changes nothing a candidate can observe but its cost, which is the same in every call.
+// The callback is installed once per process and never removed, so every call of every job
+// takes the same path through the dispatcher; arming only decides whether the callback counts.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <mutex>

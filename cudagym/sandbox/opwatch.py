@@ -12,19 +12,27 @@ calls apart by it, and it costs a fraction of a microsecond per op (see
 What it counts, compared with a `TorchDispatchMode` (the harness's `OpRecorder`):
 - names are the dispatcher's schema names without the overload (`aten::add`), the form the
   mode's `func._schema.name` gives and `cudagym.rewards.audit` expects;
-- it sees every op that enters the dispatcher, the mode only those that reach the Python key:
+- it sees every op that enters the dispatcher, the mode only those that reach the Python key.
   `counts()` leaves out ops that the dispatcher runs as their CompositeImplicitAutograd
-  function (`aten::matmul`, `aten::to`, `aten::dropout`: they only call other ops, which are
-  counted themselves), so an honest `.float()` of a float tensor is no op here either;
-- it also sees the ops that kernels call inside themselves (`aten::addmm` allocating its
-  output with `aten::empty`), which the mode never sees: for the strict audit these are
-  allocation ops or ops of a call that is already a compute op.
+  function (`aten::reshape`, `aten::to`, `aten::dropout`: they only call other ops, which are
+  counted themselves), so an honest `.float()` of a float tensor is no op here either. It
+  still sees more than the mode: ops that kernels call inside themselves (`aten::empty_like`
+  allocating with `aten::empty_strided`, `aten::add` of a Python number casting it with
+  `aten::_to_copy`) and ops torch runs with the Python key excluded (`torch.tensor(data)`
+  builds its tensor with `aten::empty` and `aten::to`); a candidate can exclude that key too,
+  so the mode alone is blind where this is not. The CPU profiler, which reads the same RecordFunction
+  events, saw all of these as well.
 
-What it cannot see: work done without the dispatcher (a candidate's own kernels, which is the
-point, but also C++ that calls ATen's kernels directly) and ops on a thread whose C++ switched
-RecordFunction off. `check_alive()` tells, after a call, whether the callback is still installed
-and RecordFunction is on for the calling thread, and whether anyone but this object armed,
-disarmed or reset the counter.
+Build in the parent: `build_library(cache_dir)` compiles (tens of seconds, once per key), so an
+evaluator calls it before it starts workers, and a worker's `OpWatch.load` only finds and loads.
+
+What it cannot see: work done without the dispatcher: a candidate's own kernels (the point),
+C++ that calls ATen's kernels directly, and the kernels inductor generates for `torch.compile`d
+code (a compiled region shows as `Torch-Compiled Region: 0/0` and `TorchDynamo Cache Lookup`,
+which are no ATen ops, plus the ATen ops it still calls, such as `aten::mm`); and ops on a
+thread whose C++ switched RecordFunction off. `check_alive()` tells, after a call, whether the
+callback is still installed and RecordFunction is on for the calling thread, and whether anyone
+but this object armed, disarmed or reset the counter.
 """
 
 from __future__ import annotations
