@@ -21,11 +21,16 @@ _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized", "torchvisio
                                "_c10d_functional", "c10d", "mkldnn", "onednn", "xformers", "triton"})
 
 
+# Ranges that stand for torch-generated code run inside the forward (torch.compile's kernels
+# reach the device without ATen ops of their own): torch compute by another name
+_TORCH_REGIONS = ("Torch-Compiled Region", "TorchDynamo")
+
+
 def forbidden_ops(ops: Mapping[str, int]) -> list[str]:
     """The ops in `ops` that strict mode forbids (torch compute ops), sorted."""
     out = []
     for name in ops:
         ns, _, base = name.partition("::")
-        if ns in _TORCH_NAMESPACES and base not in STRICT_ALLOWED:
+        if (ns in _TORCH_NAMESPACES and base not in STRICT_ALLOWED) or name.startswith(_TORCH_REGIONS):
             out.append(name)
     return sorted(out)
