@@ -102,9 +102,17 @@ _COMPARER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-compar
 
 
 async def _compare(o: JobOutcome, task: Task) -> Comparison:
-    """Compare the outcome's outputs on the comparer thread (the event loop stays free)."""
-    return await asyncio.get_running_loop().run_in_executor(
-        _COMPARER, compare_outputs, o.tensors, task.effective_tolerance)
+    """Compare the outcome's outputs on the comparer thread (the event loop stays free).
+
+    Never raises: `compare_outputs` turns whatever the worker sent into a verdict, and a failure
+    of the comparison itself (out of memory, a bug) is a Comparison of kind "internal".
+    """
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            _COMPARER, compare_outputs, o.tensors, task.effective_tolerance)
+    except Exception as e:  # noqa: BLE001 - the evaluator's failure, not the candidate's: named, not raised
+        return Comparison(trials=0, passed=0, max_abs_error=None, kind=ErrorKind.INTERNAL.value,
+                          reasons=[f"the evaluator failed to compare the outputs: {type(e).__name__}: {e}"])
 
 
 def _release_later(*outcomes: JobOutcome) -> None:
@@ -313,9 +321,10 @@ class Evaluator:
         _release_later(o)
         t_cmp = time.perf_counter()
         if cmp.kind is not None:
-            why = "outputs of timed calls are wrong: " + "; ".join(cmp.reasons[:3])
-            return ProfileResult(ok=False, error_kind=ErrorKind.MISMATCH, error=why, reasons=[why],
-                                 seconds=time.perf_counter() - t0)
+            internal = cmp.kind == ErrorKind.INTERNAL.value
+            why = ("" if internal else "outputs of timed calls are wrong: ") + "; ".join(cmp.reasons[:3])
+            return ProfileResult(ok=False, error_kind=ErrorKind.INTERNAL if internal else ErrorKind.MISMATCH,
+                                 error=why, reasons=[why], seconds=time.perf_counter() - t0)
         final = o.final or {}
         timed_ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
         forbidden = forbidden_ops(timed_ops) if self.config.mode == "strict" else []
