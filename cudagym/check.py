@@ -24,6 +24,10 @@ def check(
     mode: Annotated[str, typer.Option(help="Op audit: strict (only your kernels + allocation/view ops) or "
                                            "permissive (torch ops allowed; your kernels must carry the work).")] = "strict",
     target: Annotated[str, typer.Option(help="auto (GPU if present), cuda or cpu.")] = "auto",
+    atol: Annotated[Optional[float], typer.Option(help="Absolute tolerance of the output check (with --rtol; "
+                                                       "default: the task's own).")] = None,
+    rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance of the output check (with --atol; "
+                                                       "default: the task's own).")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="Build and baseline cache (default ~/.cache/cudagym or "
                                                            "$CUDAGYM_CACHE).")] = None,
     no_compile_baseline: Annotated[bool, typer.Option("--no-compile-baseline",
@@ -33,21 +37,30 @@ def check(
     from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
     from cudagym.sandbox.workspace import Workspace
     from cudagym.tasks.loaders import resolve_task
+    from cudagym.tasks.model import optional_tolerance
 
     if mode not in ("strict", "permissive"):
         raise typer.BadParameter("--mode must be strict or permissive")
     if target not in ("auto", "cuda", "cpu"):
         raise typer.BadParameter("--target must be auto, cuda or cpu")
+    try:
+        tolerance = optional_tolerance(atol, rtol)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--atol/--rtol") from None
     console = Console(stderr=True)
     cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline,
                           **({"cache_dir": cache_dir} if cache_dir else {}))
     try:
         t = resolve_task(task)
+        if tolerance is not None:
+            t = t.model_copy(update={"tolerance": tolerance})
+        tol = t.effective_tolerance
         with Evaluator(cfg) as ev, tempfile.TemporaryDirectory(prefix="cudagym-check-") as tmp:
             t = t.for_target(ev.target)
             ws = Workspace.from_solution(tmp, t, solution)
             if not as_json:
-                console.print(f"[bold]{t.id}[/] on the {ev.target.value} target ({ev.device_name}), {mode} mode")
+                console.print(f"[bold]{t.id}[/] on the {ev.target.value} target ({ev.device_name}), {mode} mode, "
+                              f"atol={tol.atol:g}, rtol={tol.rtol:g}")
             with console.status("compiling, verifying, profiling…", spinner="dots") if not as_json else _nullctx():
                 verdict = ev.evaluate(t, ws)
     except CudagymError as e:
@@ -57,7 +70,7 @@ def check(
             console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     if as_json:
-        print(json.dumps(verdict.summary()))
+        print(json.dumps({**verdict.summary(), "tolerance": tol.model_dump()}))
     else:
         _print_verdict(verdict)
     raise typer.Exit(0 if verdict.reward > 0 else 1)

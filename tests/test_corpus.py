@@ -13,7 +13,7 @@ from cudagym.tasks.corpus.build import BuildConfig, build_corpus
 from cudagym.tasks.corpus.catalog import BLOCK_SOURCES, default_catalog
 from cudagym.tasks.corpus.composer import Composer, ComposerConfig
 from cudagym.tasks.loaders import check_task_builds, load_parquet
-from cudagym.tasks.model import Task, module_constants, validate_reference_source
+from cudagym.tasks.model import CORPUS_SOURCE, OWN_TOLERANCE, Task, module_constants, validate_reference_source
 
 N = 16
 
@@ -83,6 +83,8 @@ def test_build_writes_ops6k_parquet_and_report(built):
     assert sum(report["op_count_histogram"].values()) == N
     tasks = load_parquet(built / "tasks.parquet")
     assert [t.id for t in tasks] == [r["id"] for r in rows] and tasks[0].ops == rows[0]["ops"]
+    # our own tasks keep our tolerance (fp32 1e-4), not the KernelBench default of other parquet files
+    assert all(t.source == CORPUS_SOURCE and t.effective_tolerance == OWN_TOLERANCE[t.dtype] for t in tasks)
 
 
 def test_same_seed_gives_identical_parquet(built, tmp_path):

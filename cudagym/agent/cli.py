@@ -22,6 +22,8 @@ def register(app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, "--out", help="Run directory for trajectories and the report (default runs/<timestamp>). Rerun with the same directory to resume."),
         max_turns: int = typer.Option(30, "--max-turns", min=1, help="Turn budget per episode; at the limit the workspace is scored as it stands."),
         mode: str = typer.Option("strict", "--mode", help="Op audit: 'strict' (only your kernels plus allocation/view ops in forward) or 'permissive' (torch ops allowed, own kernels must carry the work)."),
+        atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance of the output check for every task (with --rtol; default: each task's own)."),
+        rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance of the output check for every task (with --atol; default: each task's own)."),
         max_context_tokens: Optional[int] = typer.Option(None, "--max-context-tokens", help="Keep each policy prompt under this many tokens (older tool outputs are elided first)."),
         tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A tokenizer.json (Hugging Face tokenizers) for exact token counts; default: 4 chars per token."),
         solutions: Optional[Path] = typer.Option(None, "--solutions", help="Solutions root of the scripted policy (default: examples/solutions of the repository)."),
@@ -36,11 +38,13 @@ def register(app: typer.Typer) -> None:
         from cudagym.agent.report import render_table
         from cudagym.agent.runner import RunConfig, run
         from cudagym.errors import CudagymError
+        from cudagym.tasks.model import optional_tolerance
 
         console = Console()
         try:
             cfg = RunConfig(tasks=tasks, policy=policy, episodes=episodes, limit=limit, concurrency=concurrency,
-                            target=target, out=out, max_turns=max_turns, mode=mode, max_context_tokens=max_context_tokens,
+                            target=target, out=out, max_turns=max_turns, mode=mode,
+                            tolerance=optional_tolerance(atol, rtol), max_context_tokens=max_context_tokens,
                             tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
                             seed=seed)
             summary = run(cfg, console)

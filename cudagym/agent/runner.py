@@ -24,10 +24,10 @@ from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.env.tokens import CharEstimate, TokenCounter, TokenizerCounter
 from cudagym.errors import ConfigError
 from cudagym.rewards.verdict import AuditMode
-from cudagym.tasks.model import Task
+from cudagym.tasks.model import Task, Tolerance
 
 # settings that define which episodes a run directory holds; a resume must not change them
-_IDENTITY = ("tasks", "policy", "episodes", "limit", "target", "mode", "max_turns")
+_IDENTITY = ("tasks", "policy", "episodes", "limit", "target", "mode", "tolerance", "max_turns")
 
 
 class RunConfig(BaseModel):
@@ -38,6 +38,7 @@ class RunConfig(BaseModel):
     concurrency: int = Field(default=4, ge=1)
     target: Literal["auto", "cuda", "cpu"] = "auto"
     mode: AuditMode = "strict"
+    tolerance: Tolerance | None = None  # None: each task's own; else this, for every task
     out: Path | None = None  # None: runs/<timestamp>
     max_turns: int = Field(default=30, ge=1)
     max_context_tokens: int | None = None
@@ -118,7 +119,8 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     policy, hermes = make_policy(cfg)
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
-    env_cfg = EnvConfig(target=cfg.target, mode=cfg.mode, max_turns=cfg.max_turns, workspace_root=out / "workspaces")
+    env_cfg = EnvConfig(target=cfg.target, mode=cfg.mode, tolerance=cfg.tolerance, max_turns=cfg.max_turns,
+                        workspace_root=out / "workspaces")
     sem = asyncio.Semaphore(cfg.concurrency)
     console.print(f"[bold]cudagym run[/]: {len(tasks)} tasks x {cfg.episodes} episodes on target "
                   f"{evaluator.target.value if hasattr(evaluator.target, 'value') else evaluator.target}, "

@@ -5,7 +5,9 @@ Contract
 - ``reset(seed=None, options={"task": <id or Task>})`` starts an episode in a fresh workspace
   (``model.py`` = the reference, read-only) and returns ``(prompt, info)``: the task prompt, and
   in ``info`` the tool schemas (``"tools"``, OpenAI function-calling format), the task's
-  metadata (``"task"``), the workspace path and the budgets. Without a task option the task is
+  metadata (``"task"``, with the tolerance its outputs are checked with), the workspace path
+  and the budgets. ``EnvConfig.tolerance`` (the ``tolerance=`` option of the constructor and of
+  ``gymnasium.make``), when set, replaces every task's tolerance. Without a task option the task is
   drawn from the env's task list with the env's RNG (seeded by ``seed``).
 - ``step(action)`` takes text (an LLM turn with ``<tool_call>{...}</tool_call>`` blocks or one
   bare JSON call) or a structured call (a `ToolCall`, a ``{"name", "arguments"}`` dict, or a list
@@ -48,7 +50,7 @@ from cudagym.env.format import format_verdict, trim_output
 from cudagym.errors import ConfigError
 from cudagym.rewards.verdict import AuditMode, ErrorKind, Verdict
 from cudagym.sandbox.workspace import Workspace
-from cudagym.tasks.model import Target, Task
+from cudagym.tasks.model import Target, Task, Tolerance
 
 MAX_TEXT_CHARS = 1 << 20
 
@@ -93,6 +95,7 @@ class EnvConfig(BaseModel):
 
     target: Literal["auto", "cuda", "cpu"] = "auto"
     mode: AuditMode = "strict"
+    tolerance: Tolerance | None = None  # None: each task's own (`Task.effective_tolerance`); else this, for every task
     max_turns: int = Field(default=30, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)  # actions + observations, whole episode
     max_observation_chars: int = Field(default=8000, ge=200)  # per tool result
@@ -118,12 +121,12 @@ class KernelEnv(gym.Env[str, Any]):
         render_mode: str | None = None,
         **overrides: Any,
     ):
-        cfg = (config or EnvConfig()).model_copy(update=overrides)
+        fields = {**(config or EnvConfig()).model_dump(), **overrides}  # validated below, dicts and all
         if target is not None:
-            cfg = cfg.model_copy(update={"target": target})
+            fields["target"] = target
         if mode is not None:
-            cfg = cfg.model_copy(update={"mode": mode})
-        self.config = EnvConfig.model_validate(cfg.model_dump())
+            fields["mode"] = mode
+        self.config = EnvConfig.model_validate(fields)
         self.render_mode = render_mode
         self.tasks = _as_tasks(tasks)
         if not self.tasks:
@@ -167,6 +170,8 @@ class KernelEnv(gym.Env[str, Any]):
         self._cleanup_workspace()
         task = self._pick_task((options or {}).get("task"))
         task = task.for_target(self.target)
+        if self.config.tolerance is not None:
+            task = task.model_copy(update={"tolerance": self.config.tolerance})
         self._workspace_dir = self._new_workspace_dir(task.id)
         ws = Workspace.create(self._workspace_dir, task)
         self._ctx = ToolContext(task=task, workspace=ws, evaluator=self.evaluator,
@@ -183,6 +188,7 @@ class KernelEnv(gym.Env[str, Any]):
             "task": {
                 "id": task.id, "source": task.source, "level": task.level, "ops": list(task.ops),
                 "dtype": task.dtype, "target": self.target.value, "sizes": task.sizes,
+                "tolerance": task.effective_tolerance.model_dump(),
             },
             "workspace": str(ws.root),
             "max_turns": self.config.max_turns,

@@ -1,7 +1,13 @@
-"""Output comparison, done in the evaluator's process on raw bytes sent by the worker."""
+"""Output comparison, done in the evaluator's process on raw bytes sent by the worker.
+
+`compare_outputs` gives a verdict on whatever a worker sent and never raises for it: a frame it
+cannot read (a dtype outside `WIRE_DTYPES`, a malformed shape, a payload of the wrong size,
+missing or mistyped keys) fails the comparison as `output_format`, naming the frame and why.
+"""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -9,29 +15,68 @@ from typing import Any
 
 import torch
 
+from cudagym.sandbox.wire import WIRE_DTYPES
 from cudagym.tasks.model import Tolerance
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-    torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_ROLES = ("candidate", "reference")
+_MAX_DIMS = 64  # far beyond any model's output; bounds the work one header can ask for
+_MAX_SIZE = 1 << 63  # torch's sizes and strides are int64, even those of a shape with a zero in it
+_SIGNED_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not bool, not float: the harness sends plain ints
 
 
 def decode_tensor(header: dict[str, Any], payload: bytes | memoryview) -> torch.Tensor:
-    dtype = _DTYPES.get(str(header.get("dtype")))
+    """The tensor a frame's `dtype` and `shape` describe, viewing `payload` (no copy).
+
+    `ValueError` naming the problem if they do not describe one: a dtype outside `WIRE_DTYPES`,
+    a shape that is not a list of at most `_MAX_DIMS` sizes >= 0 torch can hold, or a payload
+    whose size is not the shape's.
+    """
+    name = header.get("dtype")
+    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise ValueError(f"unsupported output dtype {header.get('dtype')!r}")
-    shape = [int(s) for s in header.get("shape", [])]
-    numel = 1
-    for s in shape:
-        numel *= s
-    elem = torch.empty((), dtype=dtype).element_size()
-    if len(payload) != numel * elem:
-        raise ValueError("tensor payload size does not match its shape")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # read-only buffers: the comparison never writes to its inputs
+        raise ValueError(f"dtype {_short(name)} cannot be compared (outputs may be {', '.join(WIRE_DTYPES)})")
+    shape = header.get("shape")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_count(s) for s in shape)
+            and math.prod(max(s, 1) for s in shape) < _MAX_SIZE):
+        raise ValueError(f"shape {_short(shape)} is not a list of at most {_MAX_DIMS} sizes >= 0 "
+                         "whose product fits in int64")
+    try:
+        raw = memoryview(payload).cast("B")
+    except TypeError:
+        raise ValueError(f"its payload is a {type(payload).__name__}, not bytes") from None
+    numel = math.prod(shape)
+    if raw.nbytes != numel * dtype.itemsize:
+        raise ValueError(f"{raw.nbytes} bytes of payload for a {name} tensor of shape {tuple(shape)} "
+                         f"({numel * dtype.itemsize} bytes)")
+    with warnings.catch_warnings():  # read-only buffers (never written to), complex32 "experimental"
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)  # no copy
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _read_frame(header: Any, payload: bytes | memoryview) -> tuple[str, int, int, torch.Tensor]:
+    """(role, trial, index, tensor) of one tensor frame; `ValueError` naming what is wrong."""
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a {type(header).__name__}, not an object")
+    role, trial, index = header.get("role"), header.get("trial"), header.get("index")
+    if role not in _ROLES:
+        raise ValueError(f"role {_short(role)} is neither candidate nor reference")
+    if not (_is_count(trial) and _is_count(index)):
+        raise ValueError(f"{role} output: trial {_short(trial)} and index {_short(index)} must be integers >= 0")
+    try:
+        return role, trial, index, decode_tensor(header, payload)
+    except ValueError as e:
+        raise ValueError(f"trial {trial}: {role} output {index}: {e}") from None
 
 
 @dataclass
@@ -40,7 +85,7 @@ class Comparison:
     passed: int
     max_abs_error: float | None
     reasons: list[str]
-    kind: str | None  # None when all passed; "mismatch" or "output_format"
+    kind: str | None  # None when all passed; "mismatch", "output_format", or "internal" (the comparison itself failed)
 
 
 _CHUNK = 1 << 22  # elements per step: temporaries are reused, not allocated (and faulted in) per output
@@ -57,13 +102,13 @@ def _compare_values(c: torch.Tensor, r: torch.Tensor, tol: Tolerance) -> tuple[f
     n = r.numel()
     if n == 0:
         return 0.0, 0, False
-    f = torch.float32 if r.dtype in (torch.float16, torch.bfloat16) else r.dtype
+    f = torch.float64 if r.dtype == torch.float64 else torch.float32  # halves and float8: compared in fp32
     size = min(n, _CHUNK)
     diff, bound = torch.empty(size, dtype=f), torch.empty(size, dtype=f)
     within = torch.empty(size, dtype=torch.bool)
     worst, nbad, nan_bad = 0.0, 0, False
     for lo in range(0, n, _CHUNK):
-        cc, rr = c[lo : lo + _CHUNK].to(f), r[lo : lo + _CHUNK].to(f)  # halves: compared in fp32
+        cc, rr = c[lo : lo + _CHUNK].to(f), r[lo : lo + _CHUNK].to(f)
         k = rr.numel()
         d, b, w = diff[:k], bound[:k], within[:k]
         torch.sub(cc, rr, out=d).abs_()
@@ -82,14 +127,37 @@ def _compare_values(c: torch.Tensor, r: torch.Tensor, tol: Tolerance) -> tuple[f
     return worst, nbad, nan_bad
 
 
-def compare_outputs(tensors: list[tuple[dict[str, Any], bytes]], tol: Tolerance) -> Comparison:
-    """Compare candidate and reference outputs per trial: structure, shape, dtype, values."""
-    by_trial: dict[int, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: {"candidate": {}, "reference": {}})
-    for header, payload in tensors:
-        role = header.get("role")
-        if role not in ("candidate", "reference"):
+def _differing_elements(c: torch.Tensor, r: torch.Tensor) -> int:
+    """How many elements of two same-dtype tensors differ in their bytes (exact comparison)."""
+    c, r = c.reshape(-1), r.reshape(-1)
+    if torch.equal(c.view(torch.uint8), r.view(torch.uint8)):
+        return 0
+    same_width = _SIGNED_OF_WIDTH[r.element_size()]  # a type with kernels for `!=`, whatever the dtype
+    return int((c.view(same_width) != r.view(same_width)).sum())
+
+
+def compare_outputs(tensors: list[tuple[dict[str, Any], bytes | memoryview]], tol: Tolerance) -> Comparison:
+    """Compare candidate and reference outputs per trial: structure, shape, dtype, values.
+
+    Integers and bool must match exactly; floating outputs within `tol` (see `_compare_values`);
+    complex outputs as pairs of real and imaginary parts. Any frame that cannot be read fails the
+    whole comparison as `output_format`, without comparing values.
+    """
+    by_trial: dict[int, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: {role: {} for role in _ROLES})
+    unreadable: list[str] = []
+    for n, (header, payload) in enumerate(tensors):
+        try:
+            role, trial, index, tensor = _read_frame(header, payload)
+        except ValueError as e:
+            unreadable.append(f"output frame {n}: {e}")
             continue
-        by_trial[int(header["trial"])][role][int(header["index"])] = decode_tensor(header, payload)
+        if index in by_trial[trial][role]:
+            unreadable.append(f"output frame {n}: trial {trial}: {role} output {index} was sent twice")
+            continue
+        by_trial[trial][role][index] = tensor
+    if unreadable:
+        return Comparison(trials=len(by_trial), passed=0, max_abs_error=None, reasons=unreadable[:8],
+                          kind="output_format")
     reasons: list[str] = []
     passed, worst, kind = 0, 0.0, None
     for trial in sorted(by_trial):
@@ -104,15 +172,19 @@ def compare_outputs(tensors: list[tuple[dict[str, Any], bytes]], tol: Tolerance)
                 reasons.append(f"trial {trial}: output {i} is {c.dtype} {tuple(c.shape)}, expected {r.dtype} {tuple(r.shape)}")
                 kind, ok = "output_format", False
                 continue
-            if not r.is_floating_point():
-                if not torch.equal(c, r):
-                    reasons.append(f"trial {trial}: output {i} differs from the reference")
+            if not (r.is_floating_point() or r.is_complex()):
+                ndiff = _differing_elements(c, r)
+                if ndiff:
+                    reasons.append(f"trial {trial}: output {i} differs from the reference at {ndiff}/{r.numel()} elements")
                     kind, ok = kind or "mismatch", False
                 continue
+            parts = "elements"
+            if r.is_complex():
+                c, r, parts = torch.view_as_real(c), torch.view_as_real(r), "real/imaginary parts"
             err, nbad, nan_bad = _compare_values(c, r, tol)
             worst = max(worst, err)
             if nbad:
-                reasons.append(f"trial {trial}: output {i} mismatches at {nbad}/{r.numel()} elements "
+                reasons.append(f"trial {trial}: output {i} mismatches at {nbad}/{r.numel()} {parts} "
                                f"(max abs error {err:.3g}; atol={tol.atol}, rtol={tol.rtol}"
                                + ("; NaN where the reference has none" if nan_bad else "") + ")")
                 kind, ok = kind or "mismatch", False

@@ -104,9 +104,17 @@ _COMPARER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-compar
 
 
 async def _compare(o: JobOutcome, task: Task) -> Comparison:
-    """Compare the outcome's outputs on the comparer thread (the event loop stays free)."""
-    return await asyncio.get_running_loop().run_in_executor(
-        _COMPARER, compare_outputs, o.tensors, task.effective_tolerance)
+    """Compare the outcome's outputs on the comparer thread (the event loop stays free).
+
+    Never raises: `compare_outputs` turns whatever the worker sent into a verdict, and a failure
+    of the comparison itself (out of memory, a bug) is a Comparison of kind "internal".
+    """
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            _COMPARER, compare_outputs, o.tensors, task.effective_tolerance)
+    except Exception as e:  # noqa: BLE001 - the evaluator's failure, not the candidate's: named, not raised
+        return Comparison(trials=0, passed=0, max_abs_error=None, kind=ErrorKind.INTERNAL.value,
+                          reasons=[f"the evaluator failed to compare the outputs: {type(e).__name__}: {e}"])
 
 
 def _raw(t: Any) -> bytes:
@@ -374,7 +382,7 @@ class Evaluator:
         _release_later(o)
         t_cmp = time.perf_counter()
         if why:
-            return ProfileResult(ok=False, error_kind=ErrorKind.MISMATCH, error=why, reasons=[why],
+            return ProfileResult(ok=False, error_kind=why[0], error=why[1], reasons=[why[1]],
                                  seconds=time.perf_counter() - t0)
         final = o.final or {}
         timed_ops = feed.ops("candidate")  # every call of the loop, warm-up included
@@ -429,12 +437,13 @@ class Evaluator:
                      "stats_s": time.perf_counter() - t_cmp}
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 
-    async def _recheck(self, task: Task, o: JobOutcome, feed: CallFeed, init_seed: int) -> str | None:
+    async def _recheck(self, task: Task, o: JobOutcome, feed: CallFeed, init_seed: int) -> tuple[ErrorKind, str] | None:
         """Compare the samples of timed calls drawn by the parent with a reference-only worker's
-        outputs for the same seeds (and parameters); a reason if they differ."""
+        outputs for the same seeds (and parameters); the failure if they differ."""
+        wrong = "outputs of timed calls are wrong: "
         picks = feed.recheck_sample("candidate", self.config.timing.recheck_calls)
         if not picks:
-            return "no timed call could be re-checked"
+            return ErrorKind.TAMPER, "no timed call could be re-checked"
         k = len(picks)
         ref_job = self._job("reference", task, None, init_seed=init_seed, trial_seeds=[s for _, s in picks],
                             trial_scales=[1.0] * k, trial_orders=["reference_first"] * k)
@@ -442,21 +451,23 @@ class Evaluator:
         try:
             failure = _outcome_failure(ref, "reference")
             if failure:
-                return f"the reference failed while re-checking timed calls: {failure[1]}"
+                return ErrorKind.INTERNAL, f"the reference failed while re-checking timed calls: {failure[1]}"
             try:
                 pairs = await asyncio.get_running_loop().run_in_executor(
                     _COMPARER, sampled_pairs, o.tensors, ref.tensors, picks)
             except (ValueError, KeyError, TypeError, RuntimeError) as e:  # frames the worker should not have sent
-                return f"outputs of timed calls could not be read: {e}"
+                return ErrorKind.OUTPUT_FORMAT, f"outputs of timed calls could not be read: {e}"
             if isinstance(pairs, str):
-                return "outputs of timed calls are wrong: " + pairs
+                return ErrorKind.OUTPUT_FORMAT, wrong + pairs
             cmp = await asyncio.get_running_loop().run_in_executor(
                 _COMPARER, compare_outputs, pairs, task.effective_tolerance)
         finally:
             _release_later(ref)
-        if cmp.kind is not None:
-            return "outputs of timed calls are wrong: " + "; ".join(cmp.reasons[:3])
-        return None
+        if cmp.kind is None:
+            return None
+        if cmp.kind == ErrorKind.INTERNAL.value:
+            return ErrorKind.INTERNAL, "; ".join(cmp.reasons[:3])
+        return ErrorKind(cmp.kind), wrong + "; ".join(cmp.reasons[:3])
 
     # -- the whole pipeline -----------------------------------------------------------------
     async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:

@@ -1,5 +1,5 @@
 """Tasks: the `Task` model, loaders and the corpus generator."""
 
-from cudagym.tasks.model import DEFAULT_TOLERANCE, Target, Task, Tolerance
+from cudagym.tasks.model import Target, Task, Tolerance, default_tolerance
 
-__all__ = ["DEFAULT_TOLERANCE", "Target", "Task", "Tolerance"]
+__all__ = ["Target", "Task", "Tolerance", "default_tolerance"]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cudagym.errors import TaskError
-from cudagym.tasks.model import Target, Task, Tolerance, validate_reference_source
+from cudagym.tasks.model import BUNDLED_SOURCE, Target, Task, Tolerance, optional_tolerance, validate_reference_source
 
 BUNDLED_SPEC = "bundled"
 _LEVEL_DIR = re.compile(r"^level(\d+)$")
@@ -38,8 +38,9 @@ _PARQUET_CORE_COLUMNS = ("ops", "data_source", "code")
 def load_task_file(path: str | Path, *, source: str = "file", **meta: Any) -> Task:
     """One KernelBench-format `.py` file as a `Task` (id: the file stem).
 
-    `meta` overrides or adds `Task` fields (`ops`, `level`, `dtype`, `cpu_sizes`, ...). Without
-    an explicit `level`, a parent directory named `levelN` sets it.
+    `meta` overrides or adds `Task` fields (`ops`, `level`, `dtype`, `cpu_sizes`, `tolerance`, ...).
+    Without an explicit `level`, a parent directory named `levelN` sets it. Without an explicit
+    `tolerance`, the source decides it (`default_tolerance`: KernelBench's for "file").
     """
     path = Path(path)
     try:
@@ -79,7 +80,8 @@ def load_parquet(path: str | Path) -> list[Task]:
     Optional columns: `id` (else ``f"{stem}_{row}"``), `level`, `dtype`, `atol`/`rtol`, `cpu_sizes`
     (a JSON object of the constants to use on the CPU target); any other
     column goes to `Task.metadata`. `ops` may be a list of op names or the string repr of one.
-    `Task.source` is the row's `data_source`.
+    `Task.source` is the row's `data_source`; a row without `atol`/`rtol` gets the default of
+    that source (`default_tolerance`: ours for our corpus, KernelBench's for Ops-6K and others).
     """
     import pyarrow.parquet as pq
 
@@ -107,9 +109,10 @@ def load_parquet(path: str | Path) -> list[Task]:
             fields["level"] = int(row.pop("level"))
         if row.get("dtype") is not None:
             fields["dtype"] = str(row.pop("dtype"))
-        atol, rtol = row.pop("atol", None), row.pop("rtol", None)
-        if atol is not None and rtol is not None:
-            fields["tolerance"] = Tolerance(atol=float(atol), rtol=float(rtol))
+        try:
+            fields["tolerance"] = optional_tolerance(row.pop("atol", None), row.pop("rtol", None))
+        except ValueError as e:
+            raise TaskError(f"{where}: {e}") from None
         cpu_sizes = row.pop("cpu_sizes", None)  # our corpus stores them as a JSON object
         if cpu_sizes:
             try:
@@ -168,7 +171,7 @@ def _bundled_entry_task(entry: dict[str, Any]) -> Task:
     return _make_task(
         id=entry["id"],
         code=code,
-        source="bundled",
+        source=BUNDLED_SOURCE,
         ops=list(entry.get("ops", [])),
         level=entry.get("level"),
         dtype=entry.get("dtype", "float32"),

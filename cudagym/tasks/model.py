@@ -8,7 +8,7 @@ import re
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cudagym.errors import TaskError
 
@@ -21,20 +21,63 @@ class Target(str, Enum):
 
 
 class Tolerance(BaseModel):
-    """Absolute and relative tolerance of the output comparison (`|a-b| <= atol + rtol*|b|`)."""
+    """Absolute and relative tolerance of the output comparison (`|a-b| <= atol + rtol*|b|`).
+
+    Both are finite and non-negative.
+    """
 
     model_config = ConfigDict(frozen=True)
-    atol: float
-    rtol: float
+    atol: float = Field(ge=0, allow_inf_nan=False)
+    rtol: float = Field(ge=0, allow_inf_nan=False)
 
 
-# Defaults per dtype: fp32 1e-4 (TF32 is off for the reference), half precision 1e-2.
-DEFAULT_TOLERANCE: dict[str, Tolerance] = {
+def optional_tolerance(atol: float | None, rtol: float | None) -> Tolerance | None:
+    """`Tolerance(atol, rtol)` if both are given, None if neither is.
+
+    `ValueError` naming the problem if only one is given, or either is negative, NaN or infinite.
+    """
+    if atol is None and rtol is None:
+        return None
+    if atol is None or rtol is None:
+        given = "atol" if rtol is None else "rtol"
+        raise ValueError(f"atol and rtol go together: give both or neither (only {given} was given)")
+    try:
+        return Tolerance(atol=atol, rtol=rtol)
+    except ValidationError:
+        raise ValueError(f"bad tolerance atol={atol!r}, rtol={rtol!r}: both must be finite numbers >= 0") from None
+
+
+# Sources of the tasks cudagym writes itself: the bundled set, and the generated corpus (the
+# `data_source` of its parquet). Any other source is someone else's KernelBench-format task.
+BUNDLED_SOURCE = "bundled"
+CORPUS_SOURCE = "cudagym-ops"
+
+# Our own tasks, per dtype: fp32 1e-4 (TF32 is off for the reference, and our solutions are
+# written to meet it), half precision 1e-2.
+OWN_TOLERANCE: dict[str, Tolerance] = {
     "float32": Tolerance(atol=1e-4, rtol=1e-4),
     "float64": Tolerance(atol=1e-6, rtol=1e-6),
     "float16": Tolerance(atol=1e-2, rtol=1e-2),
     "bfloat16": Tolerance(atol=1e-2, rtol=1e-2),
 }
+
+# KernelBench's, for every dtype: atol = rtol = 1e-2, the rule of KernelBench v0/v0.1, under
+# which its published solutions were judged. Honest kernels that sum in another order or use
+# __expf miss 1e-4 (max abs error 7.6e-4 at 61 of 16.7M elements; 3.7e-3 on a softmax).
+# Halves get 1e-2 too: every KernelBench version uses it (its later eval tightened fp32 alone,
+# to 1e-4), and the looser bounds of some forks let more wrong outputs pass (REWARD_HACKING.md
+# #6); a task that needs more states it (parquet `atol`/`rtol` columns).
+KERNELBENCH_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2)
+
+
+def default_tolerance(source: str, dtype: str) -> Tolerance:
+    """The tolerance of a task that states none: `OWN_TOLERANCE[dtype]` (fp32's for other
+    dtypes) for our own sources (`BUNDLED_SOURCE`, `CORPUS_SOURCE`), `KERNELBENCH_TOLERANCE`
+    for every other source (KernelBench-format files and directories, Ops-6K parquet)."""
+    if source in (BUNDLED_SOURCE, CORPUS_SOURCE):
+        return OWN_TOLERANCE.get(dtype, OWN_TOLERANCE["float32"])
+    return KERNELBENCH_TOLERANCE
+
 
 _REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
@@ -52,19 +95,21 @@ class Task(BaseModel):
 
     id: str
     code: str
-    source: str = "bundled"
+    source: str = BUNDLED_SOURCE
     ops: list[str] = Field(default_factory=list)
     level: int | None = None
     dtype: str = "float32"
     target: Target | None = None  # None: any target
-    tolerance: Tolerance | None = None  # None: DEFAULT_TOLERANCE[dtype]
+    tolerance: Tolerance | None = None  # None: default_tolerance(source, dtype)
     cpu_sizes: dict[str, int | float] = Field(default_factory=dict)
     path: str | None = None  # where it was loaded from, for messages
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def effective_tolerance(self) -> Tolerance:
-        return self.tolerance or DEFAULT_TOLERANCE.get(self.dtype, DEFAULT_TOLERANCE["float32"])
+        """The tolerance its outputs are checked with: its own if it states one (a manifest entry,
+        parquet `atol`/`rtol` columns, an override), else `default_tolerance(source, dtype)`."""
+        return self.tolerance or default_tolerance(self.source, self.dtype)
 
     @property
     def sizes(self) -> dict[str, int | float]:

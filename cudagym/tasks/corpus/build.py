@@ -31,7 +31,7 @@ from cudagym.tasks.corpus.estimate import GpuSpec, estimate_workload, gpu_spec
 from cudagym.tasks.corpus.filters import (
     FILTERS, Deduplicator, FilterConfig, FilterResult, check_runtime, check_workload, memory_problem,
 )
-from cudagym.tasks.model import Task
+from cudagym.tasks.model import CORPUS_SOURCE, Task
 
 PARQUET_NAME = "tasks.parquet"
 REPORT_NAME = "report.json"
@@ -50,7 +50,7 @@ class BuildConfig(BaseModel):
     shard_size: int = 50
     workers: int = 1
     fit_workload: bool = True  # rescale BATCH by a power of two toward a draw inside the window
-    data_source: str = "cudagym-ops"
+    data_source: str = CORPUS_SOURCE  # this one gives the tasks our own tolerances (`default_tolerance`)
     reference_bench: str | None = None
     max_candidates_factor: float = 20.0  # give up after n * factor candidates
     composer: ComposerConfig = Field(default_factory=ComposerConfig)
