@@ -182,7 +182,7 @@ class Channel:
             self.send({**header, "offset": off, "nbytes": n})
             return
         c = c.to("cpu").contiguous()
-        raw = memoryview(c.view(torch.uint8).numpy()).cast("B") if c.numel() else b""
+        raw = memoryview(c.reshape(-1).view(torch.uint8).numpy()).cast("B") if c.numel() else b""
         self.send(header, raw)
 
     def final(self, body: dict[str, Any]) -> None:

@@ -592,7 +592,8 @@ def _collect(w: _Worker, nonce: str, outcome: JobOutcome) -> None:
             outcome.channel_error = "a result without the job's nonce (forged)"
         else:
             outcome.final = finals[0]
-            outcome.phases = {str(k): float(v) for k, v in (finals[0].get("phases") or {}).items()
+            phases = finals[0].get("phases")
+            outcome.phases = {str(k): float(v) for k, v in (phases if isinstance(phases, dict) else {}).items()
                               if isinstance(v, (int, float))}
 
 
