@@ -93,6 +93,7 @@ async def cudagym_times(ev: Evaluator, problem: TimingProblem, root: Path) -> di
     else:
         out["eager_ms"] = base["eager_ms"]
         out["eager_median_ms"] = statistics.median(base["eager_ms"])
+        out["eager_clock_gap_ms"] = base.get("eager_clock_gap_ms")
     ws = Workspace.create(root / problem.name, task, model_new=candidate_source(task.code))
     p = await ev.aprofile(task, ws)
     if p.ok and p.candidate is not None:
@@ -100,6 +101,7 @@ async def cudagym_times(ev: Evaluator, problem: TimingProblem, root: Path) -> di
         out["candidate_median_ms"] = p.candidate.median_ms
         out["candidate_reasons"] = p.reasons
         out["harness_overhead_ns"] = p.harness_overhead_ns
+        out["candidate_clock_gap_ms"] = p.clock_gap_ms
     else:
         out["candidate_error"] = p.error
     return out
@@ -110,12 +112,14 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
     task = problem.task().for_target(ev.target)
     ws = Workspace.create(root / f"spread_{problem.name}", task, model_new=candidate_source(task.code))
     medians: list[float] = []
+    gaps: list[float | None] = []
     for _ in range(jobs):
         p = await ev.aprofile(task, ws)
         if not (p.ok and p.candidate is not None):
-            return {"medians_ms": medians, "error": p.error}
+            return {"medians_ms": medians, "clock_gaps_ms": gaps, "error": p.error}
         medians.append(p.candidate.median_ms)
-    return {"medians_ms": medians, "cv": statistics.pstdev(medians) / statistics.fmean(medians)}
+        gaps.append(p.clock_gap_ms)
+    return {"medians_ms": medians, "clock_gaps_ms": gaps, "cv": statistics.pstdev(medians) / statistics.fmean(medians)}
 
 
 async def cudagym_phase(args: argparse.Namespace, problems: list[TimingProblem], cache: Path,
