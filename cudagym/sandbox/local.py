@@ -355,13 +355,15 @@ class LocalSandbox(Sandbox):
                 pass
 
     def _kill(self, w: _Worker) -> None:
+        """SIGKILL the worker's process group, which the worker leads (start_new_session).
+
+        Not `w.proc.kill()`: Popen polls (waitpid) before it signals, and a worker reaped by that
+        poll leaves asyncio's child watcher, the one reaper of workers, without its exit status
+        ("Unknown child process pid N", returncode 255 for the worker).
+        """
         try:
             os.killpg(w.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            w.proc.kill()
-        except ProcessLookupError:
             pass
 
     @staticmethod
