@@ -759,7 +759,16 @@ def _calibration_fn(p: Problem) -> Any:
     return fill
 
 
-def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases) -> int:
+def job_overhead_ns(p: Problem) -> int | None:
+    """The timer's overhead, measured for this job (GPU; before any candidate code loads, with the
+    spares that are still starting paused): measured once per process while a spare waits, it
+    read up to the 20 us cap in some processes on an H100 (other spares creating their CUDA
+    contexts), and calls shorter than it then read 0."""
+    return harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
+
+
+def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases,
+                overhead_ns: int | None = None) -> int:
     """Make the calls of `role` that the parent asks for, under the timing protocol
     (`cudagym.sandbox.timing`); returns how many were made.
 
@@ -769,7 +778,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     and sent with the call's time before the next call is asked for.
     """
     rng = secrets.SystemRandom()
-    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us)
+    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
+                        overhead_ns=overhead_ns)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     overhead = timer.overhead_ns
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
@@ -855,11 +865,12 @@ def run_profile(job: Job, ch: Channel) -> None:
     check = check_tamper  # bound before any candidate code runs
     ph = Phases()
     p = Problem(job, with_candidate=False)
-    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph)
+    overhead = job_overhead_ns(p)
+    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph, overhead)
     p.load_candidate()
     ph.mark("load")
     tele0 = _telemetry() if p.device.type == "cuda" else {}
-    calls = _timing_run(p, p.cand, job, ch, "candidate", ph)
+    calls = _timing_run(p, p.cand, job, ch, "candidate", ph, overhead)
     check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
@@ -871,8 +882,9 @@ def run_baseline(job: Job, ch: Channel) -> None:
     """The reference's timed loops (eager, then torch.compile), under the candidate's protocol."""
     ph = Phases()
     p = Problem(job, with_candidate=False)
-    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph)
-    _timing_run(p, p.ref, job, ch, "eager", ph)
+    overhead = job_overhead_ns(p)
+    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph, overhead)
+    _timing_run(p, p.ref, job, ch, "eager", ph, overhead)
     body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}
     if job.with_compile_baseline:
         try:
@@ -883,7 +895,7 @@ def run_baseline(job: Job, ch: Channel) -> None:
         except Exception as e:  # noqa: BLE001
             body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         else:
-            _timing_run(p, compiled, job, ch, "compiled", ph)
+            _timing_run(p, compiled, job, ch, "compiled", ph, overhead)
     body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
     ch.final({**body, "phases": ph.times, "diagnostics": ph.extra})
 

@@ -46,8 +46,9 @@ class TimingConfig(BaseModel):
     # call's first launch to the GPU is not timed (host work beyond it is)
     launch_window_us: float = 200.0
     # The parent's clock bounds the reported times (`cudagym.sandbox.feed`): a median gap beyond
-    # clock_slack_ms + clock_slack_rel x the median call is reported as tampering
-    clock_slack_ms: float = 0.2
+    # clock_slack_ms + clock_slack_rel x the median call is reported as tampering. Honest gaps
+    # measured on an H100 (48 loops of 24 problems): -1.3 to +0.5 ms (the parent's own latency)
+    clock_slack_ms: float = 1.0
     clock_slack_rel: float = 0.25
 
 
