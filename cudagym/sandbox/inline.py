@@ -337,12 +337,12 @@ def refusal(kind: str, args: dict[str, Any], include_roots: Roots, lib_roots: Ro
     for k in ("extra_include_paths", "sources"):
         for p in args.get(k, []):
             if not _PATH_ENTRY.fullmatch(p):
-                return f"{k} entry {p!r} has characters that are not accepted in a path"
+                return f"{k} entry {p!r} is refused: it has characters that are not accepted in a path"
     for k in ("extra_cflags", "extra_cuda_cflags", "extra_ldflags"):
         entries = args.get(k, [])
         bad = next((e for e in entries if not _FLAG_ENTRY.fullmatch(e)), None)
         if bad is not None:
-            return f"{k} entry {bad!r} has characters that are not accepted (quotes, $, ;, @, ...)"
+            return f"{k} entry {bad!r} is refused: it has characters the shell would interpret (quotes, $, ;, @, ...)"
         words = [w for e in entries for w in e.split()]
         why = _check_ldflags(words, lib_roots) if k == "extra_ldflags" else \
             _check_compile_words(words, "host" if k == "extra_cflags" else "nvcc", include_roots, lib_roots)
