@@ -10,6 +10,8 @@ two cores) is the example solution, shared by the session's cache.
 from __future__ import annotations
 
 import hashlib
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -399,3 +401,41 @@ def test_candidate_code_cannot_write_the_inline_cache(evaluator: Evaluator, buil
     assert all(line.endswith(": PermissionError") for line in log), log  # the sandbox refused each one
     assert snapshot(inline) == before  # nothing written, replaced or planted
     assert evaluator.evaluate(TASK, victim).reward >= 1
+
+
+# -- the build file of torch's loader, rewritten to record every dependency ---------------------
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_rewritten_build_file_records_every_dependency_of_cxx_and_nvcc_compiles(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's own writer makes the build file (its nvcc taken from PYTORCH_NVCC, as this CPU-only
+    torch has no CUDA_HOME); after the rewrite, ninja's compiles leave .d and .asd files naming a
+    header hidden behind a system-header pragma and a file the assembler embeds."""
+    import torch.utils.cpp_extension as cpp
+
+    from cudagym.sandbox.deps import parse_depfile
+    from cudagym.sandbox.inline import _track_all_dependencies
+
+    ws = tmp_path / "ws"
+    (ws / "kernels").mkdir(parents=True)
+    (ws / "kernels" / "hide.h").write_text('#pragma GCC system_header\n#include "table.inc"\n')
+    (ws / "kernels" / "table.inc").write_text("static const int T = 3;\n")
+    (ws / "kernels" / "blob.bin").write_bytes(b"\x01\x02")
+    embed = f'asm(".section .rodata\\n.incbin \\"{ws}/kernels/blob.bin\\"\\n.text");\n'
+    (ws / "kernels" / "a.cpp").write_text('#include "hide.h"\n' + embed + "int host() { return T; }\n")
+    (ws / "kernels" / "k.cu").write_text('#include "hide.h"\n' + embed + "__global__ void k(int* x) { *x = T; }\n")
+    build = tmp_path / "build"
+    build.mkdir()
+    monkeypatch.setenv("PYTORCH_NVCC", shutil.which("nvcc"))
+    cpp._write_ninja_file(path=str(build / "build.ninja"), cflags=["-O2"], post_cflags=None,
+                          cuda_cflags=["-O2", "-arch=sm_90a", "--compiler-options", "'-fPIC'"], cuda_post_cflags=None,
+                          cuda_dlink_post_cflags=None, sycl_cflags=None, sycl_post_cflags=None,
+                          sycl_dlink_post_cflags=None, sources=[str(ws / "kernels" / "a.cpp"), str(ws / "kernels" / "k.cu")],
+                          objects=["a.o", "k.cuda.o"], ldflags=[], library_target=None, with_cuda=True, with_sycl=False)
+    _track_all_dependencies(build / "build.ninja", gnu_as=True)
+    run = subprocess.run(["ninja", "-C", str(build)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for obj in ("a.o", "k.cuda.o"):
+        deps = parse_depfile((build / f"{obj}.d").read_text()) + parse_depfile((build / f"{obj}.asd").read_text())
+        assert {str(ws / "kernels" / f) for f in ("table.inc", "blob.bin")} <= set(deps), (obj, deps)

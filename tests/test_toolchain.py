@@ -466,8 +466,8 @@ def test_uncached_call_is_recorded_before_the_candidate_sees_the_exception(tmp_p
     first, second = (r["args"] for r in report["missing"])
     assert first["extra_include_paths"] == ["kernels"] and first["cpp_sources"] == ["int f() { return 1; }"]
     assert second["functions"] == ["g"] and "build_directory" not in second
-    assert report["raised"] == ["load_inline module 'second' (model_new.py:7) is not in the build cache: "
-                                "the compile step builds it"]
+    assert report["raised"] == ["load_inline module 'second' (model_new.py:7) is not in the build cache: the compile "
+                                "tool builds the extensions a solution asks for"]
     assert report["problems"] == ["load_inline module 'first' (model_new.py:4) was not built by the compile step",
                                   "load_inline module 'second' (model_new.py:7) was not built by the compile step"]
     assert not (tmp_path / "cache").exists()  # a lookup writes nothing

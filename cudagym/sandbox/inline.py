@@ -309,7 +309,8 @@ def _check_ldflags(words: list[str], lib_roots: Roots) -> str | None:
                 j += 1
         else:
             return (f"{w!r} is refused: extra_ldflags accepts -l<name>, -L<dir> and -Wl,-rpath,<dir> (system, torch "
-                    f"and CUDA library directories), {', '.join(sorted(_LD_WORDS))} and -Wl,{{{','.join(sorted(_LD_SUBOPTIONS))}}}")
+                    f"and CUDA library directories), {', '.join(sorted(_LD_WORDS))} and "
+                    f"-Wl,{{{','.join(sorted(_LD_SUBOPTIONS))}}}")
         i += 1
     return None
 
@@ -400,21 +401,25 @@ class InlineLoader:
             request = {"kind": kind, "args": canon, "site": site}
             size = len(json.dumps(request))
             if size > MAX_REQUEST_BYTES:
-                self.failures.append(f"{kind} module '{name}' ({site}): its arguments are {size >> 10} KB; the compile "
-                                     f"step builds extensions of up to {MAX_REQUEST_BYTES >> 10} KB")
+                self._fail(f"{kind} module '{name}' ({site}): its arguments are {size >> 10} KB; the compile step "
+                           f"builds extensions of up to {MAX_REQUEST_BYTES >> 10} KB")
             elif request not in self.missing:
                 self.missing.append(request)
-            raise ExtensionNotBuilt(f"{kind} module '{name}' ({site}) is not in the build cache: "
-                                    "the compile step builds it")
+            raise ExtensionNotBuilt(f"{kind} module '{name}' ({site}) is not in the build cache: the compile tool "
+                                    "builds the extensions a solution asks for")
         try:
             module = _import_cached(entry)
         except Exception as e:
-            self.failures.append(f"extension '{name}' ({site}) failed to load: {type(e).__name__}: {e}; "
-                                 "the solution fell back to torch")
+            self._fail(f"extension '{name}' ({site}) failed to load: {type(e).__name__}: {e}; "
+                       "the solution fell back to torch")
             raise
         self.loaded.append(name)
         self._modules[key] = module
         return module
+
+    def _fail(self, problem: str) -> None:
+        if problem not in self.failures:  # a solution may retry on every call
+            self.failures.append(problem)
 
 
 # The one loader installed in this process (it replaces process-global torch functions); the
