@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from cudagym.errors import ToolchainError
+from cudagym.rewards.verdict import ErrorKind
+from cudagym.sandbox.deps import VariantStore
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig, parse_diagnostics
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target
@@ -110,12 +113,12 @@ def test_edit_recompiles_only_the_edited_file(toolchain: Toolchain, tmp_path: Pa
     assert third.cached and third.artifact_dir == first.artifact_dir
 
 
-def test_header_edit_recompiles_every_source(toolchain: Toolchain, tmp_path: Path) -> None:
+def test_header_edit_recompiles_only_its_includers(toolchain: Toolchain, tmp_path: Path) -> None:
     ws = two_file_ws(tmp_path / "ws")
     toolchain.build(ws, Target.CPU)
     ws.write("kernels/scale.h", SCALE_H + "// edited\n")
     res = toolchain.build(ws, Target.CPU)
-    assert res.ok and sorted(res.compiled) == ["kernels/add.cpp", "kernels/scale.cpp"]
+    assert res.ok and res.compiled == ["kernels/add.cpp"] and res.reused == ["kernels/scale.cpp"]
 
 
 def test_identical_sources_in_another_workspace_reuse_the_cache(toolchain: Toolchain, tmp_path: Path) -> None:
@@ -139,7 +142,7 @@ def test_concurrent_builds_of_one_key_are_safe(toolchain: Toolchain, tmp_path: P
     assert all(r.ok for r in results)
     assert len({r.artifact_dir for r in results}) == 1
     assert call_add_scaled(Path(results[0].artifact_dir) / "libkernels.so") == [21.0, 42.0, 63.0, 84.0]
-    assert not list((toolchain.cache_dir / "objects").glob("*.tmp"))
+    assert not list((toolchain.cache_dir / "objects").glob(".tmp-*"))
 
 
 def test_abuild_runs_the_build(toolchain: Toolchain, tmp_path: Path) -> None:
@@ -313,93 +316,158 @@ def test_cpu_binding_builds_an_importable_extension(tmp_path: Path) -> None:
     assert "kernels/ops_binding.cpp" in edited.reused
 
 
-# -- single-file solutions: load_inline through install_inline_loader -------------------------
+# -- dependencies the cache must see (class 5: an object credited to a workspace it was not built from)
 
-INLINE_CPP = """
-torch::Tensor twice_plus(torch::Tensor x, double c) {
-    return x * 2 + c;  // CONSTANT
+SCALED_CPP = """\
+#include "table.inc"
+extern "C" float scaled(float x) { return SCALE * x; }
+"""
+
+
+def call_scaled(artifact_dir: str) -> float:
+    lib = ctypes.CDLL(str(Path(artifact_dir) / "libkernels.so"))
+    lib.scaled.restype, lib.scaled.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lib.scaled(2.0)
+
+
+def test_included_file_that_differs_gets_its_own_object(toolchain: Toolchain, tmp_path: Path) -> None:
+    one = make_ws(tmp_path / "one", {"kernels/a.cpp": SCALED_CPP, "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
+    zero = make_ws(tmp_path / "zero", {"kernels/a.cpp": SCALED_CPP, "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
+    first, second = toolchain.build(one, Target.CPU), toolchain.build(zero, Target.CPU)
+    assert first.ok and second.ok and second.compiled == ["kernels/a.cpp"]
+    assert (call_scaled(first.artifact_dir), call_scaled(second.artifact_dir)) == (2.0, 0.0)
+    # both variants stay in the cache: each workspace finds its own
+    again = toolchain.build(make_ws(tmp_path / "one-again", {"kernels/a.cpp": SCALED_CPP,
+                                                             "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
+                            Target.CPU)
+    assert again.cached and again.artifact_dir == first.artifact_dir
+
+
+@pytest.mark.parametrize("hide", ["#pragma GCC system_header\n", '# 1 "kernels/hide.h" 3\n'])
+def test_header_the_source_marks_as_a_system_header_is_still_tracked(toolchain: Toolchain, tmp_path: Path,
+                                                                      hide: str) -> None:
+    # `-MMD` would not list table.inc: it is included from what the source declared a system header
+    files = {"kernels/a.cpp": '#include "hide.h"\nextern "C" float scaled(float x) { return SCALE * x; }\n',
+             "kernels/hide.h": hide + '#include "table.inc"\n'}
+    one = toolchain.build(make_ws(tmp_path / "one", {**files, "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
+                          Target.CPU)
+    zero = toolchain.build(make_ws(tmp_path / "zero", {**files, "kernels/table.inc": "static const float SCALE = 0.0f;\n"}),
+                           Target.CPU)
+    assert one.ok and zero.ok and zero.compiled == ["kernels/a.cpp"]
+    assert (call_scaled(one.artifact_dir), call_scaled(zero.artifact_dir)) == (2.0, 0.0)
+
+
+def test_file_embedded_by_the_assembler_is_tracked(toolchain: Toolchain, tmp_path: Path) -> None:
+    src = """\
+        asm(".section .rodata\\n.globl table\\ntable:\\n.incbin \\"kernels/table.bin\\"\\n.text");
+        extern "C" const unsigned char table[];
+        extern "C" int first_byte() { return table[0]; }
+        """
+    results = []
+    for i, byte in enumerate((b"A", b"B")):
+        ws = make_ws(tmp_path / f"ws{i}", {"kernels/a.cpp": src})
+        (ws.root / "kernels" / "table.bin").write_bytes(byte * 4)
+        res = toolchain.build(ws, Target.CPU)
+        assert res.ok and res.compiled == ["kernels/a.cpp"], res
+        results.append(ctypes.CDLL(str(Path(res.artifact_dir) / "libkernels.so")).first_byte())
+    assert results == [ord("A"), ord("B")]
+
+
+def test_lookup_never_opens_a_fifo(tmp_path: Path) -> None:
+    # A dependency that became a FIFO (a candidate can make one) must not block the evaluator's
+    # lookup; the compiler itself then blocks on it and is killed at the compile timeout.
+    tc = Toolchain(tmp_path / "cache", ToolchainConfig(timeout_s=3))
+    files = {"kernels/a.cpp": SCALED_CPP}
+    assert tc.build(make_ws(tmp_path / "one", {**files, "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
+                    Target.CPU).ok
+    fifo_ws = make_ws(tmp_path / "fifo", files)
+    os.mkfifo(fifo_ws.root / "kernels" / "table.inc")
+    res = tc.build(fifo_ws, Target.CPU)
+    assert not res.ok and res.errors == ["kernels/a.cpp: error: compile timed out after 3 s"]
+
+
+def test_a_variant_is_never_overwritten(tmp_path: Path) -> None:
+    store = VariantStore(tmp_path / "objects")
+    first = store.store("k", {"kernels/t.inc": "0" * 64}, lambda d: (d / "out").write_text("first"))
+    second = store.store("k", {"kernels/t.inc": "0" * 64}, lambda d: (d / "out").write_text("second"))
+    assert first == second and (first / "out").read_text() == "first"
+    assert [p.name for p in (tmp_path / "objects").iterdir()] == ["k"]  # no temporaries left
+
+
+CPU_SCALED_KERNEL = """\
+#include <cstdint>
+#include "table.inc"
+extern "C" void residual_relu_clamp(const float* x, const float* r, float* out, int64_t n, float hi) {
+    for (int64_t i = 0; i < n; ++i) {
+        float v = x[i] + r[i];
+        v = v > 0.0f ? v : 0.0f;
+        out[i] = SCALE * (v < hi ? v : hi);
+    }
 }
 """
 
-# what a harness worker does: install the loader, import the candidate (here: call load_inline)
-INLINE_SCRIPT = """
-import json, sys
+
+@pytest.mark.slow
+def test_workspace_whose_included_file_zeroes_the_output_is_not_credited(evaluator, build_ws) -> None:
+    from conftest import SOLUTIONS, task_of
+
+    task = task_of("ew_residual_relu_clamp")
+    model = (SOLUTIONS / task.id / "cpu" / "model_new.py").read_text()
+    good = build_ws(task, model, {"kernels/a.cpp": CPU_SCALED_KERNEL,
+                                  "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
+    zeros = build_ws(task, model, {"kernels/a.cpp": CPU_SCALED_KERNEL,
+                                   "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
+    assert evaluator.compile(task, good).ok
+    c = evaluator.compile(task, zeros)
+    assert c.ok and c.compiled == ["kernels/a.cpp"], c
+    v = evaluator.evaluate(task, zeros)
+    assert v.reward < 0 and v.error_kind == ErrorKind.MISMATCH, v.summary()
+
+
+# -- the loader in a candidate's process ------------------------------------------------------
+
+# what a compile/verify worker does: install the loader, then run the candidate's code
+LOADER_SCRIPT = """
+import json, os, sys
 from pathlib import Path
-import torch
-from cudagym.sandbox.inline import install_inline_loader
-cache, build_root, source = sys.argv[1], sys.argv[2], sys.argv[3]
-rec = install_inline_loader(Path(cache), Path(build_root) if build_root else None)
-from torch.utils.cpp_extension import load_inline
+from cudagym.sandbox.inline import ExtensionNotBuilt, inline_problems, install_inline_loader
+cache, workspace = Path(sys.argv[1]), Path(sys.argv[2])
+os.chdir(workspace)
+loader = install_inline_loader(cache, workspace)
+raised = []
 try:
-    mod = load_inline(name="twice_ext", cpp_sources=source, functions=["twice_plus"])
-except Exception as e:
-    print(json.dumps({"error": type(e).__name__ + ": " + str(e)}))
-    sys.exit(0)
-print(json.dumps({"built": rec.built, "loaded": rec.loaded,
-                  "value": mod.twice_plus(torch.tensor([1.0, 2.0]), 0.5).tolist()}))
+    exec(compile((workspace / "model_new.py").read_text(), str(workspace / "model_new.py"), "exec"), {})
+except ExtensionNotBuilt as e:
+    raised.append(str(e))
+print(json.dumps({"missing": loader.missing, "problems": inline_problems(), "raised": raised}))
+"""
+
+LOADER_MODEL = """\
+from torch.utils.cpp_extension import load_inline
+
+try:
+    swallowed = load_inline(name="first", cpp_sources="int f() { return 1; }", extra_include_paths=["kernels"])
+except:  # noqa: E722 - as candidates write it
+    swallowed = None
+second = load_inline(name="second", cpp_sources=["int g() { return 2; }"], functions="g")
 """
 
 
-def run_inline(cache: Path, build_root: Path | None, source: str) -> dict:
+def test_uncached_call_is_recorded_before_the_candidate_sees_the_exception(tmp_path: Path) -> None:
     import json
 
-    out = subprocess.run([sys.executable, "-c", INLINE_SCRIPT, str(cache), str(build_root or ""), source],
+    ws = make_ws(tmp_path / "ws", {"model_new.py": LOADER_MODEL})
+    out = subprocess.run([sys.executable, "-c", LOADER_SCRIPT, str(tmp_path / "cache"), str(ws.root)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def inline_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
-    """One load_inline build shared by the tests of this module: (cache, build_root, result)."""
-    root = tmp_path_factory.mktemp("inline")
-    cache, build_root = root / "cache", root / "ws" / ".build" / "inline"
-    return cache, build_root, run_inline(cache, build_root, INLINE_CPP)
-
-
-@pytest.mark.slow
-def test_inline_first_call_builds_into_the_cache(inline_cache: tuple[Path, Path, dict]) -> None:
-    cache, build_root, first = inline_cache
-    assert first["value"] == [2.5, 4.5]
-    assert [name for name, _ in first["built"]] == ["twice_ext"] and first["loaded"] == []
-    key = first["built"][0][1]
-    assert list((cache / "inline" / key).glob("*.so"))
-    assert (build_root / "twice_ext" / "build.ninja").is_file()  # torch's build dir persists
-
-
-@pytest.mark.slow
-def test_inline_cached_module_loads_in_a_fresh_process_without_compiling(
-        inline_cache: tuple[Path, Path, dict]) -> None:
-    cache, build_root, first = inline_cache
-    ninja_log = build_root / "twice_ext" / ".ninja_log"
-    before = ninja_log.stat().st_mtime_ns
-    again = run_inline(cache, None, INLINE_CPP)
-    assert again["value"] == [2.5, 4.5]
-    assert again["built"] == [] and again["loaded"] == first["built"]
-    assert ninja_log.stat().st_mtime_ns == before
-
-
-def test_inline_module_that_was_not_compiled_is_a_clear_error(tmp_path: Path) -> None:
-    from cudagym.sandbox.inline import install_inline_loader
-    import torch.utils.cpp_extension as cpp
-
-    original = cpp.load_inline
-    rec = install_inline_loader(tmp_path / "cache", None)
-    try:
-        with pytest.raises(RuntimeError, match="load_inline module 'never_built' was not compiled: run the "
-                                               "compile tool first"):
-            cpp.load_inline(name="never_built", cpp_sources="int f() { return 1; }", functions=["f"])
-    finally:
-        rec.uninstall()
-    assert cpp.load_inline is original
-
-
-@pytest.mark.slow
-def test_inline_compile_error_is_readable(inline_cache: tuple[Path, Path, dict]) -> None:
-    cache, build_root, _ = inline_cache
-    broken = INLINE_CPP.replace("return x * 2 + c;", "return x * 2 + undefined_c;")
-    res = run_inline(cache, build_root, broken)
-    msg = res["error"]
-    assert msg.startswith("InlineCompileError: load_inline module 'twice_ext' failed to compile:")
-    assert "cpp_sources:3: error: 'undefined_c' was not declared in this scope" in msg, msg
-    assert str(build_root) not in msg and str(cache) not in msg
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["kind"], r["args"]["name"], r["site"]) for r in report["missing"]] == [
+        ("load_inline", "first", "model_new.py:4"), ("load_inline", "second", "model_new.py:7")]
+    first, second = (r["args"] for r in report["missing"])
+    assert first["extra_include_paths"] == ["kernels"] and first["cpp_sources"] == ["int f() { return 1; }"]
+    assert second["functions"] == ["g"] and "build_directory" not in second
+    assert report["raised"] == ["load_inline module 'second' (model_new.py:7) is not in the build cache: the compile "
+                                "tool builds the extensions a solution asks for"]
+    assert report["problems"] == ["load_inline module 'first' (model_new.py:4) was not built by the compile step",
+                                  "load_inline module 'second' (model_new.py:7) was not built by the compile step"]
+    assert not (tmp_path / "cache").exists()  # a lookup writes nothing

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
 from cudagym.sandbox.feed import CALIBRATION_ROLE, CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
+from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
 from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
 from cudagym.sandbox.workspace import Workspace
@@ -64,6 +66,7 @@ def resolve_target(target: str) -> Target:
 
 
 _KIND = {k.value: k for k in ErrorKind}
+MAX_INLINE_PASSES = 6  # compile passes of a solution with extensions (each runs it once)
 
 
 def _outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
@@ -183,6 +186,7 @@ class Evaluator:
         cache = Path(self.config.cache_dir)
         cache.mkdir(parents=True, exist_ok=True)
         self.toolchain = Toolchain(cache / "build", self.config.toolchain)
+        self.inline_cache = InlineBuildCache(cache / "build")
         self.sandbox = sandbox or LocalSandbox(LocalSandboxConfig(spare_workers=self.config.spare_workers),
                                                home=cache / "home")
         self.baselines = BaselineCache(cache / "baselines")
@@ -209,28 +213,84 @@ class Evaluator:
 
     # -- compile ----------------------------------------------------------------------------
     async def acompile(self, task: Task, workspace: Workspace) -> CompileResult:
-        """Build kernels/ (content-addressed cache) and pre-build any load_inline modules."""
+        """Build kernels/ (content-addressed cache), then model_new.py's load_inline/load extensions.
+
+        Extensions: a sandboxed job runs the solution as verify will (import, ModelNew, one
+        forward) with a loader that builds nothing and reports the extensions it asked for that
+        are not in the cache; each is checked, then built by a trusted job that runs no candidate
+        code, and filed in the cache; then the solution runs again, until a pass asks for
+        nothing new (at most MAX_INLINE_PASSES passes). See `cudagym.sandbox.inline`.
+        """
         t0 = time.perf_counter()
         result = await self.toolchain.abuild(workspace, self._target)
         if not result.ok:
             return result
         src = workspace.model_new.read_text(errors="replace") if workspace.model_new.is_file() else ""
         if "cpp_extension" in src or "load_inline" in src:
-            task = task.for_target(self._target)
-            job = self._job("compile_inline", task, workspace, artifact_dir=result.artifact_dir,
-                            inline_build_root=str(workspace.build_dir / "inline"),
-                            writable=[str(self.config.cache_dir / "build" / "inline")])
-            job.limits = job.limits.model_copy(update={"timeout_s": self.config.toolchain.timeout_s * 3})
-            (self.config.cache_dir / "build" / "inline").mkdir(parents=True, exist_ok=True)
-            outcome = await self.sandbox.run(job, self.device)
-            failure = _outcome_failure(outcome, "compiling model_new.py")
-            if failure:
-                return result.model_copy(update={"ok": False, "errors": [failure[1]], "log": outcome.output[-4000:],
-                                                 "seconds": time.perf_counter() - t0})
-            built = outcome.final.get("built", []) if outcome.final else []
-            result = result.model_copy(update={"inline_modules": [b[0] for b in built],
-                                               "cached": result.cached and not built})
+            result = await self._acompile_inline(task.for_target(self._target), workspace, result)
         return result.model_copy(update={"seconds": time.perf_counter() - t0})
+
+    async def _acompile_inline(self, task: Task, workspace: Workspace, result: CompileResult) -> CompileResult:
+        def failed(errors: list[str], log: str = "") -> CompileResult:
+            return result.model_copy(update={"ok": False, "errors": errors, "log": log})
+
+        handled: set[str] = set()  # keys built (or found in the cache) by this compile
+        built_any = False
+        for n in range(1, MAX_INLINE_PASSES + 1):
+            job = self._job("compile_inline", task, workspace, artifact_dir=result.artifact_dir)
+            job.limits = job.limits.model_copy(update={"timeout_s": self.config.toolchain.timeout_s * 3})
+            outcome = await self.sandbox.run(job, self.device)
+            failure = _outcome_failure(outcome, "running model_new.py for its extensions")
+            if failure:
+                return failed([failure[1]], outcome.output[-4000:])
+            final = outcome.final or {}
+            requests = final.get("requests")
+            try:
+                builds = [self.inline_cache.prepare(r, workspace.root) for r in (requests if isinstance(requests, list) else [])]
+            except InlineCompileError as e:
+                return failed(str(e).splitlines())
+            new = {b.key: b for b in builds if b.key not in handled}
+            if not new:
+                break
+            if n == MAX_INLINE_PASSES:
+                return failed([f"model_new.py still asked for new extensions ({', '.join(b.name for b in new.values())}) "
+                               f"after {MAX_INLINE_PASSES} compile passes (each runs it once and builds what it asked for)"])
+            handled.update(new)
+            todo = [b for b in new.values() if not self.inline_cache.cached(b, workspace.root)]
+            errors = [e for e in await asyncio.gather(*(self._abuild_inline(task, b, workspace) for b in todo)) if e]
+            if errors:
+                return failed([line for e in errors for line in e.splitlines()])
+            built_any = built_any or bool(todo)
+        if builds:  # asked for again although built (or found) by this compile: its inputs changed meanwhile
+            return failed([f"{b.kind} module '{b.name}' ({b.site}) is in the build cache, but model_new.py did not find "
+                           "it there: the files it is built from changed while the compile step ran" for b in builds])
+        errors = [str(e) for e in final.get("load_failures") or []]
+        if final.get("import_error"):
+            errors.append(str(final["import_error"]))
+        if errors:
+            return failed(errors, outcome.output[-4000:])
+        loaded = list(dict.fromkeys(str(m) for m in final.get("loaded") or []))
+        return result.model_copy(update={"inline_modules": loaded, "cached": result.cached and not built_any})
+
+    async def _abuild_inline(self, task: Task, build: InlineBuild, workspace: Workspace) -> str | None:
+        """Build one checked extension in a trusted job (writable: a fresh staging directory only)
+        and file it in the cache; the error text, or None."""
+        staging = self.inline_cache.staging()
+        build_dir = staging / "build"
+        try:
+            job = self._job("build_inline", task, None, writable=[str(staging)], inline_build_root=str(build_dir),
+                            inline_request=self.inline_cache.job_request(build, workspace.root))
+            job.limits = job.limits.model_copy(update={"timeout_s": self.config.toolchain.timeout_s * 3})
+            outcome = await self.sandbox.run(job, self.device)
+            failure = _outcome_failure(outcome, f"building {build.kind} module '{build.name}' ({build.site})")
+            if failure:
+                return failure[1]
+            self.inline_cache.store(build, staging, build_dir, workspace.root)
+            return None
+        except InlineCompileError as e:
+            return str(e)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     # -- verify -----------------------------------------------------------------------------
     async def averify(self, task: Task, workspace: Workspace) -> VerifyResult:

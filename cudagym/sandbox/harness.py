@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
+from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import Job, encode_frame_head
 from cudagym.sandbox.timing import DeviceTimer, drive_calls, harness_overhead_ns
@@ -603,6 +604,8 @@ def run_verify(job: Job, ch: Channel) -> None:
         own_share = own_kernel_share(p, job)
         ph.mark("own_share")
     check()
+    if problems := inline_problems():  # an extension verify had to do without, named
+        raise CandidateError("compile_error", "\n".join(problems))
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
               "own_kernel_share": own_share, "params": p.params, "phases": ph.times})
 
@@ -874,6 +877,8 @@ def run_profile(job: Job, ch: Channel) -> None:
     check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
+    if problems := inline_problems():
+        raise CandidateError("compile_error", "\n".join(problems))
     ch.final({"ok": True, "calls": calls, "params": p.params, "telemetry": {"before": tele0, "after": tele1},
               "phases": ph.times, "diagnostics": ph.extra})
 
@@ -901,11 +906,48 @@ def run_baseline(job: Job, ch: Channel) -> None:
 
 
 def run_compile_inline(job: Job, ch: Channel) -> None:
-    from cudagym.sandbox.inline import install_inline_loader
+    """Run the candidate as verify will (import model_new.py; ModelNew(*get_init_inputs()) after
+    a fresh seed, on the job's device; one forward on get_inputs()) under a loader that builds
+    nothing and writes nothing shared (`cudagym.sandbox.inline`). Reports the extensions asked
+    for that are not in the cache, for the parent to build in trusted jobs, and those that
+    failed to load, whatever the candidate did with the loader's exceptions; and an import
+    failure. Failures in ModelNew or forward are verify's to report."""
+    from cudagym.sandbox.inline import MAX_REQUESTS_PER_PASS, install_inline_loader
 
-    recorder = install_inline_loader(Path(job.cache_dir), Path(job.inline_build_root or job.workspace))
-    load_candidate(job)
-    ch.final({"ok": True, "built": [list(b) for b in recorder.built]})
+    loader = install_inline_loader(Path(job.cache_dir), Path(job.workspace))
+    import_error = None
+    try:
+        mod = load_candidate(job)
+    except CandidateError as e:
+        import_error = str(e)
+    except BaseException as e:  # noqa: BLE001 - SystemExit and the like: still report the requests
+        import_error = f"importing model_new.py failed: {type(e).__name__}: {e}"
+    else:
+        try:
+            ref = load_reference(job)
+            device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+            torch.manual_seed(secrets.randbits(62))
+            with torch.device(device):
+                model = mod.ModelNew(*ref.get_init_inputs())
+                args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in ref.get_inputs()]
+            with torch.no_grad():
+                model.to(device)(*args)
+        except BaseException:  # noqa: BLE001, S110 - the candidate's own failure: verify reports it
+            pass
+    ch.final({"ok": True, "requests": loader.missing[:MAX_REQUESTS_PER_PASS], "load_failures": loader.failures,
+              "loaded": loader.loaded, "import_error": import_error})
+
+
+def run_build_inline(job: Job, ch: Channel) -> None:
+    """Build the one extension of `job.inline_request` (checked by the parent) with torch's own
+    loader into `job.inline_build_root`; runs no candidate code and never loads what it built."""
+    from cudagym.sandbox.inline import InlineCompileError, build_extension
+
+    try:
+        build_extension(job.inline_request or {}, Path(job.inline_build_root or ""))
+    except InlineCompileError as e:
+        raise CandidateError("compile_error", str(e)) from None
+    ch.final({"ok": True})
 
 
 def run_ncu(job: Job, ch: Channel) -> None:
@@ -955,4 +997,4 @@ _HARNESS_METHODS = {(cls, k): v for cls in (Channel, LineReader, OpRecorder, Pro
 _METHOD_CODE = {key: fn.__code__ for key, fn in _HARNESS_METHODS.items() if isinstance(fn, types.FunctionType)}
 
 JOBS = {"verify": run_verify, "reference": run_reference_outputs, "profile": run_profile, "baseline": run_baseline,
-        "compile_inline": run_compile_inline, "probe": run_probe, "ncu": run_ncu}
+        "compile_inline": run_compile_inline, "build_inline": run_build_inline, "probe": run_probe, "ncu": run_ncu}

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from cudagym.rewards.verdict import AuditMode
 
-JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "probe", "ncu"]
+JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "build_inline", "probe", "ncu"]
 TIMING_KINDS = ("profile", "baseline")  # need the device to themselves
 
 
@@ -72,7 +72,8 @@ class Job(BaseModel):
     workspace: str = ""
     artifact_dir: str | None = None
     cache_dir: str = ""
-    inline_build_root: str | None = None  # compile_inline only
+    inline_build_root: str | None = None  # build_inline only: torch's build directory (in its writable staging dir)
+    inline_request: dict[str, Any] | None = None  # build_inline only: the extension, as the parent checked it
     mode: AuditMode = "strict"
     seed: int = 0  # secret; never derived from anything the candidate sees
     # verify: the candidate's worker gets the number of trials here and each trial's seed, scale

@@ -25,13 +25,21 @@ Why a content-addressed cache instead of ninja (which `load_inline` uses): ninja
 rebuild from file mtimes inside one build directory. Every episode has its own workspace, and RL
 rollouts write the same files again and again (a rewrite with identical content gets a new
 mtime), so ninja would recompile sources that did not change and could share nothing between
-workspaces. Here an object is named by the hash of what determines it (compiler identity, flags,
-source bytes, the bytes of every header under `kernels/`, torch's version for bindings), and a
-linked artifact by the hash of its objects and link flags, so an unchanged source is compiled
-once per cache, whichever workspace or episode it appears in, and only an edited file is
-recompiled. Compilers run with the workspace as working directory and workspace-relative paths,
-so flags and diagnostics are the same for every workspace. Writes go to a temporary name and
-are renamed into place, so concurrent builds of the same key are safe.
+workspaces. Here objects live in the two-level cache of `cudagym.sandbox.deps` under
+`objects/`: the first key hashes what is known before compiling (compiler identity, flags, the
+source's path and bytes, torch's version for sources built against it), and each variant under
+it holds an object with the manifest of the files the compiler reported reading (`-MD -MF`,
+plus GNU as's `--MD` for `.incbin`), each with its sha256. A lookup takes the variant whose
+files match the workspace's, so an unchanged source is compiled once per cache, whichever
+workspace or episode it appears in; an edited header recompiles only the sources that include
+it; and a source whose included file differs (a `table.inc` of other values) gets an object of
+its own. System headers (the compiler's own directories and the `-isystem` torch/CUDA/Python
+directories, which `ToolchainConfig`, not the candidate, controls) are covered by the compiler
+identity and torch's version. A linked artifact is named by the hash of its objects' full keys
+(first key and variant) and the link flags. Compilers run with the workspace as working
+directory and workspace-relative paths, so flags and diagnostics are the same for every
+workspace. Objects and artifacts are written under a temporary name and renamed into place,
+never overwritten, so concurrent builds of the same key are safe.
 
 Compilers run with a scrubbed environment (PATH, HOME and TMPDIR in the workspace's
 `.build/tmp`, LANG/LC_ALL=C), in their own process group (killed on `config.timeout_s`), and
@@ -60,11 +68,12 @@ from pydantic import BaseModel
 
 from cudagym.errors import ToolchainError
 from cudagym.rewards.verdict import CompileResult
+from cudagym.sandbox.deps import Roots, VariantStore, parse_depfile, record, system_roots
 from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target
 
-CACHE_FORMAT = "cudagym-build-v1"  # bump to invalidate every cached object and artifact
+CACHE_FORMAT = "cudagym-build-v2"  # bump to invalidate every cached object and artifact
 BINDING_SUFFIX = "_binding.cpp"
 MAX_LOG_LINES = 200
 
@@ -197,16 +206,29 @@ def _sha256(*parts: bytes | str) -> str:
 # -- the toolchain ---------------------------------------------------------------------------
 
 
+OBJECT_FILE = "object.o"  # the output of a variant under objects/<key>/
+
+
 @dataclass
 class _Compile:
-    """One source to compile: `argv + ['-c', rel, '-o', out]`, run in the workspace root."""
+    """One source to compile: `argv + [dependency flags] + ['-c', rel, '-o', out]`, run in the
+    workspace root. `key` is its first-level cache key; `variant`, once looked up or built,
+    the cache directory of its object."""
 
     rel: str
     argv: list[str]
     key: str
+    variant: Path | None = None
 
-    def object_path(self, cache_dir: Path) -> Path:
-        return cache_dir / "objects" / f"{self.key}.o"
+    @property
+    def object_path(self) -> Path:
+        assert self.variant is not None  # noqa: S101 - looked up or built before use
+        return self.variant / OBJECT_FILE
+
+    @property
+    def object_key(self) -> str:
+        assert self.variant is not None  # noqa: S101
+        return f"{self.key}/{self.variant.name}"
 
 
 @dataclass
@@ -215,6 +237,7 @@ class _Plan:
     link_argv: list[str]  # linker + flags; objects and `-o` are added
     link_libs: list[str]  # after the objects
     output_name: str
+    trusted: Roots = field(default_factory=lambda: Roots(()))  # left out of dependency manifests
     errors: list[str] = field(default_factory=list)
 
 
@@ -238,6 +261,8 @@ class Toolchain:
         self._unshare: bool | None = None
         self._cuda_home: str | None = None
         self._arch: str | None = None
+        self._roots: dict[bool, Roots] = {}
+        self._objects = VariantStore(self.cache_dir / "objects")
 
     # -- public ------------------------------------------------------------------------------
     def build(self, workspace: Workspace, target: Target) -> CompileResult:
@@ -255,13 +280,16 @@ class Toolchain:
         tmp = workspace.build_dir / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         env = self._env(tmp)
-        pending = [c for c in plan.compiles if not c.object_path(self.cache_dir).is_file()]
+        digests: dict[str, str | None] = {}  # each file hashed once per build
+        for c in plan.compiles:
+            c.variant = self._objects.find(c.key, workspace.root, digests)
+        pending = [c for c in plan.compiles if c.variant is None]
         reused = [c.rel for c in plan.compiles if c not in pending]
         logs: dict[str, str] = {}
         errors: list[str] = []
         if pending:
             with ThreadPoolExecutor(max_workers=max(1, self.config.max_jobs)) as pool:
-                runs = list(pool.map(lambda c: self._compile(c, workspace, env), pending))
+                runs = list(pool.map(lambda c: self._compile(c, plan, workspace, env), pending))
             for c, (ok, log, errs) in zip(pending, runs, strict=True):
                 if log:
                     logs[c.rel] = log
@@ -311,8 +339,6 @@ class Toolchain:
         with_cuda = target == Target.CUDA
         has_binding = any(r.endswith(BINDING_SUFFIX) for r in rels)
 
-        headers = _sha256(*(part for h in ws.kernel_headers()
-                            for part in (h.relative_to(ws.root).as_posix(), h.read_bytes())))
         cxx = self._resolve(cfg.cxx)
         cxx_id = self._identity(cfg.cxx, native=True)
         cxx_flags = ["-O3", f"-std={cfg.cxx_std}", "-fPIC", "-fopenmp", "-march=native", "-Ikernels",
@@ -335,8 +361,7 @@ class Toolchain:
                 extra = binding_defs if rel.endswith(BINDING_SUFFIX) else []
                 argv = [cxx, *cxx_flags, *torch_inc, *extra]
                 ident = cxx_id
-            key = _sha256(CACHE_FORMAT, ident, "\0".join(argv), rel, src, headers,
-                          torch_version if torch_inc else "")
+            key = _sha256(CACHE_FORMAT, ident, "\0".join(argv), rel, src, torch_version if torch_inc else "")
             compiles.append(_Compile(rel, argv, key))
 
         link_argv = [cxx, "-shared", "-fopenmp"]
@@ -355,7 +380,7 @@ class Toolchain:
         if with_cuda and (cuda_rels or has_binding):
             cuda_lib = self._cuda_lib_dir()
             libs += [f"-L{cuda_lib}", "-lcudart", f"-Wl,-rpath,{cuda_lib}"]
-        return _Plan(compiles, link_argv, libs, output)
+        return _Plan(compiles, link_argv, libs, output, trusted=self._trusted_roots(with_cuda))
 
     def _torch_compile_flags(self, with_cuda: bool) -> tuple[list[str], list[str], str]:
         """(include flags, binding defines, torch version), as torch's own JIT builds use them."""
@@ -381,37 +406,55 @@ class Toolchain:
         return inc, defs, torch.__version__
 
     # -- compiling and linking ---------------------------------------------------------------
-    def _compile(self, c: _Compile, ws: Workspace, env: dict[str, str]) -> tuple[bool, str, list[str]]:
-        final = c.object_path(self.cache_dir)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        run = _run(self._wrap([*c.argv, "-c", c.rel, "-o", str(tmp)]), ws.root, env, self.config.timeout_s)
-        repl = self._replacements(ws)
-        repl[str(tmp)] = f"{c.rel}.o"
-        out = relativize(run.output, repl)
-        if run.timed_out:
-            tmp.unlink(missing_ok=True)
-            return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"]
-        if run.returncode != 0 or not tmp.is_file():
-            tmp.unlink(missing_ok=True)
-            errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error(c.rel, out, run)
-            return False, trim_log(out), errs
-        os.replace(tmp, final)  # atomic: a concurrent build of the same key writes the same bytes
-        return True, trim_log(out), []
+    def _compile(self, c: _Compile, plan: _Plan, ws: Workspace, env: dict[str, str]) -> tuple[bool, str, list[str]]:
+        """Compile `c` into a scratch directory, then store it as a variant with its manifest."""
+        scratch = self.cache_dir / "objects" / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        scratch.mkdir(parents=True)
+        try:
+            obj = scratch / OBJECT_FILE
+            run = _run(self._wrap([*c.argv, *self._dependency_flags(c, scratch), "-c", c.rel, "-o", str(obj)]),
+                       ws.root, env, self.config.timeout_s)
+            repl = self._replacements(ws)
+            repl[str(obj)] = f"{c.rel}.o"
+            out = relativize(run.output, repl)
+            if run.timed_out:
+                return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"]
+            if run.returncode != 0 or not obj.is_file():
+                errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error(c.rel, out, run)
+                return False, trim_log(out), errs
+            deps = [d for f in scratch.glob("*.d") for d in parse_depfile(f.read_text(errors="replace"))]
+            manifest = record(deps, cwd=ws.root, workspace=ws.root, trusted=plan.trusted,
+                              exclude=Roots([str(scratch)]))
+            c.variant = self._objects.store(c.key, manifest, lambda d: os.replace(obj, d / OBJECT_FILE))
+            return True, trim_log(out), []
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _dependency_flags(self, c: _Compile, scratch: Path) -> list[str]:
+        """Write every file the compile reads into `scratch/*.d`: the preprocessor's `-MD` list (not
+        `-MMD`: see `cudagym.sandbox.deps`) and, with GNU as, the assembler's (`.incbin`)."""
+        flags = ["-MD", "-MF", str(scratch / "cpp.d"), "-MT", "obj"]
+        if self._gnu_as():
+            as_deps = f"--MD,{scratch / 'as.d'}"
+            # nvcc splits -Xcompiler values at commas; a backslash keeps one
+            flags += ["-Xcompiler", "-Wa\\," + as_deps.replace(",", "\\,")] if c.rel.endswith(".cu") \
+                else [f"-Wa,{as_deps}"]
+        return flags
 
     def _link(self, plan: _Plan, ws: Workspace, env: dict[str, str]) -> tuple[Path | None, bool, str, list[str]]:
         """Link the plan's objects into `artifacts/<key>/`; returns (dir, linked now, log, errors)."""
         key = _sha256(CACHE_FORMAT, self._identity(self.config.cxx, native=True), "\0".join(plan.link_argv),
-                      "\0".join(plan.link_libs), plan.output_name, *(c.key for c in plan.compiles))
+                      "\0".join(plan.link_libs), plan.output_name, *(c.object_key for c in plan.compiles))
         final = self.cache_dir / "artifacts" / key
         if (final / plan.output_name).is_file():
             return final, False, "", []
         staging = self.cache_dir / "artifacts" / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
-        objects = [str(c.object_path(self.cache_dir)) for c in plan.compiles]
+        objects = [str(c.object_path) for c in plan.compiles]
         argv = [*plan.link_argv, "-o", str(staging / plan.output_name), *objects, *plan.link_libs]
         run = _run(self._wrap(argv), ws.root, env, self.config.timeout_s)
         repl = self._replacements(ws)
-        repl.update({str(c.object_path(self.cache_dir)): f"{c.rel}.o" for c in plan.compiles})
+        repl.update({str(c.object_path): f"{c.rel}.o" for c in plan.compiles})
         repl[str(staging)] = "<artifact>"
         out = relativize(run.output, repl)
         if run.timed_out or run.returncode != 0 or not (staging / plan.output_name).is_file():
@@ -445,6 +488,21 @@ class Toolchain:
                 except (OSError, subprocess.TimeoutExpired):
                     self._unshare = False
             return self._unshare
+
+    def _gnu_as(self) -> bool:
+        """Whether the C++ compiler is GCC, whose assembler (GNU as) writes `--MD` dependencies."""
+        return "Free Software Foundation" in self._identity(self.config.cxx, native=True)
+
+    def _trusted_roots(self, with_cuda: bool) -> Roots:
+        """System roots left out of manifests: the compiler's, torch's and Python's include
+        directories, /usr/include, /usr/lib/gcc, and on the CUDA target CUDA's installation."""
+        with self._lock:
+            if with_cuda in self._roots:
+                return self._roots[with_cuda]
+        roots = system_roots(self._resolve(self.config.cxx), self._cuda_home_dir() if with_cuda else None)
+        with self._lock:
+            self._roots[with_cuda] = roots
+        return roots
 
     def _resolve(self, compiler: str) -> str:
         with self._lock:

@@ -84,10 +84,10 @@ def main() -> None:
         apply_rlimits(max_file_mb=job.limits.max_file_mb,
                       memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
         ch.send({"type": "started", "landlock": landlocked})
-        if job.kind in ("verify", "profile") and _uses_cpp_extension(job.workspace):
+        if job.kind in ("verify", "profile", "ncu") and _uses_cpp_extension(job.workspace):
             from cudagym.sandbox.inline import install_inline_loader
 
-            install_inline_loader(Path(job.cache_dir), None)  # load pre-built modules, never build
+            install_inline_loader(Path(job.cache_dir), Path(job.workspace))  # loads pre-built modules, never builds
         harness.JOBS[job.kind](job, ch)
     except harness.CandidateError as e:
         ch.final({"ok": False, "kind": e.kind, "error": str(e)})

@@ -133,12 +133,6 @@ class Workspace:
             return []
         return sorted(p for p in kdir.rglob("*") if p.is_file() and p.suffix in (".cu", ".cpp", ".cc", ".c"))
 
-    def kernel_headers(self) -> list[Path]:
-        kdir = self.root / "kernels"
-        if not kdir.is_dir():
-            return []
-        return sorted(p for p in kdir.rglob("*") if p.is_file() and p.suffix in (".h", ".hpp", ".cuh"))
-
     @property
     def model_new(self) -> Path:
         return self.root / "model_new.py"

@@ -1,0 +1,234 @@
+"""Dependency manifests: a two-level build cache that knows every file a build read.
+
+Compiled outputs (the compile tool's objects, `load_inline` modules) are cached in two levels,
+like ccache's manifest mode:
+
+1. a *first key* over everything known before compiling, chosen by the caller (compiler
+   identity, command line, source bytes, torch version, ...);
+2. under it, one *variant* per set of dependencies seen: `<root>/<key>/<variant>/` holds the
+   output and `deps.json`, the *manifest*: every file the compiler reported reading that is not
+   under a trusted root, with its sha256. A variant is named by the hash of its manifest, so
+   builds that read the same files land on one name.
+
+A lookup hashes the current files that each manifest names and takes a variant whose files
+all match (of several, the one naming the most files: it accounts for more of what is there
+now). A miss compiles and stores a new variant. Variants are written to a temporary directory
+and renamed into place, never overwritten: once visible, a variant never changes.
+
+Dependencies come from the compiler's own dependency output: `-MD`, not `-MMD` (which drops
+headers the source itself marks as system headers, with `#pragma GCC system_header` or a
+`# 1 "x" 3` linemarker, and so can be made to hide any header), and, with GNU as, the
+assembler's `--MD` (files of `.incbin` and `.include`). A file is *trusted*, and left out,
+only if both its lexical and its resolved path lie under a trusted root (the compiler's own
+include directories, /usr/include, /usr/lib/gcc, torch's, Python's and CUDA's directories:
+nothing a candidate can write; the compiler identity and the torch version in the first key
+stand for them). A path is recorded as the compiler opened it: relative to the workspace when
+it lies in it (so identical files in another workspace match), absolute otherwise.
+
+Not covered, as in ccache's direct mode: a file whose mere existence changed the build without
+being read (`__has_include`, or a header created in an include directory searched before the
+one the recorded header came from). The cache then reuses the variant built before that file
+appeared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+DEPS_FILE = "deps.json"
+_READ_CHUNK = 1 << 20
+
+
+def parse_depfile(text: str) -> list[str]:
+    """The prerequisites of a make-style dependency file (gcc's and nvcc's `-MD` output, GNU as's
+    `--MD`): `target: dep dep \\` lines, with `\\ ` for a space in a path and `$$` for `$`."""
+    body = text.replace("\\\r\n", " ").replace("\\\n", " ")
+    _, sep, rest = body.partition(":")
+    if not sep:
+        return []
+    deps: list[str] = []
+    current: list[str] = []
+    i = 0
+    while i < len(rest):
+        c = rest[i]
+        if c == "\\" and i + 1 < len(rest) and rest[i + 1] in " #":
+            current.append(rest[i + 1])
+            i += 2
+            continue
+        if c == "$" and rest[i + 1 : i + 2] == "$":
+            current.append("$")
+            i += 2
+            continue
+        if c.isspace():
+            if current:
+                deps.append("".join(current))
+                current = []
+        else:
+            current.append(c)
+        i += 1
+    if current:
+        deps.append("".join(current))
+    return deps
+
+
+def file_digest(path: str | os.PathLike[str]) -> str | None:
+    """sha256 of a regular file's bytes; None when it is missing or not a regular file (a FIFO
+    or a device is never opened for reading, so a lookup cannot be made to block)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        h = hashlib.sha256()
+        while chunk := os.read(fd, _READ_CHUNK):
+            h.update(chunk)
+        return h.hexdigest()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+class Roots:
+    """A set of directories (trusted roots, a build's scratch), compared lexically and resolved."""
+
+    def __init__(self, dirs: Iterable[str]):
+        found = {p for d in dirs if d for p in (os.path.normpath(d), os.path.realpath(d))}
+        self.dirs = tuple(sorted(found))
+
+    def contains(self, path: str) -> bool:
+        """Whether `path` (absolute) is under a root both as written and once resolved."""
+        return _under(os.path.normpath(path), self.dirs) and _under(os.path.realpath(path), self.dirs)
+
+
+def compiler_include_dirs(compiler: str) -> list[str]:
+    """The directories `compiler` searches for `#include <...>` by itself (its `-E -v` list)."""
+    try:
+        r = subprocess.run([compiler, "-E", "-v", "-x", "c++", os.devnull], capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    dirs, inside = [], False
+    for line in r.stderr.splitlines():
+        if line.startswith("#include <...> search starts here"):
+            inside = True
+        elif line.startswith("End of search list"):
+            break
+        elif inside and line.startswith(" "):
+            dirs.append(line.strip().removesuffix(" (framework directory)"))
+    return dirs
+
+
+def system_roots(compiler: str, *extra: str | None) -> Roots:
+    """The trusted roots of builds by `compiler`: its include directories, /usr/include,
+    /usr/lib/gcc, torch's and Python's include directories, and `extra` (CUDA's home)."""
+    import sysconfig
+
+    import torch
+
+    return Roots([*compiler_include_dirs(compiler), "/usr/include", "/usr/lib/gcc",
+                         os.path.join(os.path.dirname(torch.__file__), "include"),
+                         sysconfig.get_path("include", scheme="posix_prefix") or "", *(e or "" for e in extra)])
+
+
+def record(deps: Iterable[str], *, cwd: Path, workspace: Path, trusted: Roots,
+           exclude: Roots | None = None) -> dict[str, str]:
+    """The manifest of a build that just ran: {path: sha256} of its untrusted dependencies.
+
+    `deps` are paths as the compiler reported them, relative to `cwd` (where it ran);
+    files under `exclude` (the build's own scratch: generated sources, temporaries) are left
+    out, and so are paths that no longer exist: the preprocessor and the assembler fail on a
+    file they cannot read, so such a name was never read (GNU as also lists the `.file` name
+    and its own temporary input). Nothing writes the workspace while the compile tool runs.
+    """
+    ws = str(workspace)
+    out: dict[str, str] = {}
+    for dep in deps:
+        path = os.path.join(str(cwd), dep)
+        if trusted.contains(path) or (exclude is not None and exclude.contains(path)):
+            continue
+        digest = file_digest(path)
+        if digest is None:
+            continue
+        # The lexical form where it names the same file; else the path exactly as opened (a
+        # symlink followed by '..' resolves elsewhere than the text suggests).
+        norm = os.path.normpath(path)
+        name = norm if os.path.realpath(norm) == os.path.realpath(path) else path
+        if _under(name, [ws]) and name != ws:
+            name = name[len(ws) + 1 :]
+        out[name] = digest
+    return dict(sorted(out.items()))
+
+
+def matches(manifest: dict[str, str], workspace: Path, digests: dict[str, str | None] | None = None) -> bool:
+    """Whether every file of `manifest` has its recorded content now (relative paths inside
+    `workspace`). `digests` memoizes file hashes across the lookups of one build."""
+    memo = {} if digests is None else digests
+    for name, digest in manifest.items():
+        path = name if os.path.isabs(name) else os.path.join(str(workspace), name)
+        if path not in memo:
+            memo[path] = file_digest(path)
+        if memo[path] != digest:
+            return False
+    return True
+
+
+class VariantStore:
+    """Variants under `root/<key>/` (see the module docstring); safe across threads and processes."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def find(self, key: str, workspace: Path, digests: dict[str, str | None] | None = None) -> Path | None:
+        """The variant of `key` whose manifest matches `workspace`'s files now, or None."""
+        best: tuple[int, str] | None = None
+        try:
+            variants = sorted(p for p in (self.root / key).iterdir() if not p.name.startswith("."))
+        except OSError:
+            return None
+        for v in variants:
+            try:
+                manifest = json.loads((v / DEPS_FILE).read_text())["deps"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if isinstance(manifest, dict) and matches(manifest, workspace, digests):
+                if best is None or len(manifest) > best[0]:
+                    best = (len(manifest), v.name)
+        return self.root / key / best[1] if best else None
+
+    def store(self, key: str, manifest: dict[str, str], fill: Callable[[Path], None]) -> Path:
+        """Write a variant of `key`: `fill(dir)` puts the output files into a fresh directory,
+        which is renamed into place with its manifest. If that variant exists already (built
+        concurrently from the same files), it is kept and this one discarded."""
+        variant = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+        final = self.root / key / variant
+        if final.is_dir():
+            return final
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            fill(tmp)
+            (tmp / DEPS_FILE).write_text(json.dumps({"deps": manifest}, sort_keys=True))
+            final.parent.mkdir(exist_ok=True)
+            os.rename(tmp, final)  # fails when `final` exists: never replaces a variant
+        except OSError:
+            if not final.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
