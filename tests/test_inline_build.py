@@ -439,3 +439,32 @@ def test_rewritten_build_file_records_every_dependency_of_cxx_and_nvcc_compiles(
     for obj in ("a.o", "k.cuda.o"):
         deps = parse_depfile((build / f"{obj}.d").read_text()) + parse_depfile((build / f"{obj}.asd").read_text())
         assert {str(ws / "kernels" / f) for f in ("table.inc", "blob.bin")} <= set(deps), (obj, deps)
+
+
+REWRITES_ITS_INPUT = '''\
+import time
+import torch.nn as nn
+from torch.utils.cpp_extension import load
+
+with open("kernels/table.inc", "w") as f:  # a new value on every run, the compile step's included
+    f.write(f"static const float SCALE = {{time.time_ns() % 1000}}.5f;\\n")
+EXT = load(name="{name}", sources=["kernels/ext.cxx"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self, clamp_max):
+        super().__init__()
+
+    def forward(self, x, residual):
+        return x
+'''
+
+
+@pytest.mark.slow
+def test_extension_whose_inputs_change_while_compiling_is_a_compile_error(evaluator: Evaluator, build_ws) -> None:
+    name = unique("moving")
+    ws = build_ws(TASK, REWRITES_ITS_INPUT.format(name=name), {"kernels/ext.cxx": LOAD_CXX})
+    c = evaluator.compile(TASK, ws)
+    assert not c.ok
+    assert c.errors == [f"load module '{name}' (model_new.py:7) is in the build cache, but model_new.py did not find it "
+                        "there: the files it is built from changed while the compile step ran"], c.errors
