@@ -13,6 +13,8 @@ from cudagym.sandbox.timing import MAX_OVERHEAD_NS
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_task_ids
 
+from test_reward_integrity import FORGE_TIMES, REBIND_REFERENCE
+
 pytestmark = pytest.mark.gpu
 SOLUTIONS = Path(__file__).resolve().parent.parent / "examples" / "solutions"
 HONEST = "ew_scale_bias_gelu"
@@ -376,12 +378,7 @@ class ModelNew(_Honest):
 
 
 def test_rebinding_the_reference_once_timed_is_caught_on_the_gpu(tmp_path, ev):
-    attack = """\
-    import gc, types
-    for o in gc.get_objects():
-        if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
-            o.Model.forward = lambda self, *a: torch.zeros_like(a[0])
-    """
+    attack = REBIND_REFERENCE
     task, ws = workspace(tmp_path, HONEST, "cuda", ev)
     ws.write("model_new.py", busy_model(attack, "return torch.zeros_like(x)", 200_000))
     v = ev.evaluate(task, ws)
@@ -391,17 +388,7 @@ def test_rebinding_the_reference_once_timed_is_caught_on_the_gpu(tmp_path, ev):
 def test_forged_call_times_with_blinded_identity_checks_are_caught_on_the_gpu(tmp_path, ev):
     """A tenth of each call's time reported, the identity snapshot made to agree, and the GPU kept
     busy ~2 ms per call: only the parent's clock disagrees."""
-    attack = """\
-    import cudagym.sandbox.harness as _h
-    import cudagym.sandbox.timing as _t
-    _call = _t.DeviceTimer.call
-    def _fast(timer, fn, args, after=None):
-        out, ms = _call(timer, fn, args, after)
-        return out, ms / 10
-    _t.DeviceTimer.call = _fast
-    _h._HARNESS_METHODS[(_t.DeviceTimer, "call")] = _fast
-    _h._METHOD_CODE[(_t.DeviceTimer, "call")] = _fast.__code__
-    """
+    attack = FORGE_TIMES
     task, ws = workspace(tmp_path, HONEST, "cuda", ev)
     ws.write("model_new.py", busy_model(attack, "return out", 4_000_000))
     v = ev.evaluate(task, ws)

@@ -31,6 +31,27 @@ def timed_only(attack: str, then: str) -> str:
     return ONLY_WHEN_TIMED.format(attack=textwrap.indent(textwrap.dedent(attack), "    ")) + textwrap.dedent(then)
 
 
+# Once timed: make the reference model (as the worker holds it) return zeros
+REBIND_REFERENCE = """\
+    import gc, types
+    for o in gc.get_objects():
+        if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
+            o.Model.forward = lambda self, *a: torch.zeros_like(a[0])
+"""
+# Once timed: report a tenth of each call's time, and make the harness's identity snapshot agree
+FORGE_TIMES = """\
+    import cudagym.sandbox.harness as _h
+    import cudagym.sandbox.timing as _t
+    _call = _t.DeviceTimer.call
+    def _fast(timer, fn, args, after=None):
+        out, ms = _call(timer, fn, args, after)
+        return out, ms / 10
+    _t.DeviceTimer.call = _fast
+    _h._HARNESS_METHODS[(_t.DeviceTimer, "call")] = _fast
+    _h._METHOD_CODE[(_t.DeviceTimer, "call")] = _fast.__code__
+"""
+
+
 # -- class 1: outputs the evaluator cannot decode ------------------------------------------------
 OUTPUTS = {
     "uint16": "return run_kernel(x, self.bias, self.scale).to(torch.uint16)",
@@ -66,12 +87,7 @@ def test_1_an_exception_the_candidate_raises_anywhere_is_its_own(evaluator: Eval
 def test_2_rebind_the_reference_model_once_timed(evaluator: Evaluator, build_ws) -> None:
     """Once timed, make the reference model (as the worker holds it) return zeros, and return
     zeros: a re-check computed in the candidate's process would compare zeros with zeros."""
-    attack = """\
-    import gc, types
-    for o in gc.get_objects():
-        if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
-            o.Model.forward = lambda self, *a: torch.zeros_like(a[0])
-    """
+    attack = REBIND_REFERENCE
     body = timed_only(attack, """\
     if getattr(self, "_armed", False):
         return torch.zeros_like(x)
@@ -86,17 +102,7 @@ def test_2_forge_call_times_with_the_identity_checks_blinded(evaluator: Evaluato
     """Once timed, report a tenth of every call's time, and first make the harness's identity
     snapshot agree with the forgery, so no in-process check can see it: only the parent's own
     clock (the interval between the worker's requests) still disagrees."""
-    attack = """\
-    import cudagym.sandbox.harness as _h
-    import cudagym.sandbox.timing as _t
-    _call = _t.DeviceTimer.call
-    def _fast(timer, fn, args, after=None):
-        out, ms = _call(timer, fn, args, after)
-        return out, ms / 10
-    _t.DeviceTimer.call = _fast
-    _h._HARNESS_METHODS[(_t.DeviceTimer, "call")] = _fast
-    _h._METHOD_CODE[(_t.DeviceTimer, "call")] = _fast.__code__
-    """
+    attack = FORGE_TIMES
     body = timed_only(attack, "return run_kernel(x, self.bias, self.scale)")
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
     assert any(r.startswith("correct on") for r in v.reasons), v.reasons
