@@ -253,6 +253,10 @@ def direct_phase(target: Target, problems: list[TimingProblem], calls: int, work
 # -- tables --------------------------------------------------------------------------------------------
 def acceptance(r: dict[str, Any]) -> tuple[bool | None, str]:
     """(passed or None where the rule does not apply, text) of one problem's row."""
+    errors = [f"{k.split('_')[0]} error: {str(r[k]).strip().splitlines()[0][:100]}"
+              for k in ("eager_error", "candidate_error", "ncu_error") if r.get(k)]
+    if errors:
+        return None, "; ".join(errors)
     ncu, eager, cand = r.get("ncu_ms"), r.get("eager_median_ms"), r.get("candidate_median_ms")
     if ncu is None or eager is None or cand is None:
         return None, "-"
