@@ -1,6 +1,6 @@
 """Timing fidelity: cudagym's eager baseline and candidate times against Nsight Compute, Triton's
-`do_bench` and KernelBench-style events, over the problems of `timing_problems.py` (about 1 µs to
-10 ms of GPU time per call on an H100).
+`do_bench` and KernelBench-style events, over the problems of `timing_problems.py` (3 µs to 9 ms
+of GPU time per call on an H100). About 4 minutes on an H100 (16 cores).
 
 Per problem, in one run (phases in this order, never overlapping on the GPU):
 1. cudagym (one `Evaluator`, fresh cache directory, permissive mode, no torch.compile baseline):
@@ -62,7 +62,7 @@ from timing_problems import TimingProblem, candidate_source, problems_by_name, t
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "timing_driver.py"
 # (problem, CV target of its candidate medians over separate profile jobs)
-SPREAD = (("relu_4096x16384", 0.01), ("relu_16x16384", 0.03))
+SPREAD = (("layernorm_4096x4096", 0.01), ("softmax_16x16384", 0.03))  # 62 µs and 8.6 µs, one kernel each
 ACCEPT_REL, ACCEPT_ABS_MS = 0.10, 0.002  # single-kernel rows: within 10% of ncu or 2 µs
 NCU_METRIC = "gpu__time_duration.sum"
 # ncu 2025.3 writes "ns"; older versions wrote "nsecond"
@@ -210,12 +210,13 @@ def ncu_summary(calls: list[list[tuple[str, float]]]) -> dict[str, Any]:
             "ncu_kernels": [[[name[:160], ms] for name, ms in c] for c in calls]}
 
 
-def ncu_phase(problems: list[TimingProblem], calls: int, work: Path) -> dict[str, dict[str, Any]]:
-    """Nsight Compute's kernel time per call of each problem (one ncu run over all of them)."""
+def ncu_phase(problems: list[TimingProblem], calls: int, work: Path) -> tuple[str, dict[str, dict[str, Any]]]:
+    """ncu's version, and its kernel time per call of each problem (one ncu run over all of them)."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH: the ncu columns and the acceptance are skipped "
                            "(pass --no-ncu to skip it on purpose)")
+    version = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
     log, manifest_path = work / "ncu.csv", work / "ncu_manifest.json"
     cmd = [ncu, "--csv", "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
            "--metrics", NCU_METRIC, "--log-file", str(log),
@@ -230,12 +231,36 @@ def ncu_phase(problems: list[TimingProblem], calls: int, work: Path) -> dict[str
             out[name] = {"ncu_error": m["error"]}
         elif by_problem[name]:
             out[name] = ncu_summary(by_problem[name])
-    return out
+    return version.splitlines()[-1] if version else "?", out
+
+
+def direct_phase(target: Target, problems: list[TimingProblem], calls: int, work: Path,
+                 results: dict[str, dict[str, Any]], notes: list[str]) -> None:
+    """do_bench and KernelBench-style events (GPU) or the wall clock (CPU), into `results`."""
+    cuda = target == Target.CUDA
+    progress(f"[direct] {'do_bench and KernelBench-style events' if cuda else 'wall clock'}, {calls} calls each")
+    out = work / "direct.json"
+    try:
+        direct = run_driver(driver_cmd("direct", target.value, problems, calls, out), out, timeout_s=300)
+    except RuntimeError as e:
+        notes.append(f"direct timing failed: {e}")
+        return
+    for name, d in direct.items():
+        results[name].update(d)
+        for key in ("events_ms", "wall_ms"):
+            if key in d:
+                results[name][key.replace("_ms", "_median_ms")] = statistics.median(d[key])
+        if "do_bench_error" in d and d["do_bench_error"] not in notes:
+            notes.append(d["do_bench_error"])
 
 
 # -- tables --------------------------------------------------------------------------------------------
 def acceptance(r: dict[str, Any]) -> tuple[bool | None, str]:
     """(passed or None where the rule does not apply, text) of one problem's row."""
+    errors = [f"{k.split('_')[0]} error: {str(r[k]).strip().splitlines()[0][:100]}"
+              for k in ("eager_error", "candidate_error", "ncu_error") if r.get(k)]
+    if errors:
+        return None, "; ".join(errors)
     ncu, eager, cand = r.get("ncu_ms"), r.get("eager_median_ms"), r.get("candidate_median_ms")
     if ncu is None or eager is None or cand is None:
         return None, "-"
@@ -317,45 +342,43 @@ def main() -> None:
                                           for p in problems}
     spread: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
-    work = Path(tempfile.mkdtemp(prefix="cudagym-bench-baselines-"))
+    report: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
+                              "cpu_count": os.cpu_count(), "target": target.value, "argv": sys.argv[1:],
+                              "phases_done": [], "problems": results, "spread": spread, "notes": notes}
+    if not cuda and not args.no_ncu:
+        notes.append("Nsight Compute needs a GPU: no ncu columns on the CPU target")
     t_start = time.perf_counter()
+
+    def done(phase: str) -> None:
+        """Record a finished phase and write what is measured so far (a run killed later keeps it)."""
+        report["phases_done"].append(phase)
+        report["seconds"] = time.perf_counter() - t_start
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+
+    work = Path(tempfile.mkdtemp(prefix="cudagym-bench-baselines-"))
     try:
-        device_name = asyncio.run(cudagym_phase(args, problems, work / "cache", results, spread))
-
-        calls = (20 if args.quick else 100)
-        progress(f"[direct] {'do_bench and KernelBench-style events' if cuda else 'wall clock'}, {calls} calls each")
-        try:
-            direct = run_driver(driver_cmd("direct", target.value, problems, calls, work / "direct.json"),
-                                work / "direct.json", timeout_s=300)
-        except RuntimeError as e:
-            notes.append(f"direct timing failed: {e}")
-            direct = {}
-        for name, d in direct.items():
-            results[name].update(d)
-            for key in ("events_ms", "wall_ms"):
-                if key in d:
-                    results[name][key.replace("_ms", "_median_ms")] = statistics.median(d[key])
-            if "do_bench_error" in d and d["do_bench_error"] not in notes:
-                notes.append(d["do_bench_error"])
-
+        report["device"] = asyncio.run(cudagym_phase(args, problems, work / "cache", results, spread))
+        done("cudagym")
+        direct_phase(target, problems, 20 if args.quick else 100, work, results, notes)
+        done("direct")
         if cuda and not args.no_ncu:
             calls = 5 if args.quick else 20
             progress(f"[ncu] one Nsight Compute run over {len(problems)} problems, {calls} calls each")
             try:
-                for name, n in ncu_phase(problems, calls, work).items():
+                report["ncu_version"], by_problem = ncu_phase(problems, calls, work)
+                for name, n in by_problem.items():
                     results[name].update(n)
             except RuntimeError as e:
                 notes.append(f"Nsight Compute: {e}")
-        elif not args.no_ncu:
-            notes.append("Nsight Compute needs a GPU: no ncu columns on the CPU target")
+            done("ncu")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    elapsed = time.perf_counter() - t_start
 
-    console.print(f"device: {device_name}; torch {torch.__version__}; {len(problems)} problems; {elapsed:.0f} s")
+    console.print(f"device: {report['device']}; torch {torch.__version__}; {len(problems)} problems; "
+                  f"{report['seconds']:.0f} s")
     console.print(main_table(problems, results, cuda))
-    verdicts = [acceptance(results[p.name])[0] for p in problems]
-    judged = [v for v in verdicts if v is not None]
+    judged = [v for v in (acceptance(results[p.name])[0] for p in problems) if v is not None]
     if judged:
         console.print(f"single-kernel problems passing (eager and candidate within max(10%, 2 µs) of ncu): "
                       f"{sum(judged)}/{len(judged)}")
@@ -364,11 +387,6 @@ def main() -> None:
     for n in notes:
         console.print(f"note: {n}")
     if args.out:
-        args.out.write_text(json.dumps({
-            "device": device_name, "torch": torch.__version__, "python": platform.python_version(),
-            "host": platform.node(), "cpu_count": os.cpu_count(), "target": target.value,
-            "argv": sys.argv[1:], "seconds": elapsed, "problems": results, "spread": spread, "notes": notes,
-        }, indent=1))
         progress(f"raw numbers: {args.out}")
 
 
