@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudagym.sandbox.feed import CALIBRATION_CALLS, CALIBRATION_ROLE, CALIBRATION_WARMUP, CallFeed, TrialFeed
+from cudagym.sandbox.feed import PROBE_EVERY, CallFeed, TrialFeed
 from cudagym.sandbox.protocol import TimingConfig
 
 CFG = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=4, max_calls=6, target_ms=1e6)
@@ -25,9 +25,11 @@ def test_a_later_trial_is_not_served_early() -> None:
     assert len(feed.violations) == 2
 
 
-def drive(feed: CallFeed, role: str, ms: float, wall_ms: float, t0: float = 0.0, ops: dict | None = None) -> float:
-    """Play a worker that asks for calls of `role` until stopped, each call taking `wall_ms` on
-    the parent's clock and reporting `ms`; returns the clock at the end."""
+def drive(feed: CallFeed, role: str, ms: float, wall_ms: float, t0: float = 0.0, ops: dict | None = None,
+          probe_wall_ms: float = 0.31, probe_ms: float = 0.01) -> float:
+    """Play a worker that asks for calls of `role` until stopped, each model call taking
+    `wall_ms` on the parent's clock and reporting `ms` (probes: `probe_wall_ms`, `probe_ms`);
+    returns the clock at the end."""
     now, i, report = t0, 0, {}
     while True:
         answer = feed({"what": "call", "role": role, "index": i, "ops": ops or {}, **report}, now)
@@ -35,42 +37,47 @@ def drive(feed: CallFeed, role: str, ms: float, wall_ms: float, t0: float = 0.0,
         if answer.get("stop"):
             return now
         assert isinstance(answer["seed"], int)
-        now += wall_ms / 1e3
-        report = {"ms": ms}
+        now += (probe_wall_ms if answer["probe"] else wall_ms) / 1e3
+        report = {"ms": probe_ms if answer["probe"] else ms}
         i += 1
 
 
 def test_calls_are_planned_after_warm_up_and_recorded_by_the_parent() -> None:
-    feed = CallFeed(CFG, (CALIBRATION_ROLE, "candidate"))
-    t = drive(feed, CALIBRATION_ROLE, ms=0.01, wall_ms=0.31)
-    assert len(feed.timed(CALIBRATION_ROLE)) == CALIBRATION_CALLS
-    drive(feed, "candidate", ms=1.0, wall_ms=1.3, t0=t)
-    timed = feed.timed("candidate")
+    feed = CallFeed(CFG, ("eager", "compiled"))
+    drive(feed, "eager", ms=1.0, wall_ms=1.3)
+    timed = feed.timed("eager")
     assert len(timed) == CFG.max_calls  # target far away: max_calls, after warmup_calls
-    assert feed.times_ms("candidate") == [1.0] * CFG.max_calls
+    assert feed.times_ms("eager") == [1.0] * CFG.max_calls  # the probes are not among them
+    assert len(feed.timed("eager", probes=True)) >= CFG.max_calls // PROBE_EVERY
     assert len({c.seed for c in timed}) == len(timed)
-    assert feed.clock_gap_ms("candidate") == pytest.approx(0.0, abs=1e-6)  # same overhead as calibration
-    picks = feed.recheck_sample("candidate", 3)
-    assert len(picks) == 3 and all(CFG.warmup_calls <= i < CFG.warmup_calls + CFG.max_calls for i, _ in picks)
+    assert feed.clock_gap_ms("eager") == pytest.approx(0.0, abs=1e-6)  # the probes' overhead
+    picks = feed.recheck_sample("eager", 3)
+    assert len(picks) == 3 and {s for _, s in picks} <= {c.seed for c in timed}
+    drive(feed, "compiled", ms=0.5, wall_ms=0.8)
+    assert len(feed.timed("compiled")) == CFG.max_calls
     assert not feed.violations
-    assert CALIBRATION_WARMUP < CALIBRATION_CALLS
 
 
 def test_an_under_reported_time_shows_as_a_clock_gap() -> None:
-    feed = CallFeed(CFG, (CALIBRATION_ROLE, "candidate"))
-    t = drive(feed, CALIBRATION_ROLE, ms=0.01, wall_ms=0.31)
-    drive(feed, "candidate", ms=0.1, wall_ms=1.3, t0=t)  # the call really took 1.0 ms
+    feed = CallFeed(CFG, ("candidate",))
+    drive(feed, "candidate", ms=0.1, wall_ms=1.3)  # the call really took 1.0 ms
     assert feed.clock_gap_ms("candidate") == pytest.approx(0.9, abs=1e-6)
 
 
+def test_a_loaded_host_slows_the_probes_as_much_as_the_calls() -> None:
+    """The parent answering 40 ms late to every request: no gap."""
+    feed = CallFeed(CFG, ("candidate",))
+    drive(feed, "candidate", ms=1.0, wall_ms=41.3, probe_wall_ms=40.31)
+    assert feed.clock_gap_ms("candidate") == pytest.approx(0.0, abs=1e-6)
+
+
 def test_reports_that_do_not_add_up_are_violations() -> None:
-    feed = CallFeed(CFG, (CALIBRATION_ROLE, "candidate"))
-    assert "refused" in feed({"what": "call", "role": "candidate", "index": 0}, 0.0)  # calibration first
-    feed = CallFeed(CFG, (CALIBRATION_ROLE, "candidate"))
-    t = drive(feed, CALIBRATION_ROLE, ms=0.01, wall_ms=0.31)
-    assert "seed" in feed({"what": "call", "role": "candidate", "index": 0, "ops": {"aten::add": 2}}, t)
-    assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": 1.0, "ops": {"aten::add": 1}}, t)
+    feed = CallFeed(CFG, ("eager", "compiled"))
+    assert "refused" in feed({"what": "call", "role": "compiled", "index": 0}, 0.0)  # eager first
+    feed = CallFeed(CFG, ("candidate",))
+    assert "seed" in feed({"what": "call", "role": "candidate", "index": 0, "ops": {"aten::add": 2}}, 0.0)
+    assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": 1.0, "ops": {"aten::add": 1}}, 0.0)
     assert "went down" in feed.violations[-1]
-    assert "refused" in feed({"what": "call", "role": "candidate", "index": 5, "ms": 1.0}, t)
-    assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": float("nan")}, t)
+    assert "refused" in feed({"what": "call", "role": "candidate", "index": 5, "ms": 1.0}, 0.0)
+    assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": float("nan")}, 0.0)
     assert len(feed.violations) == 3

@@ -39,6 +39,7 @@ REBIND_REFERENCE = """\
             o.Model.forward = lambda self, *a: torch.zeros_like(a[0])
 """
 # Once timed: report a tenth of each call's time, and make the harness's identity snapshot agree
+# (only the parent's clock can see it, and it is enforced on a GPU only: tests/test_gpu.py)
 FORGE_TIMES = """\
     import cudagym.sandbox.harness as _h
     import cudagym.sandbox.timing as _t
@@ -96,17 +97,6 @@ def test_2_rebind_the_reference_model_once_timed(evaluator: Evaluator, build_ws)
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
     assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw an honest kernel
     assert_rejected(v, {ErrorKind.MISMATCH, ErrorKind.TAMPER}, "timed calls")
-
-
-def test_2_forge_call_times_with_the_identity_checks_blinded(evaluator: Evaluator, build_ws) -> None:
-    """Once timed, report a tenth of every call's time, and first make the harness's identity
-    snapshot agree with the forgery, so no in-process check can see it: only the parent's own
-    clock (the interval between the worker's requests) still disagrees."""
-    attack = FORGE_TIMES
-    body = timed_only(attack, "return run_kernel(x, self.bias, self.scale)")
-    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
-    assert any(r.startswith("correct on") for r in v.reasons), v.reasons
-    assert_rejected(v, ErrorKind.TAMPER, "evaluator's own clock")
 
 
 # -- class 3: secrets reachable from the candidate's process ------------------------------------

@@ -22,18 +22,19 @@ def test_the_loop_makes_the_calls_the_parent_asks_for_with_each_calls_inputs() -
     reports: list[dict] = []
     seeds = iter([3, 5, 7])
 
-    def next_call(report: dict) -> int | None:
+    def next_call(report: dict) -> tuple[int, bool] | None:
         reports.append(report)
-        return next(seeds, None)
+        seed = next(seeds, None)
+        return None if seed is None else (seed, seed == 5)  # the second call is a probe
 
     def fn(a: torch.Tensor) -> torch.Tensor:
         return a * 2
 
     n = drive_calls(fn, [x], lambda s: [torch.full((4,), float(s))], next_call, timer,
-                    after=lambda i, out: {"first": float(out[0])})
+                    after=lambda i, out: {"first": float(out[0])}, probe=lambda a: -a)
     assert n == 3
     assert reports[0] == {}  # nothing to report before the first call
-    assert [r["first"] for r in reports[1:]] == [6.0, 10.0, 14.0]  # each call saw its own seed's inputs
+    assert [r["first"] for r in reports[1:]] == [6.0, -5.0, 14.0]  # each call saw its own seed's inputs
     assert all(r["ms"] >= 0 for r in reports[1:])
     assert torch.equal(x[0], torch.full((4,), 7.0))  # the buffers are refilled in place
 

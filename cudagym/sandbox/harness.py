@@ -750,9 +750,9 @@ def _watch_alive(watch: Any, expected_changes: int) -> None:
         raise CandidateError("tamper", f"the harness's op counter was disabled: {why}")
 
 
-def _calibration_fn(p: Problem) -> Any:
-    """A call of one tiny kernel: the calibration calls that measure the timed loop's own
-    overhead on the parent's clock (`cudagym.sandbox.feed`), before any candidate code loads."""
+def _probe_fn(p: Problem) -> Any:
+    """A call of one tiny kernel: the probes among a loop's calls that measure the loop's own
+    overhead on the parent's clock (`cudagym.sandbox.feed`)."""
     probe = torch.zeros(1, dtype=torch.int32, device=p.device)
 
     def fill(*args: Any) -> torch.Tensor:
@@ -778,7 +778,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     The same steps for every role and every call: the op counter armed around the call (the
     candidate's cumulative counts go with each request), a sample of every output taken right
     after the call ends (`SAMPLE_SIZE` secret random positions, drawn after the call returned)
-    and sent with the call's time before the next call is asked for.
+    and sent with the call's time before the next call is asked for. The calls the parent marks
+    as probes call a tiny kernel of the harness instead, through the same steps.
     """
     rng = secrets.SystemRandom()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
@@ -794,6 +795,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     made = [0]
     who = "ModelNew.forward" if role == "candidate" else f"the {role} model"
     ph.mark(f"{role}_setup")
+
+    probe = _probe_fn(p)
 
     def call(*args: Any) -> Any:
         watch.arm()
@@ -819,7 +822,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         pending.extend(sample(o) for o in as_outputs(out, who, p.device))
         return {}
 
-    def next_call(report: dict[str, Any]) -> int | None:
+    def next_call(report: dict[str, Any]) -> tuple[int, bool] | None:
         for j, (shape, idx, values) in enumerate(pending):
             ch.send_tensor("sample", made[0] - 1, j, values, full_shape=list(shape))
             if idx is not None:
@@ -833,10 +836,17 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         if answer.get("stop"):
             return None
         made[0] += 1
-        return int(answer["seed"])
+        return int(answer["seed"]), bool(answer.get("probe"))
+
+    def probed(*args: Any) -> Any:  # the op counter goes through the same arm/disarm
+        watch.arm()
+        try:
+            return probe(*args)
+        finally:
+            watch.disarm()
 
     with torch.no_grad():
-        n = drive_calls(call, sets, p.inputs, next_call, timer, after)
+        n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = overhead
@@ -863,13 +873,12 @@ def roofline_inputs(p: Problem) -> dict[str, float]:
 
 
 def run_profile(job: Job, ch: Channel) -> None:
-    """Calibration calls (before any candidate code loads), then the candidate's timed loop;
+    """The timer's overhead (before any candidate code loads), then the candidate's timed loop;
     the times and samples go to the parent call by call (see `_timing_run`)."""
     check = check_tamper  # bound before any candidate code runs
     ph = Phases()
     p = Problem(job, with_candidate=False)
     overhead = job_overhead_ns(p)
-    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph, overhead)
     p.load_candidate()
     ph.mark("load")
     tele0 = _telemetry() if p.device.type == "cuda" else {}
@@ -888,7 +897,6 @@ def run_baseline(job: Job, ch: Channel) -> None:
     ph = Phases()
     p = Problem(job, with_candidate=False)
     overhead = job_overhead_ns(p)
-    _timing_run(p, _calibration_fn(p), job, ch, "calibrate", ph, overhead)
     _timing_run(p, p.ref, job, ch, "eager", ph, overhead)
     body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}
     if job.with_compile_baseline:

@@ -45,11 +45,12 @@ class TimingConfig(BaseModel):
     # GPU: the GPU is kept busy this long before each call (after the flush), so that getting the
     # call's first launch to the GPU is not timed (host work beyond it is)
     launch_window_us: float = 200.0
-    # The parent's clock bounds the reported times (`cudagym.sandbox.feed`): a median gap beyond
-    # clock_slack_ms + clock_slack_rel x the median call is reported as tampering. Honest gaps
-    # measured on an H100 (48 loops of 24 problems): -1.3 to +0.5 ms (the parent's own latency)
+    # The parent's clock bounds the reported times on a GPU (`cudagym.sandbox.feed`): a median
+    # gap beyond clock_slack_ms + clock_slack_rel x the median call is reported as tampering.
+    # Honest gaps: -1.3 to +0.5 ms on an H100 (48 loops, calibration taken before the loop);
+    # on a loaded 2-core CPU -13 to +30 ms at 2-19 ms calls, so the CPU target only reports it
     clock_slack_ms: float = 1.0
-    clock_slack_rel: float = 0.25
+    clock_slack_rel: float = 1.0
 
 
 class LimitsConfig(BaseModel):

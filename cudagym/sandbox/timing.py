@@ -286,16 +286,18 @@ def drive_calls(
     fn: Callable[..., Any],
     input_sets: list[list[Any]],
     inputs_for: Callable[[int], list[Any]],
-    next_call: Callable[[dict[str, Any]], int | None],
+    next_call: Callable[[dict[str, Any]], tuple[int, bool] | None],
     timer: DeviceTimer,
     after: Callable[[int, Any], dict[str, Any]] | None = None,
+    probe: Callable[..., Any] | None = None,
 ) -> int:
     """Make the calls the parent asks for; returns how many were made.
 
     `next_call(report)` asks the parent for the next call, reporting the previous one (`{}`
     before the first; then `{"ms": its time, **after(i, out)}`), and returns the seed of the
-    next call's inputs, or None to stop. Before call i, the buffers `input_sets[i % k]` are
-    refilled with `inputs_for(seed)`. `after(i, out)` runs right after call i ends (on a GPU: on
+    next call's inputs and whether it is a probe (`probe` is called instead of `fn`: the
+    parent measures the loop's own overhead on it), or None to stop. Before call i, the
+    buffers `input_sets[i % k]` are refilled with `inputs_for(seed)`. `after(i, out)` runs right after call i ends (on a GPU: on
     the timer's stream, before the device-wide synchronize; see the module's text) and returns
     what to report about it. The garbage collector is paused so that a collection does not land
     inside a call.
@@ -307,12 +309,13 @@ def drive_calls(
     try:
         report: dict[str, Any] = {}
         i = 0
-        while (seed := next_call(report)) is not None:
+        while (asked := next_call(report)) is not None:
+            seed, is_probe = asked
             args = input_sets[i % k]
             refill_(args, inputs_for(seed))
             seen: dict[str, Any] = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
-            _, ms = timer.call(fn, args, hook)
+            _, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook)
             report = {"ms": ms, **seen}
             i += 1
         return i
