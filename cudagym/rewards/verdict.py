@@ -110,7 +110,7 @@ class ProfileResult(BaseModel):
     compiled: TimingStats | None = None  # torch.compile baseline
     harness_overhead_ns: int | None = None  # diagnostic: the timer's own overhead, left out of every GPU call
     close_timeouts: int = 0  # GPU calls whose SMs were still busy a second after the caller's stream ended
-    # the parent's clock less the reported times, beyond the loop's calibrated overhead (median, ms
+    # the parent's clock less the reported times, beyond the overhead its probes measured (median, ms
     # per call; about 0 when honest): the bound on what an in-process forgery could hide
     clock_gap_ms: float | None = None
     speedup_vs_eager: float | None = None

@@ -76,7 +76,7 @@ class TrialFeed:
 
 @dataclass
 class _Role:
-    """The calls of one role (calibrate, candidate, eager, compiled) of a job."""
+    """The calls of one role (candidate, eager, compiled) of a job, probes included."""
 
     calls: list[Call] = field(default_factory=list)
     timed_from: int | None = None  # index (among all calls) of the first call after warm-up
