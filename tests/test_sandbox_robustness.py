@@ -206,7 +206,8 @@ class ModelNew(nn.Module):
         return torch.empty_like(x)
 """
     v = evaluator.evaluate(task, build_ws(task, model, {"kernels/noop.cpp": NOOP_CPP}))
-    assert_error(v, ErrorKind.EXCEPTION, "parameters must match", "bias")
+    # KernelBench's convention: built after the same seed, and the (unwritten) outputs decide
+    assert_error(v, ErrorKind.MISMATCH, "built after the same seed", "bias")
 
 
 def test_constructor_signature_mismatch(evaluator: Evaluator, build_ws) -> None:

@@ -40,6 +40,8 @@ def milestone_verdict(
         return Verdict(reward=cfg.fail, milestone="failed", compiled=True, correct=verify_result.correct, audit=audit,
                        reasons=reasons, error=verify_result.error, error_kind=verify_result.error_kind, **base)
     reasons.append(f"correct on {verify_result.trials_passed}/{verify_result.trials} trials; audit ({audit.mode if audit else '-'}) passed")
+    if verify_result.params:
+        reasons.append(f"parameters: {verify_result.params}")
     timing = dict(audit=audit)
     if profile_result is None or not profile_result.ok:
         why = profile_result.error if profile_result else "not profiled"

@@ -335,13 +335,22 @@ class Problem:
                                  + candidate_traceback(e, [job.workspace])) from None
         if not isinstance(self.cand, torch.nn.Module):
             raise CandidateError("exception", f"ModelNew(...) built a {type(self.cand).__name__}, not an nn.Module")
+        ref_state = self.ref.state_dict()
         try:
-            self.cand.load_state_dict(self.ref.state_dict())
-            self.params = "the reference's state_dict was loaded into ModelNew"
-        except Exception as e:  # noqa: BLE001 - ModelNew organizes its parameters its own way
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            self.params = ("ModelNew's parameters differ from Model's, so both were built after the same seed and "
-                           f"the outputs decide (load_state_dict: {first})")
+            cand_keys = set(self.cand.state_dict())
+            missing, unexpected = sorted(set(ref_state) - cand_keys), sorted(cand_keys - set(ref_state))
+            if missing or unexpected:
+                why = "; ".join(part for part in (
+                    f"ModelNew lacks {', '.join(missing[:8])}" if missing else "",
+                    f"has {', '.join(unexpected[:8])} instead" if unexpected else "") if part)
+            else:
+                self.cand.load_state_dict(ref_state)
+                why = ""
+        except Exception as e:  # noqa: BLE001 - shapes differ, or ModelNew's state_dict hooks fail
+            why = " ".join(str(e).split())[-300:] or type(e).__name__
+        self.params = ("the reference's state_dict was loaded into ModelNew" if not why else
+                       "ModelNew's parameters differ from Model's, so both were built after the same seed and "
+                       f"the outputs decide ({why})")
         try:
             self.cand.to(self.device)
         except Exception as e:  # noqa: BLE001
