@@ -38,7 +38,7 @@ from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, drive_calls, harness_overhead_ns
+from cudagym.sandbox.timing import DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -485,8 +485,8 @@ def prewarm() -> None:
         with OpRecorder(), profile(activities=activities) as prof:
             torch.ones(2, device="cuda" if cuda else "cpu") + 1
         prof.events()
-        if cuda:  # the timer's gate kernels (NVRTC) and its overhead
-            harness_overhead_ns()
+        if cuda:  # the timer's gate kernels (NVRTC); its overhead is measured by each timing job
+            gate_kernels(torch.cuda.current_device())
     _live_helpers()
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
