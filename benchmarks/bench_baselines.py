@@ -94,6 +94,7 @@ async def cudagym_times(ev: Evaluator, problem: TimingProblem, root: Path) -> di
         out["eager_ms"] = base["eager_ms"]
         out["eager_median_ms"] = statistics.median(base["eager_ms"])
         out["eager_clock_gap_ms"] = base.get("eager_clock_gap_ms")
+        out["eager_late_launches"] = base.get("eager_late_launches")  # (count, median host span ms)
     ws = Workspace.create(root / problem.name, task, model_new=candidate_source(task.code))
     p = await ev.aprofile(task, ws)
     if p.ok and p.candidate is not None:
@@ -102,6 +103,7 @@ async def cudagym_times(ev: Evaluator, problem: TimingProblem, root: Path) -> di
         out["candidate_reasons"] = p.reasons
         out["harness_overhead_ns"] = p.harness_overhead_ns
         out["candidate_clock_gap_ms"] = p.clock_gap_ms
+        out["candidate_late_launches"] = (p.late_launches, p.host_ms)
     else:
         out["candidate_error"] = p.error
     return out
@@ -113,13 +115,16 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
     ws = Workspace.create(root / f"spread_{problem.name}", task, model_new=candidate_source(task.code))
     medians: list[float] = []
     gaps: list[float | None] = []
+    late: list[tuple[int, float | None]] = []
     for _ in range(jobs):
         p = await ev.aprofile(task, ws)
         if not (p.ok and p.candidate is not None):
-            return {"medians_ms": medians, "clock_gaps_ms": gaps, "error": p.error}
+            return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late, "error": p.error}
         medians.append(p.candidate.median_ms)
         gaps.append(p.clock_gap_ms)
-    return {"medians_ms": medians, "clock_gaps_ms": gaps, "cv": statistics.pstdev(medians) / statistics.fmean(medians)}
+        late.append((p.late_launches, p.host_ms))
+    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late,
+            "cv": statistics.pstdev(medians) / statistics.fmean(medians)}
 
 
 async def cudagym_phase(args: argparse.Namespace, problems: list[TimingProblem], cache: Path,

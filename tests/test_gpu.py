@@ -228,13 +228,96 @@ ModelNew.forward = _forward
 
 
 def test_side_stream_work_cannot_start_inside_the_launch_window(tmp_path, ev):
-    """The call's work is launched while the timer's 200 us launch window runs, on a stream that
-    does not wait for the caller's stream (which waits for it). If the window left SMs free, the 150 us wait would be over before the
-    call's time starts."""
+    """The call's work is launched while the timer's launch window runs, on a stream that does
+    not wait for the caller's stream (which waits for it). If the window left SMs free, the
+    150 us wait would be over before the call's time starts."""
     task, ws = hacked(tmp_path, ev, EARLY_PY, EARLY_CU)
     v = ev.evaluate(task, ws)
     assert v.correct, v.summary()
     assert v.candidate_ms > 0.15, v.summary()
+
+
+
+TINY_RELU = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(16, 1024)]
+
+
+def get_init_inputs():
+    return []
+"""
+TINY_HEADER = """
+import ctypes, torch, torch.nn as nn
+from cudagym.runtime import kernel_library, ptr, stream
+
+_lib = kernel_library()
+_lib.launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)
+        _lib.launch(ptr(x), ptr(out), x.numel(), stream())
+        return out
+"""
+TINY_HONEST_CU = r"""
+#include <cstdint>
+#include <cuda_runtime.h>
+__global__ void relu(const float* x, float* out, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = fmaxf(x[i], 0.0f);
+}
+extern "C" int launch(const float* x, float* out, int64_t n, void* s) {
+    relu<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)s>>>(x, out, n);
+    return (int)cudaGetLastError();
+}
+"""
+TINY_HOST_CU = r"""
+#include <cstdint>
+#include <vector>
+#include <cuda_runtime.h>
+// no kernel: the input is read by a copy engine on a side stream that waits for nothing (so
+// during the timer's launch window), the answer computed on the host and copied back the same
+// way, all before forward returns
+extern "C" int launch(const float* x, float* out, int64_t n, void*) {
+    static cudaStream_t side = nullptr;
+    if (!side) cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+    static std::vector<float> host;
+    host.resize(n);
+    cudaMemcpyAsync(host.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost, side);
+    cudaStreamSynchronize(side);
+    for (int64_t i = 0; i < n; ++i) host[i] = host[i] > 0.0f ? host[i] : 0.0f;
+    cudaMemcpyAsync(out, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, side);
+    cudaStreamSynchronize(side);
+    return (int)cudaGetLastError();
+}
+"""
+
+
+def test_host_work_inside_the_launch_window_sees_no_inputs(tmp_path, ev):
+    """Host work is hidden up to the launch window, but the call's inputs take their values only
+    at its end: a solution that copies its input out during the window, computes on the host
+    and copies the answer in computed it from an earlier call's values (MISMATCH); run any
+    later, it is timed. The honest kernel of the same task is accepted."""
+    from cudagym.tasks.model import Task
+
+    task = Task(id="tiny_relu", code=TINY_RELU, source="test", dtype="float32").for_target(ev.target)
+    results = {}
+    for name, cu in (("honest", TINY_HONEST_CU), ("host", TINY_HOST_CU)):
+        ws = Workspace.create(tmp_path / name, task, model_new=TINY_HEADER)
+        ws.write("kernels/relu.cu", cu)
+        results[name] = ev.evaluate(task, ws)
+    honest, host = results["honest"], results["host"]
+    assert honest.correct and honest.reward >= 1, honest.summary()
+    assert host.reward < honest.reward, host.summary()
+    assert host.error_kind == ErrorKind.MISMATCH, host.summary()
 
 
 TAIL_CU = TIMED_CU.split("__global__ void spin")[0] + r"""

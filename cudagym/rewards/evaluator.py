@@ -404,7 +404,7 @@ class Evaluator:
             f = o.final or {}
             value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "device_name")}
             value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
-                         eager_clock_gap_ms=feed.clock_gap_ms("eager"))
+                         eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"))
             self.baselines.put(key, value)
             return {**value, "cached": False}
         finally:
@@ -477,6 +477,8 @@ class Evaluator:
             harness_overhead_ns=diag.get("harness_overhead_ns"), close_timeouts=diag.get("candidate_close_timeouts") or 0,
             clock_gap_ms=gap,
         )
+        if self._target == Target.CUDA:
+            result.late_launches, result.host_ms = feed.late_launches("candidate")
         if diag.get("gate_holds_every_sm") is False:
             reasons.append("the timer's gate kernels cannot fill every SM of this GPU: work on a stream that does not "
                            "wait for the caller's could start inside the launch window, untimed")

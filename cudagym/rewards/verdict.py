@@ -113,6 +113,10 @@ class ProfileResult(BaseModel):
     # the parent's clock less the reported times, beyond the overhead its probes measured (median, ms
     # per call; about 0 when honest): the bound on what an in-process forgery could hide
     clock_gap_ms: float | None = None
+    # diagnostic (GPU): the median host time from the timer's open kernel to its close kernel, and
+    # the timed calls where it passed the launch window, so that their times hold host work
+    host_ms: float | None = None
+    late_launches: int = 0
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     roofline_floor_ms: float | None = None

@@ -47,6 +47,7 @@ class Call:
     wall_ms: float | None = None  # from its request to the next request (parent's clock)
     ms: float | None = None  # the worker's measured time of the call
     probe: bool = False  # the harness's tiny kernel, not the model
+    host_ms: float | None = None  # the worker's host span of the call (`DeviceTimer.host_ms`; diagnostic)
 
 
 def _violation(violations: list[str], why: str) -> dict[str, Any]:
@@ -137,6 +138,9 @@ class CallFeed:
             if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) or ms < 0:
                 return f"call {len(role.calls) - 1} reported an invalid time {ms!r}"
             prev.ms = float(ms)
+            host = request.get("host_ms")
+            if isinstance(host, (int, float)) and not isinstance(host, bool) and math.isfinite(host):
+                prev.host_ms = float(host)
             prev.wall_ms = (arrived_s - prev.asked_s) * 1e3
         ops = request.get("ops") or {}
         if not isinstance(ops, dict) or not all(isinstance(v, int) for v in ops.values()):
@@ -171,6 +175,14 @@ class CallFeed:
 
     def times_ms(self, role: str) -> list[float]:
         return [c.ms for c in self.timed(role) if c.ms is not None]
+
+    def late_launches(self, role: str) -> tuple[int, float | None]:
+        """How many of the role's timed calls took the host longer than the launch window to
+        launch (their times hold that excess host work), and the median host span in ms; as the
+        worker reported them (diagnostic: the bound on the times is `clock_gap_ms`)."""
+        spans = [c.host_ms for c in self.timed(role) if c.host_ms is not None]
+        window_ms = self.cfg.launch_window_us / 1e3
+        return sum(s > window_ms for s in spans), (statistics.median(spans) if spans else None)
 
     def ops(self, role: str) -> dict[str, int]:
         """The cumulative op counts of the role's calls (warm-up and timed), as last reported."""

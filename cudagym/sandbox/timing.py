@@ -13,25 +13,31 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
 1. synchronize the device: the GPU is idle;
 2. on the timer's stream: reset persisting L2 lines, then the *open gate* kernel. It runs as
    many 256-thread blocks as the GPU keeps resident at once (every SM full: no other kernel's
-   block can run beside them). Its blocks first flush the L2 cache by reading a buffer twice its
-   size (a read leaves clean lines: the call pays for no write-backs), then hold their SMs for
-   the launch window (`TimingConfig.launch_window_us`). Then the start event; the caller's
-   stream waits for it;
-3. call. The call is launched while the window runs, so the latency of getting its first launch
-   to the GPU is hidden (as in Triton's `do_bench`, where the flush alone does it: it varies
-   from process to process by tens of microseconds). None of its kernels, on any stream, can
-   start before the window ends: the SMs are full;
+   block can run beside them). Its blocks hold their SMs for the launch window
+   (`TimingConfig.launch_window_us`), then copy this call's input values from a staging copy
+   into the call's input buffers, then flush the L2 cache by reading a buffer twice its size (a
+   read leaves clean lines: the call pays for no write-backs). Then the start event; the
+   caller's stream waits for it;
+3. call. The call is launched while the window runs, so the host's work of getting its
+   launches to the GPU is hidden up to the window (as launch latency is in Triton's
+   `do_bench`, where the flush alone does it). None of its kernels, on any stream, can start
+   before the gate ends: the SMs are full. During the window the input buffers still hold an
+   earlier call's values, so host work there cannot compute this call's answer (say on the
+   CPU, copied in by a copy engine, which the gate does not hold): only work ordered after
+   the start event sees the inputs;
 4. the timer's stream waits for the caller's stream, then runs the *close gate* kernel: the
    same blocks, which exit only once all of them have been resident at once, so once no kernel
    of the call, on any stream, still holds an SM. Then the end event. The close kernel is
-   issued after the call returned on the host, so host-side work is never hidden. A re-checked
+   issued after the call returned on the host, so host work that ends after the window is
+   timed. A re-checked
    call's outputs are sampled right here, on the timer's stream (`after`);
 5. synchronize the device, then a last event on the timer's stream; the call's time is read.
 
 A call's time is end event less start event, less the harness's overhead: that interval for a
 call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
-stream), the median of `CALIBRATION_CALLS` calls, measured once per process before any
-candidate code is loaded (`harness.prewarm`) and at most `MAX_OVERHEAD_NS`. So an honest call
+stream), the median of `CALIBRATION_CALLS` calls launched within the window, measured by each
+timing job before any candidate code is loaded (`harness.job_overhead_ns`), at most
+`MAX_OVERHEAD_NS`. So an honest call
 reads what events right around it on its own stream read.
 
 What the SMs do not show is work on the copy engines (`cudaMemcpyAsync`, memsets) on a stream
@@ -40,8 +46,9 @@ the caller's stream never waits for:
   so an output still being written by a copy is a mismatch; if the close kernel gives up
   (`CLOSE_TIMEOUT_NS`: something held an SM that long), the call runs to the last event, less
   `TAIL_ALLOWANCE_MS`;
-- during the launch window: a copy may run. A task whose output is a plain copy of its inputs
-  could be answered by one; a computation cannot.
+- during the launch window: a copy may run, but the inputs do not yet hold the call's values
+  (step 3); only the gate's copy and flush (tens of microseconds) run after they do and before
+  the start event.
 
 No profiler, because the CUDA profiler's concurrent-kernel tracing (the way to see kernels on
 every stream) instruments kernels: it slowed kernels of many short-lived blocks by 9-12% on an
@@ -68,7 +75,7 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-5"  # 5: parent-driven calls, no profiler (an op counter) in the loop
+PROTOCOL_VERSION = "gated-events-6"  # 6: a 1 ms window; the inputs take their values at its end
 
 CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
 MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
@@ -85,14 +92,29 @@ __device__ __forceinline__ unsigned long long now_ns() {
 }
 // gate[0]: blocks of the close kernel that arrived; gate[1]: kept reads; gate[2]: close timeouts
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns) {
+cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns,
+                  const long long* copies, int n_copies) {
     unsigned long long t0 = now_ns();
     if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = 0u;
+    while (now_ns() - t0 < window_ns) {}
+    // only now do the call's input buffers take this call's values: copies[3c..3c+2] = src, dst, bytes
+    const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
+    for (int c = 0; c < n_copies; ++c) {
+        const unsigned char* src = (const unsigned char*)copies[3 * c];
+        unsigned char* dst = (unsigned char*)copies[3 * c + 1];
+        unsigned long long n = (unsigned long long)copies[3 * c + 2], head = 0ull;
+        if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0ull) {
+            const uint4* s4 = (const uint4*)src;
+            uint4* d4 = (uint4*)dst;
+            for (unsigned long long i = tid; i < n / 16; i += stride) d4[i] = s4[i];
+            head = n / 16 * 16;
+        }
+        for (unsigned long long i = head + tid; i < n; i += stride) dst[i] = src[i];
+    }
     const volatile unsigned long long* p = flush;
     unsigned long long acc = 0ull;
-    for (unsigned int i = blockIdx.x * THREADS + threadIdx.x; i < words; i += gridDim.x * THREADS) acc ^= p[i];
+    for (unsigned long long i = tid; i < words; i += stride) acc ^= p[i];
     if (acc == 0x9e3779b97f4a7c15ull) gate[1] = 1u;  // the buffer is zeros: never, but the reads stay
-    while (now_ns() - t0 < window_ns) {}
 }
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns) {
@@ -175,7 +197,7 @@ class DeviceTimer:
     calls so far whose close kernel gave up.
     """
 
-    def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 200.0,
+    def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
                  overhead_ns: int | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
@@ -198,6 +220,10 @@ class DeviceTimer:
             flush_bytes = 64 * 2**20
             self._cudart = None
         self.overhead_ns = min(max(int(overhead_ns or 0), 0), MAX_OVERHEAD_NS)
+        self.window_ms = launch_window_us / 1e3 if self.cuda else 0.0
+        # the host's time from the open kernel's launch to the close kernel's (the CPU target: the
+        # call's): past `window_ms`, the call's time holds host work (diagnostic, last call only)
+        self.host_ms: float | None = None
         self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
 
     def flush(self) -> None:
@@ -205,16 +231,31 @@ class DeviceTimer:
         if self._flush_buf is not None:
             torch.sum(self._flush_buf)
 
+    def stages(self, arg: Any) -> bool:
+        """Whether the open gate can give `arg` its values (a contiguous tensor on the GPU)."""
+        return self.cuda and isinstance(arg, torch.Tensor) and arg.is_cuda and arg.is_contiguous() and arg.numel() > 0
+
+    def copy_plan(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The open gate's copies (source, destination: tensors of the same size, see `stages`),
+        for `call`'s `copies`; None for none."""
+        rows = []
+        for src, dst in pairs:
+            if not (self.stages(src) and self.stages(dst)) or src.nbytes != dst.nbytes:
+                raise ValueError("the open gate copies between contiguous GPU tensors of one size")
+            rows += [src.data_ptr(), dst.data_ptr(), dst.nbytes]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
+
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
-             after: Callable[[Any], None] | None = None) -> tuple[Any, float]:
+             after: Callable[[Any], None] | None = None, copies: torch.Tensor | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         right after the call's end (on a GPU: on the timer's stream, before the device-wide
-        synchronize)."""
+        synchronize). `copies` (`copy_plan`; GPU): what the open gate copies at the window's end,
+        before the start event."""
         if not self.cuda:
             self.flush()
             t0 = self._perf()
             out = fn(*args)
-            ms = (self._perf() - t0) * 1e3
+            ms = self.host_ms = (self._perf() - t0) * 1e3
             if after is not None:
                 after(out)
             return out, ms
@@ -224,12 +265,15 @@ class DeviceTimer:
         self._sync()
         if self._cudart is not None:
             self._cudart.cudaCtxResetPersistingL2Cache()
-        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns], stream=timer)
+        plan, n_copies = (copies, copies.numel() // 3) if copies is not None else (self._gate, 0)
+        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies], stream=timer)
+        opened = self._perf()
         marks[0].record(timer)
         caller.wait_stream(timer)
         out = fn(*args)
         timer.wait_stream(caller)
         self._close(self._grid, self._block, [self._gate, self._blocks, CLOSE_TIMEOUT_NS], stream=timer)
+        self.host_ms = (self._perf() - opened) * 1e3
         marks[1].record(timer)
         if after is not None:
             with torch.cuda.stream(timer):
@@ -271,8 +315,13 @@ def harness_overhead_ns() -> int:
     for _ in range(5):
         timer.call(fill, [])
     own.clear()
-    times = [timer.call(fill, [])[1] for _ in range(CALIBRATION_CALLS)]
-    return int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in zip(times, own)))
+    calls = []
+    for _ in range(CALIBRATION_CALLS):
+        calls.append((timer.call(fill, [])[1], timer.host_ms or 0.0))
+    # a call the host launched after the window's end holds that lateness: not the timer's own
+    on_time = [(t, marks) for (t, host), marks in zip(calls, own) if host <= timer.window_ms] or list(zip(
+        (t for t, _ in calls), own))
+    return int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in on_time))
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
@@ -294,15 +343,23 @@ def drive_calls(
     """Make the calls the parent asks for; returns how many were made.
 
     `next_call(report)` asks the parent for the next call, reporting the previous one (`{}`
-    before the first; then `{"ms": its time, **after(i, out)}`), and returns the seed of the
+    before the first; then `{"ms": its time, "host_ms": `timer.host_ms`, **after(i, out)}`), and returns the seed of the
     next call's inputs and whether it is a probe (`probe` is called instead of `fn`: the
-    parent measures the loop's own overhead on it), or None to stop. Before call i, the
-    buffers `input_sets[i % k]` are refilled with `inputs_for(seed)`. `after(i, out)` runs right after call i ends (on a GPU: on
+    parent measures the loop's own overhead on it), or None to stop. Call i's buffers
+    `input_sets[i % k]` are refilled with `inputs_for(seed)`: before the call on the CPU target;
+    on a GPU, by the open gate at the end of the launch window, from a staging copy (a buffer it
+    cannot copy, a non-contiguous one, is refilled before the call). `after(i, out)` runs right after call i ends (on a GPU: on
     the timer's stream, before the device-wide synchronize; see the module's text) and returns
     what to report about it. The garbage collector is paused so that a collection does not land
     inside a call.
     """
     k = len(input_sets)
+    # GPU: the fresh values go to a staging copy, which the open gate copies into the call's
+    # buffers at the end of the launch window (see the module's text)
+    first = input_sets[0] if input_sets else []
+    stage = [a.clone() if all(timer.stages(b[j]) and b[j].nbytes == a.nbytes for b in input_sets) else None
+             for j, a in enumerate(first)]
+    plans = [timer.copy_plan([(s, a) for s, a in zip(stage, args) if s is not None]) for args in input_sets]
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -312,11 +369,11 @@ def drive_calls(
         while (asked := next_call(report)) is not None:
             seed, is_probe = asked
             args = input_sets[i % k]
-            refill_(args, inputs_for(seed))
+            refill_([s if s is not None else a for s, a in zip(stage, args)], inputs_for(seed))
             seen: dict[str, Any] = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
-            _, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook)
-            report = {"ms": ms, **seen}
+            _, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k])
+            report = {"ms": ms, "host_ms": timer.host_ms, **seen}
             i += 1
         return i
     finally:
