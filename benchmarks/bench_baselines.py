@@ -1,6 +1,6 @@
 """Timing fidelity: cudagym's eager baseline and candidate times against Nsight Compute, Triton's
 `do_bench` and KernelBench-style events, over the problems of `timing_problems.py` (3 µs to 9 ms
-of GPU time per call on an H100). About 4 minutes on an H100 (16 cores).
+of GPU time per call on an H100). About 3 minutes on an H100 (16 cores), over 4 on an H200.
 
 Per problem, in one run (phases in this order, never overlapping on the GPU):
 1. cudagym (one `Evaluator`, fresh cache directory, permissive mode, no torch.compile baseline):
@@ -21,9 +21,10 @@ Per problem, in one run (phases in this order, never overlapping on the GPU):
 
 Printed (stdout): one table, ms with 4 significant digits, ratios to ncu, and per row the
 acceptance: a single-kernel problem (one kernel per call in ncu) passes if the eager and
-candidate medians are both within 10% of ncu or 2 µs, whichever is larger; a multi-kernel row
-shows the eager and candidate differences to ncu in µs (launch gaps between kernels are in
-cudagym's times, not in ncu's). Then the spread table. Progress goes to stderr.
+candidate medians are both within 10% of ncu or 2 µs, whichever is larger; a row of k kernels
+per call passes within 10% + 2 µs x k of ncu's sum (ncu's per-kernel figure holds each kernel's
+own ~1 µs launch on the GPU; cudagym's time holds the gaps between dependent kernels). Then the
+spread table. Progress goes to stderr.
 
 Usage: python benchmarks/bench_baselines.py [--problems a,b,c] [--out FILE.json] [--no-ncu]
            [--quick] [--no-spread] [--target auto|cuda|cpu]
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +130,10 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
 
 
 async def cudagym_phase(args: argparse.Namespace, problems: list[TimingProblem], cache: Path,
-                        results: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]]) -> str:
-    """Phases 1 and 2; returns the device's name."""
+                        results: dict[str, dict[str, Any]], spread: dict[str, dict[str, Any]],
+                        save: Callable[[], None] = lambda: None) -> str:
+    """Phases 1 and 2; returns the device's name. `save()` after each problem and spread (a run
+    cut short keeps what it measured)."""
     cfg = EvaluatorConfig(target=args.target, mode="permissive", cache_dir=cache, compile_baseline=False)
     with Evaluator(cfg) as ev:
         for problem in problems:
@@ -139,6 +143,7 @@ async def cudagym_phase(args: argparse.Namespace, problems: list[TimingProblem],
             progress(f"[cudagym] {problem.name}: eager {sig4(r.get('eager_median_ms'))} ms, candidate "
                      f"{sig4(r.get('candidate_median_ms'))} ms ({time.perf_counter() - t0:.1f} s)"
                      + "".join(f"; {k}: {str(r[k])[:300]}" for k in ("eager_error", "candidate_error") if k in r))
+            save()
         if args.spread:
             jobs = 3 if args.quick else 10
             for name, target_cv in SPREAD:
@@ -147,6 +152,7 @@ async def cudagym_phase(args: argparse.Namespace, problems: list[TimingProblem],
                 spread[name] = {**s, "target_cv": target_cv}
                 outcome = f"CV {s['cv']:.2%}" if "cv" in s else f"error: {s['error']}"
                 progress(f"[spread] {name}: {len(s['medians_ms'])} jobs, {outcome} ({time.perf_counter() - t0:.1f} s)")
+                save()
         return ev.device_name
 
 
@@ -270,12 +276,13 @@ def acceptance(r: dict[str, Any]) -> tuple[bool | None, str]:
     if ncu is None or eager is None or cand is None:
         return None, "-"
     diff = f"eager {(eager - ncu) * 1e3:+.1f} µs, cand {(cand - ncu) * 1e3:+.1f} µs"
-    if r["kernels_per_call"] != [1]:
-        kernels = "-".join(str(k) for k in r["kernels_per_call"])
-        return None, f"n/a ({kernels} kernels): {diff}"
-    tol = max(ACCEPT_REL * ncu, ACCEPT_ABS_MS)
+    kernels = max(r["kernels_per_call"])
+    # one kernel: 10% or 2 µs. k kernels: ncu's sum counts each kernel's own ~1 µs launch on the
+    # GPU, and the gaps between dependent kernels are timed, so 2 µs per kernel plus 10%
+    tol = max(ACCEPT_REL * ncu, ACCEPT_ABS_MS) if kernels == 1 else ACCEPT_REL * ncu + ACCEPT_ABS_MS * kernels
     bad = [who for who, t in (("eager", eager), ("cand", cand)) if abs(t - ncu) > tol]
-    return not bad, ("PASS" if not bad else "FAIL " + "+".join(bad)) + f": {diff}"
+    rule = "" if kernels == 1 else f" ({kernels} kernels, ±{tol * 1e3:.1f} µs)"
+    return not bad, ("PASS" if not bad else "FAIL " + "+".join(bad)) + f"{rule}: {diff}"
 
 
 def main_table(problems: list[TimingProblem], results: dict[str, dict[str, Any]], cuda: bool) -> Table:
@@ -283,7 +290,7 @@ def main_table(problems: list[TimingProblem], results: dict[str, dict[str, Any]]
               if cuda else "per forward call: cudagym vs the wall clock (CPU target, ms)")
     cols = ["problem", "class"]
     cols += (["kernels", "ncu", "eager", "cand", "do_bench", "KB events", "eager/ncu", "cand/ncu", "do_bench/ncu",
-              "KB/ncu", "acceptance (1 kernel: within max(10%, 2 µs) of ncu)"] if cuda
+              "KB/ncu", "acceptance (1 kernel: within max(10%, 2 µs) of ncu; k: 10% + 2 µs × k)"] if cuda
              else ["eager", "cand", "wall", "eager/wall", "cand/wall"])
     for c in cols:
         t.add_column(c, overflow="fold")
@@ -354,16 +361,19 @@ def main() -> None:
         notes.append("Nsight Compute needs a GPU: no ncu columns on the CPU target")
     t_start = time.perf_counter()
 
-    def done(phase: str) -> None:
-        """Record a finished phase and write what is measured so far (a run killed later keeps it)."""
-        report["phases_done"].append(phase)
+    def save() -> None:
+        """Write what is measured so far (a run killed later keeps it)."""
         report["seconds"] = time.perf_counter() - t_start
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
 
+    def done(phase: str) -> None:
+        report["phases_done"].append(phase)
+        save()
+
     work = Path(tempfile.mkdtemp(prefix="cudagym-bench-baselines-"))
     try:
-        report["device"] = asyncio.run(cudagym_phase(args, problems, work / "cache", results, spread))
+        report["device"] = asyncio.run(cudagym_phase(args, problems, work / "cache", results, spread, save))
         done("cudagym")
         direct_phase(target, problems, 20 if args.quick else 100, work, results, notes)
         done("direct")
@@ -383,10 +393,12 @@ def main() -> None:
     console.print(f"device: {report['device']}; torch {torch.__version__}; {len(problems)} problems; "
                   f"{report['seconds']:.0f} s")
     console.print(main_table(problems, results, cuda))
-    judged = [v for v in (acceptance(results[p.name])[0] for p in problems) if v is not None]
-    if judged:
-        console.print(f"single-kernel problems passing (eager and candidate within max(10%, 2 µs) of ncu): "
-                      f"{sum(judged)}/{len(judged)}")
+    for label, single in (("single-kernel problems passing (eager and candidate within max(10%, 2 µs) of ncu)", True),
+                          ("multi-kernel problems passing (within 10% + 2 µs per kernel of ncu's sum)", False)):
+        judged = [v for p in problems if (results[p.name].get("kernels_per_call") == [1]) == single
+                  and (v := acceptance(results[p.name])[0]) is not None]
+        if judged:
+            console.print(f"{label}: {sum(judged)}/{len(judged)}")
     if spread:
         console.print(spread_table(spread, cuda))
     for n in notes:

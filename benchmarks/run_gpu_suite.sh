@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The GPU machine's one command: the GPU tests (`pytest -m gpu`), then the timing-fidelity
-# benchmark (benchmarks/bench_baselines.py). Logs and the benchmark's raw numbers go to $OUT:
-#   pytest_gpu.log, bench_baselines.log (progress and tables), bench_baselines.json
-# A failing or timed-out pytest does not stop the benchmark; the exit status is 1 if either failed.
-# A time limit interrupts with SIGINT, so pytest still prints its summary of failures so far.
-# Wall time, under 10 minutes in all: pytest at most $PYTEST_TIMEOUT_S (default 240 s; the GPU
-# tests need more than that on an H100, so the last ones are cut), the benchmark at most
-# $BENCH_TIMEOUT_S (default 330 s; it took 230-300 s on an H100, and writes its JSON after each
-# phase, so a cut run keeps what it measured).
+# The GPU machine's commands, one per device call (each fits its 10-minute limit):
+#   OUT=$OUT bash benchmarks/run_gpu_suite.sh tests   # `pytest -m gpu` (about 5 min on an H100)
+#   OUT=$OUT bash benchmarks/run_gpu_suite.sh bench   # benchmarks/bench_baselines.py (3 min on an H100, 4+ on an H200)
+# Logs and the benchmark's raw numbers go to $OUT: pytest_gpu.log, bench_baselines.log,
+# bench_baselines.json (written after every problem, so a run cut short keeps what it measured).
+# A time limit ($TIMEOUT_S, default 540 s) interrupts with SIGINT, so pytest still prints its
+# summary of failures so far.
 # Wheels in ./.whl (the project's dependencies the GPU image lacks) are installed first, if present.
-# Extra arguments go to bench_baselines.py (e.g. --quick, --problems a,b).
+# Extra arguments go to pytest or bench_baselines.py (e.g. -x; --quick, --problems a,b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the logs}"
+what=${1:?say tests or bench}
+shift
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -21,16 +21,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cudagym-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/cudagym-site"
 fi
-
 start=$SECONDS
-timeout -s INT -k 15 "${PYTEST_TIMEOUT_S:-240}" "$PYTHON" -m pytest -m gpu -q 2>&1 | tee "$OUT/pytest_gpu.log"
-tests=${PIPESTATUS[0]}
-echo "pytest -m gpu: exit $tests after $((SECONDS - start)) s (124: timed out)" | tee -a "$OUT/pytest_gpu.log"
-
-start=$SECONDS
-timeout -s INT -k 15 "${BENCH_TIMEOUT_S:-330}" "$PYTHON" benchmarks/bench_baselines.py --out "$OUT/bench_baselines.json" "$@" 2>&1 \
-  | tee "$OUT/bench_baselines.log"
-bench=${PIPESTATUS[0]}
-echo "bench_baselines.py: exit $bench after $((SECONDS - start)) s (124: timed out)" | tee -a "$OUT/bench_baselines.log"
-
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+case "$what" in
+  tests)
+    timeout -s INT -k 15 "${TIMEOUT_S:-540}" "$PYTHON" -m pytest -m gpu -q -rf "$@" 2>&1 | tee "$OUT/pytest_gpu.log"
+    status=${PIPESTATUS[0]}
+    echo "pytest -m gpu: exit $status after $((SECONDS - start)) s (124: timed out)" | tee -a "$OUT/pytest_gpu.log" ;;
+  bench)
+    timeout -s INT -k 15 "${TIMEOUT_S:-540}" "$PYTHON" benchmarks/bench_baselines.py --out "$OUT/bench_baselines.json" "$@" 2>&1 \
+      | tee "$OUT/bench_baselines.log"
+    status=${PIPESTATUS[0]}
+    echo "bench_baselines.py: exit $status after $((SECONDS - start)) s (124: timed out)" | tee -a "$OUT/bench_baselines.log" ;;
+  *) echo "usage: OUT=dir bash benchmarks/run_gpu_suite.sh tests|bench [args]" >&2; exit 2 ;;
+esac
+exit "$status"
