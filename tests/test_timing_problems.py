@@ -118,8 +118,11 @@ def test_acceptance_of_single_and_multi_kernel_rows():
     big = {"ncu_ms": 1.0, "kernels_per_call": [1]}
     assert bb.acceptance({**big, "eager_median_ms": 1.09, "candidate_median_ms": 0.91})[0] is True  # 10%
     assert bb.acceptance({**big, "eager_median_ms": 1.0, "candidate_median_ms": 1.11})[0] is False
+    # 3 kernels: 10% + 3 x 2 us = 7 us of a 10 us sum
     verdict, text = bb.acceptance({"ncu_ms": 0.01, "kernels_per_call": [3], "eager_median_ms": 0.04,
                                    "candidate_median_ms": 0.02})
-    assert verdict is None and "+30.0 µs" in text and "+10.0 µs" in text
+    assert verdict is False and "+30.0 µs" in text and "+10.0 µs" in text and "±7.0 µs" in text
+    assert bb.acceptance({"ncu_ms": 0.01, "kernels_per_call": [3], "eager_median_ms": 0.0169,
+                          "candidate_median_ms": 0.0031})[0] is True
     verdict, text = bb.acceptance({**row, "eager_median_ms": 0.005, "candidate_error": "profile: timed out\nmore"})
     assert verdict is None and text == "candidate error: profile: timed out"
