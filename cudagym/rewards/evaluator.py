@@ -479,6 +479,10 @@ class Evaluator:
         )
         if self._target == Target.CUDA:
             result.late_launches, result.host_ms = feed.late_launches("candidate")
+            if result.late_launches * 2 > len(times):
+                reasons.append(f"{result.late_launches} of {len(times)} timed calls took the host longer than the "
+                               f"{self.config.timing.launch_window_us / 1e3:g} ms launch window to launch (median "
+                               f"{result.host_ms:.3f} ms): their times include that host work")
         if diag.get("gate_holds_every_sm") is False:
             reasons.append("the timer's gate kernels cannot fill every SM of this GPU: work on a stream that does not "
                            "wait for the caller's could start inside the launch window, untimed")
