@@ -1,4 +1,5 @@
-"""`cudagym tasks ...`: list task sets, build the synthetic ops corpus, inspect a build."""
+"""`cudagym tasks ...`: list task sets, build the synthetic ops corpus, inspect a build, generate
+the half-precision GEMM family."""
 
 from __future__ import annotations
 
@@ -182,6 +183,33 @@ def show(
         if k != "code":
             console.print(f"[bold]{k}[/]: {v}")
     console.print(Syntax(row["code"], "python"))
+
+
+@app.command("gemm")
+def gemm_cmd(
+    out: Path = typer.Option(..., "--out", help="Output directory: gemm.parquet (the tasks) and configs.json."),
+    configs: int = typer.Option(1000, "--configs", help="Number of (M, N, K, dtype) configurations."),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same configurations."),
+    dtypes: str = typer.Option("float16,bfloat16", "--dtypes", help="Comma-separated: float16, bfloat16."),
+) -> None:
+    """Generate the half-precision GEMM task family (small, skinny, square, large and deep shapes,
+    aligned and unaligned). Load it with e.g. `cudagym run --tasks OUT/gemm.parquet`."""
+    from rich.console import Console
+
+    from cudagym.tasks.gemm import config_rows, gemm_configs, gemm_tasks, write_gemm_parquet
+
+    try:
+        chosen = gemm_configs(configs, seed, tuple(d.strip() for d in dtypes.split(",") if d.strip()))
+        path = write_gemm_parquet(gemm_tasks(chosen), out / "gemm.parquet")
+    except CudagymError as e:
+        _fail(e)
+        return
+    (out / "configs.json").write_text(json.dumps({"seed": seed, "configs": config_rows(chosen)}, indent=1))
+    by_class: dict[str, int] = {}
+    for c in chosen:
+        by_class[c.shape_class] = by_class.get(c.shape_class, 0) + 1
+    Console().print(f"{len(chosen)} GEMM tasks in {path} ("
+                    + ", ".join(f"{k} {v}" for k, v in by_class.items()) + ")")
 
 
 @app.command("list")
