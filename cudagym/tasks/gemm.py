@@ -17,8 +17,8 @@ over `dtypes` (float16 and bfloat16 by default).
 `GEMM_SOURCE`). Inputs are `randn` scaled by K^-1/4, so every output element has a standard
 deviation of 1 whatever K: one tolerance then fits every shape. The tolerances (`GEMM_TOLERANCE`)
 allow a kernel that accumulates in fp32 in any order (and rounds once) about 10 units in the
-last place of a half-precision output near 1, and refuse one that accumulates in half precision
-over a long K (its error grows as sqrt(K) ulps). On the CPU target the sizes shrink to at most
+last place of an fp16 output near 1 (5 in bf16); accumulating in half precision adds an error
+that grows with K (how far it gets past these bounds is not measured yet). On the CPU target the sizes shrink to at most
 64 per side (`cpu_sizes`), the same shape class.
 
 `write_gemm_parquet(tasks, path)` stores them in the Ops-6K parquet layout that
