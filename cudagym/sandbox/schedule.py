@@ -1,0 +1,81 @@
+"""When and where a job runs: the device scheduling shared by the sandbox backends.
+
+One timing job per GPU at a time (timings need the device alone) while checks share it; on the
+CPU, timing jobs run alone and checks share the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+
+from cudagym.sandbox.base import JobOutcome, Responder
+from cudagym.sandbox.gpu import gpu_count
+from cudagym.sandbox.protocol import TIMING_KINDS, Job
+
+RunOn = Callable[[Job, str, "Responder | None"], Awaitable[tuple[JobOutcome, "asyncio.Future[None]"]]]
+
+
+class _GpuLease:
+    """Timing jobs have a GPU to themselves; checks share it (a readers-writer lease)."""
+
+    def __init__(self) -> None:
+        self.shared = 0
+        self.exclusive = False
+
+    def try_acquire(self, exclusive: bool) -> bool:
+        if self.exclusive or (exclusive and self.shared):
+            return False
+        if exclusive:
+            self.exclusive = True
+        else:
+            self.shared += 1
+        return True
+
+    def release(self, exclusive: bool) -> None:
+        if exclusive:
+            self.exclusive = False
+        else:
+            self.shared -= 1
+
+
+class JobScheduler:
+    """Leases of the GPUs and slots of the CPU, created on the loop of the first job."""
+
+    def __init__(self) -> None:
+        self._gpu_leases: list[_GpuLease] | None = None
+        self._cpu_slots: asyncio.Semaphore | None = None
+        self._cpu_timing: asyncio.Lock | None = None
+
+    async def run(self, job: Job, device: str, responder: Responder | None, run_on: RunOn) -> JobOutcome:
+        """Run `job` through `run_on(job, device, responder)` (a backend's: it returns the outcome
+        and a future that resolves once the worker is gone) when its device can take it; "cuda"
+        picks the first GPU free for it and passes "cuda:N"."""
+        if device == "cuda":
+            if self._gpu_leases is None:
+                self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
+            exclusive = job.kind in TIMING_KINDS
+            while True:  # the first GPU that can take this job now
+                for i, lease in enumerate(self._gpu_leases):
+                    if lease.try_acquire(exclusive):
+                        gone: asyncio.Future[None] | None = None
+                        try:
+                            outcome, gone = await run_on(job, f"cuda:{i}", responder)
+                            return outcome
+                        finally:  # the GPU is free once the worker (and its CUDA context) is gone
+                            if gone is None:
+                                lease.release(exclusive)
+                            else:
+                                gone.add_done_callback(lambda _f, lease=lease: lease.release(exclusive))
+                await asyncio.sleep(0.005)
+        if self._cpu_slots is None:
+            self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
+            self._cpu_timing = asyncio.Lock()
+        if job.kind in TIMING_KINDS:
+            async with self._cpu_timing:
+                outcome, gone = await run_on(job, device, responder)
+                await gone
+                return outcome
+        async with self._cpu_slots:
+            return (await run_on(job, device, responder))[0]
