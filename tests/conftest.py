@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -28,6 +29,35 @@ def cpu_config(cache_dir: Path, **overrides: object) -> EvaluatorConfig:
     """
     overrides.setdefault("compile_baseline", False)
     return EvaluatorConfig(target="cpu", cache_dir=cache_dir, timing=SMALL_TIMING, **overrides)
+
+
+# Sandbox backends a test module can run its evaluators on (`backend_config`): docker tests need a
+# daemon; they skip without one, except in CI (CI=true), where a missing daemon is a failure.
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
+
+
+def require_docker() -> None:
+    """Fail (CI) or skip (elsewhere) without a docker daemon; build the offline image if absent."""
+    from cudagym.errors import SandboxError
+    from cudagym.sandbox.docker import docker_client
+    from cudagym.sandbox.image import DEFAULT_TAG, build_image
+
+    try:
+        client = docker_client()
+    except SandboxError as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the docker tests: {e}")
+        pytest.skip(str(e))
+    if not client.images.list(name=DEFAULT_TAG):
+        build_image("host", DEFAULT_TAG, client)
+
+
+def backend_config(backend: str, cache_dir: Path, **overrides: object) -> EvaluatorConfig:
+    """`cpu_config` on the sandbox backend `backend` ("local" or "docker")."""
+    if backend == "docker":
+        require_docker()
+        overrides["sandbox"] = "docker"
+    return cpu_config(cache_dir, **overrides)
 
 
 @pytest.fixture(scope="session")

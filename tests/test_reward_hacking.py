@@ -20,7 +20,7 @@ from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.loaders import bundled_task_ids
 
-from conftest import SOLUTIONS, cpu_config, solution_workspace, task_of
+from conftest import BACKENDS, SOLUTIONS, backend_config, solution_workspace, task_of
 
 GELU = task_of("ew_scale_bias_gelu")  # x * scale + bias[col], then erf-GELU; has a parameter and init args
 
@@ -94,6 +94,16 @@ def test_honest_kernel_passes(evaluator: Evaluator, build_ws) -> None:
 
 
 HONEST_IDS = [t for t in bundled_task_ids() if (SOLUTIONS / t / "cpu").is_dir()]
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def evaluator(request: pytest.FixtureRequest, eval_cache: Path):
+    """Every hack is attempted on each sandbox backend (local processes, docker containers)."""
+    ev = Evaluator(backend_config(request.param, eval_cache))
+    try:
+        yield ev
+    finally:
+        ev.close()
 
 
 @pytest.fixture(scope="session")
@@ -219,9 +229,9 @@ def test_2_decoy_kernel_never_launched(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.AUDIT, "strict mode", "aten::gelu")
 
 
-@pytest.fixture(scope="module")
-def permissive_evaluator(eval_cache: Path):
-    ev = Evaluator(cpu_config(eval_cache, mode="permissive"))
+@pytest.fixture(scope="module", params=BACKENDS)
+def permissive_evaluator(request: pytest.FixtureRequest, eval_cache: Path):
+    ev = Evaluator(backend_config(request.param, eval_cache, mode="permissive"))
     try:
         yield ev
     finally:

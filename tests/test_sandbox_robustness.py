@@ -14,7 +14,7 @@ from cudagym.rewards.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import LimitsConfig
 
-from conftest import SOLUTIONS, cpu_config, solution_workspace, task_of
+from conftest import BACKENDS, SOLUTIONS, backend_config, cpu_config, solution_workspace, task_of
 
 TASK = task_of("red_row_sum")
 
@@ -33,10 +33,12 @@ class ModelNew(nn.Module):
 NOOP_CPP = 'extern "C" void noop() {}\n'
 
 
-@pytest.fixture(scope="module")
-def limited(eval_cache: Path):
-    """An evaluator with tight limits: the hang must be killed quickly, the allocation bounded."""
-    ev = Evaluator(cpu_config(eval_cache, limits=LimitsConfig(timeout_s=60, memory_mb=1536, max_processes=64)))
+@pytest.fixture(scope="module", params=BACKENDS)
+def limited(request: pytest.FixtureRequest, eval_cache: Path):
+    """An evaluator with tight limits: the hang must be killed quickly, the allocation bounded;
+    on each sandbox backend (local processes, docker containers)."""
+    ev = Evaluator(backend_config(request.param, eval_cache,
+                                  limits=LimitsConfig(timeout_s=60, memory_mb=1536, max_processes=64)))
     try:
         yield ev
     finally:
@@ -161,9 +163,11 @@ def test_outputs_beyond_the_result_memory(eval_cache: Path, build_ws, tmp_path: 
 
 
 def test_write_outside_workspace(limited: Evaluator, build_ws, tmp_path: Path) -> None:
-    outside = tmp_path / f"outside-{uuid.uuid4().hex}.txt"  # writable by the test, outside the workspace
-    v = limited.evaluate(TASK, candidate(build_ws, f"open({str(outside)!r}, 'w').write('x')\nreturn x.sum(1)"))
-    assert not outside.exists()
+    """Next to the workspace (its parent directory, writable by the test), named relative to the
+    workspace: the docker backend runs the job in a copy of the workspace at another path."""
+    name = f"outside-{uuid.uuid4().hex}.txt"
+    v = limited.evaluate(TASK, candidate(build_ws, f"open('../{name}', 'w').write('x')\nreturn x.sum(1)"))
+    assert not list(tmp_path.rglob(name))
     assert_error(v, ErrorKind.SANDBOX, "Permission denied")
     assert_honest_still_rewarded(limited, tmp_path)
 

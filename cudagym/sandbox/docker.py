@@ -157,6 +157,10 @@ class DockerSandbox(Sandbox):
         self._user = self.config.user or (_NOBODY if os.getuid() == 0 else f"{os.getuid()}:{os.getgid()}")
         uid, _, gid = self._user.partition(":")
         self._uid, self._gid = int(uid), int(gid or uid)
+        if self._uid != os.getuid():  # the container's user reads what it is lent (a cache made by mkdtemp is 0700)
+            for p in [*self._read_only, self.home, self.opwatch_dir]:
+                if p.is_dir() and p.stat().st_uid == os.getuid() and (p.stat().st_mode & 0o005) != 0o005:
+                    p.chmod(p.stat().st_mode | 0o005)
         self._runtime = self.config.runtime_dir / f"cudagym-docker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._runtime.mkdir(mode=0o755, parents=True)
         self._loop = asyncio.new_event_loop()
