@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
         base_url: Optional[str] = typer.Option(None, "--base-url", help="Server URL for --policy openai (default: $OPENAI_BASE_URL)."),
         tool_mode: str = typer.Option("native", "--tool-mode", help="For --policy openai: 'native' tool calls or 'hermes' <tool_call> text."),
         seed: int = typer.Option(0, "--seed", help="Seed of the environments' random generators."),
+        sandbox: str = typer.Option("local", "--sandbox", help="Sandbox backend of the checks: 'local' (worker processes on this host) or 'docker' (a container per worker; image from `cudagym sandbox image build`)."),
     ) -> None:
         """Run a policy over a task set and print the results table."""
         from rich.console import Console
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
                             target=target, out=out, max_turns=max_turns, mode=mode,
                             tolerance=optional_tolerance(atol, rtol), max_context_tokens=max_context_tokens,
                             tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
-                            seed=seed)
+                            seed=seed, sandbox=sandbox)
             summary = run(cfg, console)
         except (CudagymError, ValueError) as e:
             console.print(f"[red]error:[/] {e}")

@@ -38,6 +38,7 @@ class RunConfig(BaseModel):
     concurrency: int = Field(default=4, ge=1)
     target: Literal["auto", "cuda", "cpu"] = "auto"
     mode: AuditMode = "strict"
+    sandbox: Literal["local", "docker"] = "local"  # the sandbox backend of the run's evaluator
     tolerance: Tolerance | None = None  # None: each task's own; else this, for every task
     out: Path | None = None  # None: runs/<timestamp>
     max_turns: int = Field(default=30, ge=1)
@@ -115,7 +116,7 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     if evaluator is None:
         from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 
-        evaluator = Evaluator(EvaluatorConfig(target=cfg.target, mode=cfg.mode))
+        evaluator = Evaluator(EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox))
     policy, hermes = make_policy(cfg)
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None

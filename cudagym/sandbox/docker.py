@@ -28,6 +28,7 @@ import asyncio
 import fcntl
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from pydantic import BaseModel
 
 import cudagym
@@ -149,6 +151,9 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"docker image {self.config.image!r} not found: build it with "
                                f"`cudagym sandbox image build` ({type(e).__name__})") from None
         self._host_rootfs = (image.labels or {}).get(ROOTFS_LABEL) == "host"
+        image_env = dict(e.split("=", 1) for e in (image.attrs.get("Config") or {}).get("Env") or [] if "=" in e)
+        self._path = os.environ.get("PATH", "/usr/bin:/bin") if self._host_rootfs else \
+            image_env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
         self.home = Path(home or Path.home() / ".cache" / "cudagym" / "home")
         self.home.mkdir(parents=True, exist_ok=True)
         self.opwatch_dir = Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home() / ".cache" / "cudagym")
@@ -163,12 +168,27 @@ class DockerSandbox(Sandbox):
                     p.chmod(p.stat().st_mode | 0o005)
         self._runtime = self.config.runtime_dir / f"cudagym-docker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._runtime.mkdir(mode=0o755, parents=True)
+        self._remove_orphans()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cudagym-docker", daemon=True)
         self._thread.start()
         self._spares: dict[str, list[_Container]] = {}
         self._closed = False
         self._scheduler = JobScheduler()
+
+    def _remove_orphans(self) -> None:
+        """Remove the containers of sandboxes on this host whose process is gone (killed before `close`)."""
+        try:
+            leftover = self.client.containers.list(all=True, filters={"label": f"cudagym.host={socket.gethostname()}"})
+        except Exception:  # noqa: BLE001
+            return
+        for c in leftover:
+            pid = (c.labels or {}).get("cudagym.sandbox", "")
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                try:
+                    c.remove(force=True)
+                except Exception:  # noqa: BLE001 - removed meanwhile
+                    pass
 
     @property
     def isolation(self) -> dict[str, bool]:
@@ -215,7 +235,7 @@ class DockerSandbox(Sandbox):
     def _env(self, device: str) -> dict[str, str]:
         pkg_root = str(Path(cudagym.__file__).resolve().parent.parent)
         env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin") if self._host_rootfs else "/usr/local/bin:/usr/bin:/bin",
+            "PATH": self._path,
             "LANG": "C.UTF-8",
             "HOME": str(self.home),
             "TMPDIR": f"{JOB_DIR}/tmp",
@@ -278,7 +298,7 @@ class DockerSandbox(Sandbox):
             ulimits=[Ulimit(name="fsize", soft=limits.max_file_mb << 20, hard=limits.max_file_mb << 20),
                      Ulimit(name="core", soft=0, hard=0)],
             tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.config.tmp_mb}m,mode=755"},
-            device_requests=gpu, labels={"cudagym.sandbox": str(os.getpid())},
+            device_requests=gpu, labels={"cudagym.sandbox": str(os.getpid()), "cudagym.host": socket.gethostname()},
         )
         try:  # the worker is the container's init: killing it ends every process of the job
             container.start()
