@@ -42,11 +42,11 @@ from pydantic import BaseModel
 
 import cudagym
 from cudagym.errors import SandboxError
-from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
+from cudagym.sandbox.base import JobOutcome, Responder
 from cudagym.sandbox.channel import FrameReader, collect_outcome, write_all
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import TIMING_KINDS, Job, LimitsConfig
-from cudagym.sandbox.schedule import JobScheduler
+from cudagym.sandbox.schedule import SpareWorkerSandbox
 
 JOB_DIR = "/cudagym/job"  # the container's own read-write directory (the job's files, the channel)
 ROOTFS_LABEL = "cudagym.rootfs"  # "host": the image holds no system of its own (host paths mounted)
@@ -135,7 +135,9 @@ class _Container:
                     pass
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(SpareWorkerSandbox):
+    _stop_timeout_s = 60.0
+
     """Runs each job in a fresh container; see the module docstring for what it isolates.
 
     `read_only` are host directories every job may read at their own paths (the evaluator's
@@ -169,12 +171,8 @@ class DockerSandbox(Sandbox):
         self._runtime = self.config.runtime_dir / f"cudagym-docker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._runtime.mkdir(mode=0o755, parents=True)
         self._remove_orphans()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="cudagym-docker", daemon=True)
-        self._thread.start()
         self._spares: dict[str, list[_Container]] = {}
-        self._closed = False
-        self._scheduler = JobScheduler()
+        self._start_loop("cudagym-docker")
 
     def _remove_orphans(self) -> None:
         """Remove the containers of sandboxes on this host whose process is gone (killed before `close`)."""
@@ -195,41 +193,16 @@ class DockerSandbox(Sandbox):
         return {"container": True, "network_namespace": True, "pid_namespace": True, "read_only_root": True,
                 "non_root_user": self._uid != 0, "capabilities_dropped": True, "landlock": False}
 
-    # -- public API -------------------------------------------------------------------------
-    async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        fut = asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on), self._loop)
-        return await asyncio.wrap_future(fut)
-
-    def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on),
-                                                self._loop).result()
-
-    def warm(self, device: str) -> None:
-        """Start spare containers for `device` now (they are otherwise started on first use)."""
-        asyncio.run_coroutine_threadsafe(self._replenish(device), self._loop).result()
+    async def _stop_spares(self) -> None:
+        spares = [c for pool in self._spares.values() for c in pool]
+        self._spares.clear()
+        await asyncio.gather(*(self._remove(c) for c in spares), return_exceptions=True)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-
-        async def _stop() -> None:
-            spares = [c for pool in self._spares.values() for c in pool]
-            self._spares.clear()
-            await asyncio.gather(*(self._remove(c) for c in spares), return_exceptions=True)
-
         try:
-            asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=60)
+            super().close()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
             shutil.rmtree(self._runtime, ignore_errors=True)
-
-    def __del__(self) -> None:  # best effort: never leave containers behind
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
     # -- containers -------------------------------------------------------------------------
     def _env(self, device: str) -> dict[str, str]:
@@ -345,14 +318,6 @@ class DockerSandbox(Sandbox):
 
         threading.Thread(target=wait, name="cudagym-docker-wait", daemon=True).start()
         return _Container(container, slot, frames, shm, device, exited)
-
-    async def _replenish(self, device: str) -> None:
-        pool = self._spares.setdefault(device, [])
-        want = self.config.spare_workers
-        if want is None:
-            want = 6 if device.startswith("cuda") else 2
-        while len(pool) < want and not self._closed:
-            pool.append(await self._spawn(device))
 
     async def _take(self, device: str, replenish: bool = True) -> _Container:
         pool = self._spares.setdefault(device, [])

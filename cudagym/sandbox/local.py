@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +25,13 @@ from pydantic import BaseModel
 
 import cudagym
 from cudagym.errors import SandboxError
-from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
+from cudagym.sandbox.base import JobOutcome, Responder
 from cudagym.sandbox.channel import FrameReader, collect_outcome, result_memory, write_all
 from cudagym.sandbox.gpu import gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import TIMING_KINDS, Job
-from cudagym.sandbox.schedule import JobScheduler
+from cudagym.sandbox.schedule import SpareWorkerSandbox
 
 _OUTPUT_LIMIT = 20_000
 _NICE = shutil.which("nice")
@@ -70,7 +69,7 @@ class _Worker:
                 pass
 
 
-class LocalSandbox(Sandbox):
+class LocalSandbox(SpareWorkerSandbox):
     def __init__(self, config: LocalSandboxConfig | None = None, home: Path | None = None):
         self.config = config or LocalSandboxConfig()
         self.home = Path(home or Path.home() / ".cache" / "cudagym" / "home")
@@ -79,12 +78,8 @@ class LocalSandbox(Sandbox):
         self.opwatch_dir = Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home() / ".cache" / "cudagym")
         build_library(self.opwatch_dir)
         self._prefix = namespace_prefix() if self.config.isolate else ()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="cudagym-sandbox", daemon=True)
-        self._thread.start()
         self._spares: dict[str, list[_Worker]] = {}
-        self._closed = False
-        self._scheduler = JobScheduler()
+        self._start_loop("cudagym-sandbox")
 
     @property
     def isolation(self) -> dict[str, bool]:
@@ -94,43 +89,14 @@ class LocalSandbox(Sandbox):
             "landlock": landlock_abi() > 0,
         }
 
-    # -- public API -------------------------------------------------------------------------
-    async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        fut = asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on), self._loop)
-        return await asyncio.wrap_future(fut)
-
-    def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on), self._loop).result()
-
-    def warm(self, device: str) -> None:
-        """Start spare workers for `device` now (they are otherwise started on first use)."""
-        asyncio.run_coroutine_threadsafe(self._replenish(device), self._loop).result()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-
-        async def _stop() -> None:
-            for workers in self._spares.values():
-                for w in workers:
-                    self._kill(w)
-                    await w.proc.wait()
-                    w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
-                    w.release()
-            self._spares.clear()
-
-        try:
-            asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-
-    def __del__(self) -> None:  # best effort: never leave spares behind
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
+    async def _stop_spares(self) -> None:
+        for workers in self._spares.values():
+            for w in workers:
+                self._kill(w)
+                await w.proc.wait()
+                w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
+                w.release()
+        self._spares.clear()
 
     # -- workers ----------------------------------------------------------------------------
     def _env(self, device: str) -> dict[str, str]:
@@ -181,14 +147,6 @@ class LocalSandbox(Sandbox):
         os.close(job_r)
         frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20)
         return _Worker(proc, frames, shm, device, job_w)
-
-    async def _replenish(self, device: str) -> None:
-        pool = self._spares.setdefault(device, [])
-        want = self.config.spare_workers
-        if want is None:
-            want = 6 if device.startswith("cuda") else 2
-        while len(pool) < want and not self._closed:
-            pool.append(await self._spawn(device))
 
     async def _take(self, device: str, replenish: bool = True) -> _Worker:
         """A spare worker; new spares start now, or after the job when it is a timing job

@@ -1,4 +1,5 @@
-"""When and where a job runs: the device scheduling shared by the sandbox backends.
+"""When and where a job runs: the device scheduling and spare-worker plumbing shared by the
+sandbox backends.
 
 One timing job per GPU at a time (timings need the device alone) while checks share it; on the
 CPU, timing jobs run alone and checks share the cores.
@@ -6,11 +7,14 @@ CPU, timing jobs run alone and checks share the cores.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
+import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from cudagym.sandbox.base import JobOutcome, Responder
+from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.protocol import TIMING_KINDS, Job
 
@@ -79,3 +83,65 @@ class JobScheduler:
                 return outcome
         async with self._cpu_slots:
             return (await run_on(job, device, responder))[0]
+
+
+class SpareWorkerSandbox(Sandbox):
+    """A sandbox whose workers are started ahead of need and used for one job each, driven from
+    one private event-loop thread (so callers on any loop, or none, can use it). Backends
+    provide `_run_on` (one job in a spare, see `RunOn`), `_replenish` (start spares for a device)
+    and `_stop_spares` (stop them at `close`)."""
+
+    _stop_timeout_s = 10.0
+
+    def _start_loop(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._scheduler = JobScheduler()
+
+    @abc.abstractmethod
+    async def _run_on(self, job: Job, device: str,
+                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]: ...
+
+    @abc.abstractmethod
+    async def _spawn(self, device: str) -> Any: ...
+
+    async def _replenish(self, device: str) -> None:
+        pool = self._spares.setdefault(device, [])
+        want = self.config.spare_workers
+        if want is None:
+            want = 6 if device.startswith("cuda") else 2
+        while len(pool) < want and not self._closed:
+            pool.append(await self._spawn(device))
+
+    @abc.abstractmethod
+    async def _stop_spares(self) -> None: ...
+
+    async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
+        fut = asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
+        return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on),
+                                                self._loop).result()
+
+    def warm(self, device: str) -> None:
+        """Start spare workers for `device` now (they are otherwise started on first use)."""
+        asyncio.run_coroutine_threadsafe(self._replenish(device), self._loop).result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop_spares(), self._loop).result(timeout=self._stop_timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __del__(self) -> None:  # best effort: never leave spares behind
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
