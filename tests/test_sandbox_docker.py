@@ -104,3 +104,23 @@ def test_check_command_on_the_docker_backend(tmp_path: Path) -> None:
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     verdict = json.loads(r.stdout.strip().splitlines()[-1])
     assert verdict["reward"] >= 1 and verdict["correct"], verdict
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_load_inline_extension_built_and_run_in_containers(eval_cache: Path, build_ws) -> None:
+    """The extension jobs: `compile_inline` runs the solution to see what it builds, `build_inline`
+    builds it in a writable staging directory copied back to the parent, and verify and profile
+    load the pre-built module (strict mode: a reward means the extension itself ran)."""
+    from cudagym.rewards.evaluator import Evaluator
+    from test_inline_build import BUILT_IN_INIT, EXT_CPP, TASK, unique
+
+    from conftest import backend_config
+
+    name = unique("ext")
+    with Evaluator(backend_config("docker", eval_cache)) as ev:
+        ws = build_ws(TASK, BUILT_IN_INIT.format(cpp=EXT_CPP, name=name))
+        c = ev.compile(TASK, ws)
+        assert c.ok and c.inline_modules == [name], c.errors
+        v = ev.evaluate(TASK, ws)
+    assert v.reward >= 1 and v.audit is not None and v.audit.passed, v.summary()

@@ -154,8 +154,9 @@ class DockerSandbox(SpareWorkerSandbox):
                                f"`cudagym sandbox image build` ({type(e).__name__})") from None
         self._host_rootfs = (image.labels or {}).get(ROOTFS_LABEL) == "host"
         image_env = dict(e.split("=", 1) for e in (image.attrs.get("Config") or {}).get("Env") or [] if "=" in e)
-        self._path = os.environ.get("PATH", "/usr/bin:/bin") if self._host_rootfs else \
-            image_env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+        # the interpreter's own bin first (ninja and other tools pip installed; pyenv shims are not mounted)
+        self._path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")]) \
+            if self._host_rootfs else image_env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
         self.home = Path(home or Path.home() / ".cache" / "cudagym" / "home")
         self.home.mkdir(parents=True, exist_ok=True)
         self.opwatch_dir = Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home() / ".cache" / "cudagym")
@@ -172,6 +173,7 @@ class DockerSandbox(SpareWorkerSandbox):
         self._runtime.mkdir(mode=0o755, parents=True)
         self._remove_orphans()
         self._spares: dict[str, list[_Container]] = {}
+        self._reaping: set[asyncio.Future[None]] = set()  # containers of finished jobs, being removed
         self._start_loop("cudagym-docker")
 
     def _remove_orphans(self) -> None:
@@ -196,7 +198,7 @@ class DockerSandbox(SpareWorkerSandbox):
     async def _stop_spares(self) -> None:
         spares = [c for pool in self._spares.values() for c in pool]
         self._spares.clear()
-        await asyncio.gather(*(self._remove(c) for c in spares), return_exceptions=True)
+        await asyncio.gather(*(self._remove(c) for c in spares), *self._reaping, return_exceptions=True)
 
     def close(self) -> None:
         try:
@@ -433,7 +435,10 @@ class DockerSandbox(SpareWorkerSandbox):
                 await asyncio.to_thread(c.container.kill)
             frames.stop()
             await frames.done
-        code = await asyncio.wait_for(asyncio.shield(c.exited), timeout=30)
+        try:
+            code = await asyncio.wait_for(asyncio.shield(c.exited), timeout=30)
+        except asyncio.TimeoutError:  # the daemon did not report the exit: no status
+            code = None
         state = await asyncio.to_thread(self._state, c)
         if state.get("OOMKilled") and not result_in:
             outcome.memory_exceeded, outcome.timed_out = True, False
@@ -447,6 +452,8 @@ class DockerSandbox(SpareWorkerSandbox):
             if src.is_dir():
                 await asyncio.to_thread(shutil.copytree, src, dst, symlinks=True, dirs_exist_ok=True)
         gone = asyncio.ensure_future(self._reap(c, device if timing else None))
+        self._reaping.add(gone)
+        gone.add_done_callback(self._reaping.discard)
         return outcome, gone
 
     def _state(self, c: _Container) -> dict[str, Any]:
