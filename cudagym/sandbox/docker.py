@@ -431,8 +431,7 @@ class DockerSandbox(SpareWorkerSandbox):
             pass
         finally:
             self._pause_starting(device, False, frozen)
-            if not c.exited.done():  # the result is in (or the job is over): nothing runs after this
-                await asyncio.to_thread(c.container.kill)
+            await self._kill(c)  # the result is in (or the job is over): nothing runs after this
             frames.stop()
             await frames.done
         try:
@@ -455,6 +454,23 @@ class DockerSandbox(SpareWorkerSandbox):
         self._reaping.add(gone)
         gone.add_done_callback(self._reaping.discard)
         return outcome, gone
+
+    async def _kill(self, c: _Container, attempts: int = 3) -> None:
+        """SIGKILL the container's init (the worker), which ends its PID namespace, and wait for
+        the exit. The daemon may answer a kill with an error when the exit takes long (a container
+        of a thousand processes, a loaded host) or when the container stopped already: retried."""
+        for _ in range(attempts):
+            if c.exited.done():
+                return
+            try:
+                await asyncio.to_thread(c.container.kill)
+            except Exception:  # noqa: BLE001 - docker.errors.APIError: not running, or no exit event yet
+                pass
+            try:
+                await asyncio.wait_for(asyncio.shield(c.exited), timeout=20)
+                return
+            except asyncio.TimeoutError:
+                continue
 
     def _state(self, c: _Container) -> dict[str, Any]:
         try:
