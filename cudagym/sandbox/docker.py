@@ -62,7 +62,7 @@ class DockerSandboxConfig(BaseModel):
     start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
     max_result_mb: int = 16384  # capacity of a worker's result memory (sparse)
     tmp_mb: int = 64  # size of the container's private /tmp (root's: the candidate cannot write it)
-    base_pids: int = 64  # processes + threads of a worker at rest, on top of the job's max_processes
+    base_pids: int = 64  # processes + threads of a worker at rest where the pids cgroup cannot be read
     runtime_dir: Path = Path("/dev/shm")  # where job directories are made (memory: result bytes are mapped)
     docker_url: str | None = None  # None: the environment's (DOCKER_HOST or the local socket)
     freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
@@ -101,16 +101,23 @@ def _exit_status(code: int | None) -> int | None:
     return -(code - 128) if code is not None and 128 < code < 160 else code
 
 
-def _pids_events_max(container_id: str) -> int:
-    """How often the container's pids limit refused a fork (cgroup v1 or v2, cgroupfs or systemd)."""
+def _pids_file(container_id: str, name: str) -> str | None:
+    """A file of the container's pids cgroup (v1 or v2, cgroupfs or systemd driver) while it
+    runs (the cgroup goes with the container's exit), or None."""
     for d in (f"/sys/fs/cgroup/pids/docker/{container_id}", f"/sys/fs/cgroup/docker/{container_id}",
               f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope"):
         try:
-            for line in Path(d, "pids.events").read_text().splitlines():
-                if line.startswith("max "):
-                    return int(line.split()[1])
-        except (OSError, ValueError):
+            return Path(d, name).read_text()
+        except OSError:
             continue
+    return None
+
+
+def _pids_events_max(container_id: str) -> int:
+    """How often the container's pids limit refused a fork."""
+    for line in (_pids_file(container_id, "pids.events") or "").splitlines():
+        if line.startswith("max ") and line.split()[1].isdigit():
+            return int(line.split()[1])
     return 0
 
 
@@ -287,8 +294,11 @@ class DockerSandbox(SpareWorkerSandbox):
         memory = (limits.memory_mb + 2048) << 20 if device == "cpu" else limits.memory_mb << 20
         api = self.client.api
         # docker-py's update_container has no PidsLimit; the engine's endpoint does (API >= 1.40)
+        # As the local backend's cap: the worker's own threads at rest (torch's pools), measured, plus the job's
+        current = (_pids_file(c.container.id, "pids.current") or "").strip()
+        base = int(current) if current.isdigit() else self.config.base_pids
         api._raise_for_status(api._post_json(api._url("/containers/{0}/update", c.container.id), data={
-            "Memory": memory, "MemorySwap": memory, "PidsLimit": self.config.base_pids + limits.max_processes}))
+            "Memory": memory, "MemorySwap": memory, "PidsLimit": base + limits.max_processes}))
 
     async def _spawn(self, device: str) -> _Container:
         slot, frames_fd, shm = self._make_slot()
@@ -431,6 +441,7 @@ class DockerSandbox(SpareWorkerSandbox):
             pass
         finally:
             self._pause_starting(device, False, frozen)
+            outcome.process_limited = _pids_events_max(c.container.id) > 0  # read before the cgroup goes
             await self._kill(c)  # the result is in (or the job is over): nothing runs after this
             frames.stop()
             await frames.done
@@ -441,7 +452,6 @@ class DockerSandbox(SpareWorkerSandbox):
         state = await asyncio.to_thread(self._state, c)
         if state.get("OOMKilled") and not result_in:
             outcome.memory_exceeded, outcome.timed_out = True, False
-        outcome.process_limited = _pids_events_max(c.container.id) > 0
         outcome.returncode = _exit_status(code)
         outcome.seconds = time.perf_counter() - t_ready
         text = await asyncio.to_thread(self._logs, c)
