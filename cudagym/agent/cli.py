@@ -31,6 +31,8 @@ def register(app: typer.Typer) -> None:
         base_url: Optional[str] = typer.Option(None, "--base-url", help="Server URL for --policy openai (default: $OPENAI_BASE_URL)."),
         tool_mode: str = typer.Option("native", "--tool-mode", help="For --policy openai: 'native' tool calls or 'hermes' <tool_call> text."),
         seed: int = typer.Option(0, "--seed", help="Seed of the environments' random generators."),
+        backend: str = typer.Option("local", "--backend", help="Where checks run: 'local' (an evaluator in this process, this host's GPUs) or 'ray' (an evaluation pool on a Ray cluster: an actor per GPU, compile actors; needs cudagym[ray])."),
+        ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to run the pool on (e.g. 'auto' or 'HOST:6379'); default: a local Ray instance started for this run."),
     ) -> None:
         """Run a policy over a task set and print the results table."""
         from rich.console import Console
@@ -46,9 +48,9 @@ def register(app: typer.Typer) -> None:
                             target=target, out=out, max_turns=max_turns, mode=mode,
                             tolerance=optional_tolerance(atol, rtol), max_context_tokens=max_context_tokens,
                             tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
-                            seed=seed)
+                            seed=seed, backend=backend, ray_address=ray_address)
             summary = run(cfg, console)
-        except (CudagymError, ValueError) as e:
+        except (CudagymError, ValueError, ImportError) as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
         console.print(render_table(summary.rows, title=f"cudagym results ({summary.out})"))

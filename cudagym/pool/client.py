@@ -48,6 +48,7 @@ from cudagym.pool.snapshot import WorkspaceSnapshot
 from cudagym.rewards.evaluator import EvaluatorConfig
 from cudagym.rewards.milestone import milestone_verdict
 from cudagym.rewards.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
+from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task
 
@@ -133,6 +134,11 @@ class EvalPool:
                 root = str(Path(cudagym.__file__).resolve().parent.parent)
                 path = os.pathsep.join([root, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
                 kw.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
+                # Actors mostly wait on their workers: the instance has CPU slots for all of them
+                # even on a 2-core machine (Ray's CPUs are logical: placement, not a cap).
+                n_dev = config.device_actors or max(gpu_count(), 2)
+                kw.setdefault("num_cpus", max(os.cpu_count() or 1, int(n_dev * max(config.cpus_per_device_actor, 1)
+                                                                        + config.compile_actors * config.cpus_per_compile_actor + 0.999)))
                 address = "local"
             ray.init(address=address, **kw)
             owns_ray = True
