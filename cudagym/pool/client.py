@@ -62,7 +62,9 @@ class PoolConfig(BaseModel):
 
     evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
     device_actors: int | None = Field(default=None, ge=1)  # None: one per GPU of the cluster (CPU target: 2)
-    compile_actors: int = Field(default=2, ge=0)
+    # Compilers run as subprocesses of the actor, several at once: one actor keeps a node's cores
+    # busy; more spread compiles over more nodes.
+    compile_actors: int = Field(default=1, ge=0)
     # CPU target (no GPUs): the "device" actors hold CPUs instead, and share the node's cores
     cpus_per_device_actor: float = Field(default=1.0, gt=0)
     cpus_per_compile_actor: float = Field(default=1.0, gt=0)
@@ -77,6 +79,7 @@ class _Member:
     name: str  # "device-0", "compile-1"
     kind: str  # "device" | "compile"
     in_flight: int = 0
+    done: int = 0  # calls that came back (from this client)
     live: bool = True
     gone: bool = False  # dead for good
     checking: bool = False
@@ -181,9 +184,10 @@ class EvalPool:
         return self._target
 
     def actors(self) -> list[dict[str, Any]]:
-        """Each actor's name, kind, jobs in flight from this client, and whether it is in rotation."""
-        return [{"name": m.name, "kind": m.kind, "in_flight": m.in_flight, "live": m.live, "gone": m.gone,
-                 "handle": m.handle} for m in self._members]
+        """Each actor's name, kind, calls in flight and done (from this client), whether it is in
+        rotation (`live`) or dead for good (`gone`), and its Ray handle."""
+        return [{"name": m.name, "kind": m.kind, "in_flight": m.in_flight, "done": m.done, "live": m.live,
+                 "gone": m.gone, "handle": m.handle} for m in self._members]
 
     # -- dispatch -------------------------------------------------------------------------------
     async def _pick(self, kinds: tuple[str, ...], exclude: set[str]) -> _Member:
@@ -236,7 +240,9 @@ class EvalPool:
         for attempt in range(2):
             m = await self._pick(kinds, set(lost.actors))
             try:
-                return await getattr(m.handle, method).remote(*args)
+                result = await getattr(m.handle, method).remote(*args)
+                m.done += 1
+                return result
             except RayActorError as e:
                 lost.actors.append(m.name)
                 lost.errors.append(str(e))
