@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
-import signal
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from cudagym.pool import EvalPool, PoolConfig  # noqa: E402
 from cudagym.rewards.api import EvaluatorAPI  # noqa: E402
 from cudagym.rewards.verdict import ErrorKind  # noqa: E402
 from cudagym.sandbox.workspace import Workspace  # noqa: E402
-from test_runner import _cli, _episode_records  # noqa: E402
+from test_runner import _cli, _episode_records, kill_midway  # noqa: E402
 
 TASK = "ew_scale_bias_gelu"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -147,21 +146,8 @@ def test_run_with_ray_backend_resumes_after_sigkill(pool, tmp_path):
     cpus_free = ray.available_resources().get("CPU", 0)
     args = ["run", "--tasks", TASK, "--policy", "test_runner:slow_policy", "--episodes", "6", "--concurrency", "2",
             "--target", "cpu", "--out", str(out), "--backend", "ray", "--ray-address", address]
-    proc = _cli(*args)
     episodes = out / "episodes"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:  # some episodes complete, others in flight
-        done = list(episodes.glob("*.jsonl")) if episodes.is_dir() else []
-        partial = list(episodes.glob("*.partial")) if episodes.is_dir() else []
-        if len(done) >= 2 and any(p.stat().st_size > 0 for p in partial):
-            break
-        if proc.poll() is not None:
-            pytest.fail("the runner finished before it could be killed:\n" + proc.stdout.read())
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stdout.close()
-    completed_before = {p.name for p in episodes.glob("*.jsonl")}
+    completed_before = kill_midway(_cli(*args), out)
     assert 2 <= len(completed_before) < 6 and list(episodes.glob("*.partial"))
 
     proc = _cli(*args)

@@ -45,7 +45,7 @@ import cudagym
 from cudagym.errors import CudagymError
 from cudagym.pool.actors import EvaluatorActor
 from cudagym.pool.snapshot import WorkspaceSnapshot
-from cudagym.rewards.evaluator import EvaluatorConfig
+from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.milestone import milestone_verdict
 from cudagym.rewards.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.gpu import gpu_count
@@ -292,26 +292,12 @@ class EvalPool:
         v, p = (_lost_verify(r), None) if isinstance(r, _Lost) else r
         return milestone_verdict(c, v, p, self.config.evaluator.reward)
 
-    # -- sync forms ---------------------------------------------------------------------------
-    def _sync(self, coro: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(coro)
-        coro.close()
-        raise RuntimeError("use the async form (await pool.a...) inside a running event loop")
-
-    def compile(self, task: Task, workspace: Workspace) -> CompileResult:
-        return self._sync(self.acompile(task, workspace))
-
-    def verify(self, task: Task, workspace: Workspace) -> VerifyResult:
-        return self._sync(self.averify(task, workspace))
-
-    def profile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
-        return self._sync(self.aprofile(task, workspace, ncu))
-
-    def evaluate(self, task: Task, workspace: Workspace) -> Verdict:
-        return self._sync(self.aevaluate(task, workspace))
+    # -- sync forms: the evaluator's own, which run the async forms above --------------------
+    _sync = Evaluator._sync
+    compile = Evaluator.compile
+    verify = Evaluator.verify
+    profile = Evaluator.profile
+    evaluate = Evaluator.evaluate
 
     def close(self) -> None:
         """Stop the actors this client started (and the Ray instance it started); a copy in
