@@ -223,10 +223,17 @@ class EvalPool:
             m.live, m.checking = False, True
 
         def check() -> None:
+            # A ping sent before Ray has seen the death fails like one sent to an actor that is
+            # gone for good: only time tells them apart.
+            deadline = time.monotonic() + self.config.readmit_timeout_s
             try:
-                ray.get(m.handle.info.remote(), timeout=self.config.readmit_timeout_s)
-                m.live = True
-            except (RayActorError, GetTimeoutError):
+                while time.monotonic() < deadline:
+                    try:
+                        ray.get(m.handle.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                        m.live = True
+                        return
+                    except (RayActorError, GetTimeoutError):
+                        time.sleep(1.0)
                 m.gone = True
             finally:
                 m.checking = False
