@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import threading
 import time
@@ -39,7 +40,7 @@ from typing import Any
 
 import ray
 from pydantic import BaseModel, Field
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 import cudagym
 from cudagym.errors import CudagymError
@@ -65,7 +66,8 @@ class PoolConfig(BaseModel):
     # Compilers run as subprocesses of the actor, several at once: one actor keeps a node's cores
     # busy; more spread compiles over more nodes.
     compile_actors: int = Field(default=1, ge=0)
-    # CPU target (no GPUs): the "device" actors hold CPUs instead, and share the node's cores
+    # Ray CPUs per actor (a device actor also holds its GPU); on the CPU target the "device"
+    # actors hold only CPUs, and share the node's cores
     cpus_per_device_actor: float = Field(default=1.0, gt=0)
     cpus_per_compile_actor: float = Field(default=1.0, gt=0)
     max_jobs_per_actor: int = Field(default=256, ge=1)  # the actor's max_concurrency
@@ -95,8 +97,10 @@ class _Lost:
 
     @property
     def message(self) -> str:
-        return (f"{self.what} killed two evaluation actors ({', '.join(self.actors)}); it was not retried again: "
-                + "; ".join(e.splitlines()[0] for e in self.errors if e))
+        why = "; ".join(e.splitlines()[0] for e in self.errors if e)
+        if len(self.actors) < 2:
+            return f"{self.what} could not be run: the evaluation actors kept restarting ({why or 'no live actor'})"
+        return f"{self.what} killed two evaluation actors ({', '.join(self.actors)}); it was not retried again: {why}"
 
 
 def _resolve_target(target: str) -> Target:
@@ -139,12 +143,13 @@ class EvalPool:
                 kw.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
                 # Actors mostly wait on their workers: the instance has CPU slots for all of them
                 # even on a 2-core machine (Ray's CPUs are logical: placement, not a cap).
-                n_dev = config.device_actors or max(gpu_count(), 2)
-                kw.setdefault("num_cpus", max(os.cpu_count() or 1, int(n_dev * max(config.cpus_per_device_actor, 1)
-                                                                        + config.compile_actors * config.cpus_per_compile_actor + 0.999)))
+                wanted = ((config.device_actors or max(gpu_count(), 2)) * config.cpus_per_device_actor
+                          + config.compile_actors * config.cpus_per_compile_actor)
+                kw.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(wanted)))
                 address = "local"
             ray.init(address=address, **kw)
             owns_ray = True
+        members: list[_Member] = []
         try:
             target = _resolve_target(config.evaluator.target)
             ev = config.evaluator.model_copy(update={"target": target.value})
@@ -152,9 +157,9 @@ class EvalPool:
             if n_dev < 1:
                 raise PoolError("the CUDA target needs GPUs in the Ray cluster; it has none")
             remote = ray.remote(EvaluatorActor)
-            gpu = {"num_gpus": 1, "num_cpus": 1} if target == Target.CUDA else {"num_cpus": config.cpus_per_device_actor}
+            gpu = {"num_gpus": 1 if target == Target.CUDA else 0, "num_cpus": config.cpus_per_device_actor}
             opts = {"max_restarts": -1, "max_concurrency": config.max_jobs_per_actor}
-            members = [_Member(remote.options(**gpu, **opts).remote(ev), f"device-{i}", "device") for i in range(n_dev)]
+            members += [_Member(remote.options(**gpu, **opts).remote(ev), f"device-{i}", "device") for i in range(n_dev)]
             infos = ray.get([m.handle.info.remote() for m in members], timeout=config.start_timeout_s)
             if target == Target.CUDA:  # compile actors see no GPU: give them the devices' architecture
                 ev = ev.model_copy(update={"toolchain": ev.toolchain.model_copy(
@@ -163,6 +168,8 @@ class EvalPool:
                                 f"compile-{i}", "compile") for i in range(config.compile_actors)]
             ray.get([m.handle.info.remote() for m in members[n_dev:]], timeout=config.start_timeout_s)
         except BaseException:
+            for m in members:
+                ray.kill(m.handle)
             if owns_ray:
                 ray.shutdown()
             raise
@@ -241,21 +248,27 @@ class EvalPool:
         threading.Thread(target=check, name=f"cudagym-pool-check-{m.name}", daemon=True).start()
 
     async def _call(self, kinds: tuple[str, ...], method: str, what: str, *args: Any) -> Any:
-        """`method(*args)` on an actor of `kinds`; once more on another if that actor dies; a `_Lost`
-        if the second one dies too."""
+        """`method(*args)` on an actor of `kinds`; once more on another if that actor dies under
+        it; a `_Lost` if the second one dies too. A call refused by an actor that is restarting
+        (this client did not know) ran nowhere: it goes to another actor and counts for nothing."""
         lost = _Lost(what)
-        for attempt in range(2):
-            m = await self._pick(kinds, set(lost.actors))
+        refused: set[str] = set()
+        for _ in range(2 + 2 * len(self._members)):  # at most two deaths, a few refusals
+            m = await self._pick(kinds, set(lost.actors) | refused)
             try:
                 result = await getattr(m.handle, method).remote(*args)
                 m.done += 1
                 return result
             except RayActorError as e:
+                self._suspect(m)
+                if _refused_while_restarting(e):
+                    refused.add(m.name)
+                    continue
                 lost.actors.append(m.name)
                 lost.errors.append(str(e))
-                self._suspect(m)
-                if attempt == 0:
-                    self.retries += 1
+                if len(lost.actors) == 2:
+                    break
+                self.retries += 1
             finally:
                 m.in_flight -= 1
         self.lost.append(lost.message)
@@ -325,6 +338,14 @@ class EvalPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refused_while_restarting(e: RayActorError) -> bool:
+    """Whether Ray refused the call because the actor was restarting when it arrived (so it never
+    ran), as opposed to the actor dying or restarting under it. Ray raises
+    `ActorUnavailableError` for both and tells them apart only in its message ("The actor is
+    restarting" / "The actor was restarted"; Ray 2.60)."""
+    return isinstance(e, ActorUnavailableError) and "actor is restarting" in str(e)
 
 
 def _lost_verify(lost: _Lost) -> VerifyResult:
