@@ -18,9 +18,14 @@ Why this shape
   `RayActorError` here; the job runs again, once, on another actor of its kind (a compile may
   also go to a device actor, which can compile too), and the caller sees only the result. A job
   that kills two actors is not retried again: it comes back as a failed result (`crash`) whose
-  error names the job and both actors. An actor that failed is out of rotation until a ping
-  answers (Ray restarts actors, ``max_restarts=-1``); one that is gone for good stays out.
-  Episodes, and their trajectory store, are never touched by any of this.
+  error names the job and both actors. A call that a restarting actor refused (this client had
+  not seen it fail: another client's job killed it) never ran and counts for nothing. An actor
+  that failed is out of rotation until a ping answers (Ray restarts actors, ``max_restarts=-1``);
+  one that is gone for good stays out. Episodes, and their trajectory store, are never touched
+  by any of this: the runner writes trajectories in its own process.
+- **Not here**: compile actors on a GPU node take host CPU that a device actor's timed loop may
+  want (the local sandbox pauses its own starting spares during timing jobs, not other actors);
+  give compile actors CPU-only nodes where timings matter.
 
 `EvalPool` has the methods of `Evaluator` (see `cudagym.rewards.api.EvaluatorAPI`), so the
 env and the runner take it where they take an `Evaluator`.
