@@ -25,7 +25,8 @@ Why this shape
   by any of this: the runner writes trajectories in its own process.
 - **Not here**: compile actors on a GPU node take host CPU that a device actor's timed loop may
   want (the local sandbox pauses its own starting spares during timing jobs, not other actors);
-  give compile actors CPU-only nodes where timings matter.
+  where timings matter, give compile actors CPU-only nodes and the cache a shared file system
+  (a device actor rebuilds what it does not find in its node's cache: correct, but slower).
 
 `EvalPool` has the methods of `Evaluator` (see `cudagym.rewards.api.EvaluatorAPI`), so the
 env and the runner take it where they take an `Evaluator`.
