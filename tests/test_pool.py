@@ -175,3 +175,23 @@ def test_worker_gets_the_gpu_this_process_sees(monkeypatch):
     assert (_visible_entry("0"), _visible_entry("1")) == ("3", "5")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert _visible_entry("1") == "1"
+
+
+def test_snapshot_carries_the_candidates_files_only(tmp_path):
+    """What an actor gets of a workspace: model_new.py and kernels/ (not the reference, not the
+    build scratch), rebuilt in a directory of its own; a path that leaves it is refused."""
+    from cudagym.errors import WorkspaceError
+    from cudagym.pool import WorkspaceSnapshot
+
+    task = task_of(TASK)
+    ws = solution_workspace(tmp_path / "ws", task, SOLUTIONS / TASK / "cpu")
+    (ws.build_dir / "junk.o").write_bytes(b"x")
+    snap = WorkspaceSnapshot.of(ws)
+    assert set(snap.files) == {"model_new.py", "kernels/scale_bias_gelu.cpp"}
+    with snap.materialized(tmp_path / "actor", task) as copy:
+        assert copy.root != ws.root and copy.list() == ws.list()
+        assert copy.read("model.py") == task.code and copy.read("model_new.py") == ws.read("model_new.py")
+    assert not any((tmp_path / "actor").iterdir())  # removed after the call
+    with pytest.raises(WorkspaceError), WorkspaceSnapshot({"../outside.py": b"x"}).materialized(tmp_path / "a2", task):
+        pass
+    assert not (tmp_path / "outside.py").exists()
