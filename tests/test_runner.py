@@ -149,5 +149,6 @@ def test_report_command_and_help(tmp_path):
     assert "pass rate" in out and "100.0%" in out and "1.500x" in out
     p = _cli("run", "--help", env_extra={"COLUMNS": "200"})
     out, _ = p.communicate(timeout=120)
-    for opt in ("--tasks", "--policy", "--episodes", "--concurrency", "--target", "--out", "--max-turns", "--mode"):
+    for opt in ("--tasks", "--policy", "--episodes", "--concurrency", "--target", "--out", "--max-turns", "--mode",
+                "--backend", "--ray-address"):
         assert opt in out
