@@ -46,7 +46,7 @@ from typing import Any
 
 import ray
 from pydantic import BaseModel, Field
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 import cudagym
 from cudagym.errors import CudagymError
@@ -236,8 +236,8 @@ class EvalPool:
             m.live, m.checking = False, True
 
         def check() -> None:
-            # A ping sent before Ray has seen the death fails like one sent to an actor that is
-            # gone for good: only time tells them apart.
+            # Ray answers `ActorDiedError` for an actor that will not come back (killed for good,
+            # restarts used up), `ActorUnavailableError` while it restarts.
             deadline = time.monotonic() + self.config.readmit_timeout_s
             try:
                 while time.monotonic() < deadline:
@@ -245,6 +245,8 @@ class EvalPool:
                         ray.get(m.handle.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
                         m.live = True
                         return
+                    except ActorDiedError:
+                        break
                     except (RayActorError, GetTimeoutError):
                         time.sleep(1.0)
                 m.gone = True
