@@ -42,7 +42,7 @@ def _episode_records(out: Path):
             rec = json.loads(line)
             if rec["type"] == "episode":
                 counts[rec["episode_id"]] = counts.get(rec["episode_id"], 0) + 1
-            else:
+            elif rec["type"] == "step":
                 turns.setdefault(rec["episode_id"], []).append(rec["turn"])
     return counts, turns
 

@@ -9,6 +9,7 @@ this process, or (``backend="ray"``) a client of an evaluation pool on a Ray clu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ from cudagym.agent.policy import CallablePolicy, Policy
 from cudagym.agent.report import GroupStats, write_report
 from cudagym.agent.store import TrajectoryStore
 from cudagym.env.kernel_env import EnvConfig, KernelEnv
+from cudagym.env.variants import ContrastiveConfig, VariantBook
 from cudagym.env.tokens import CharEstimate, TokenCounter, TokenizerCounter
 from cudagym.errors import ConfigError
 from cudagym.rewards.verdict import AuditMode
@@ -51,6 +53,11 @@ class RunConfig(BaseModel):
     seed: int = 0
     backend: Literal["local", "ray"] = "local"  # where checks run: this process, or a Ray evaluation pool
     ray_address: str | None = None  # backend ray: the cluster (None: a local Ray instance of this run)
+    # contrastive feedback (CUDA-L1): each episode's prompt shows the best `contrastive` earlier
+    # variants of its task (kept in <out>/variants.jsonl); episodes of one task then run in order
+    contrastive: int = Field(default=0, ge=0)
+    require_analysis: bool = False
+    analysis_reward: float = 0.0
 
 
 class RunSummary(BaseModel):
@@ -134,7 +141,11 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
     env_cfg = EnvConfig(target=cfg.target, mode=cfg.mode, tolerance=cfg.tolerance, max_turns=cfg.max_turns,
-                        workspace_root=out / "workspaces")
+                        workspace_root=out / "workspaces",
+                        contrastive=ContrastiveConfig(keep=cfg.contrastive, require_analysis=cfg.require_analysis,
+                                                      analysis_reward=cfg.analysis_reward))
+    book = VariantBook(out / "variants.jsonl") if cfg.contrastive else None
+    in_order: dict[str, asyncio.Lock] = {}  # contrastive: one task's episodes (its rounds) one after another
     sem = asyncio.Semaphore(cfg.concurrency)
     console.print(f"[bold]cudagym run[/]: {len(tasks)} tasks x {cfg.episodes} episodes on target "
                   f"{evaluator.target.value if hasattr(evaluator.target, 'value') else evaluator.target}, "
@@ -142,8 +153,9 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
                   + (f" (resuming: {skipped} done, {len(restarted)} restarted)" if prev is not None else ""))
 
     async def one(task: Task, eid: str, progress: Progress, bar: Any) -> None:
-        async with sem:
-            env = KernelEnv(tasks=[task], evaluator=evaluator, config=env_cfg, token_counter=counter)
+        rounds = in_order.setdefault(task.id, asyncio.Lock()) if book is not None else contextlib.nullcontext()
+        async with rounds, sem:
+            env = KernelEnv(tasks=[task], evaluator=evaluator, config=env_cfg, token_counter=counter, variant_book=book)
             writer = store.begin(eid)
             try:
                 result = await run_episode(env, policy, task, eid, hermes_prompt=hermes, context=budget,
@@ -154,6 +166,8 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
                                        error=f"{type(e).__name__}: {e}")
             finally:
                 env.close()
+            if result.messages:
+                writer.write({"type": "conversation", "tools": result.tools, "messages": result.messages})
             writer.commit(result.model_dump(mode="json"))
             v = result.verdict or {}
             progress.update(bar, advance=1, description=f"{eid}: {v.get('milestone', result.status)}")
