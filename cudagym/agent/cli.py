@@ -34,6 +34,8 @@ def register(app: typer.Typer) -> None:
         contrastive: int = typer.Option(0, "--contrastive", min=0, help="Contrastive feedback (CUDA-L1): show each episode the best K earlier measured variants of its task, with their speedups (kept in OUT/variants.jsonl); one task's episodes then run in order. 0: off."),
         require_analysis: bool = typer.Option(False, "--require-analysis", help="Ask for a performance analysis in <analysis>...</analysis> before each turn's tool call."),
         analysis_reward: float = typer.Option(0.0, "--analysis-reward", help="Shaping reward, once per episode, for the first turn with an analysis."),
+        backend: str = typer.Option("local", "--backend", help="Where checks run: 'local' (an evaluator in this process, this host's GPUs) or 'ray' (an evaluation pool on a Ray cluster: an actor per GPU, compile actors; needs cudagym[ray])."),
+        ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to run the pool on (e.g. 'auto' or 'HOST:6379'); default: a local Ray instance started for this run."),
     ) -> None:
         """Run a policy over a task set and print the results table."""
         from rich.console import Console
@@ -50,9 +52,9 @@ def register(app: typer.Typer) -> None:
                             tolerance=optional_tolerance(atol, rtol), max_context_tokens=max_context_tokens,
                             tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
                             seed=seed, contrastive=contrastive, require_analysis=require_analysis,
-                            analysis_reward=analysis_reward)
+                            analysis_reward=analysis_reward, backend=backend, ray_address=ray_address)
             summary = run(cfg, console)
-        except (CudagymError, ValueError) as e:
+        except (CudagymError, ValueError, ImportError) as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
         console.print(render_table(summary.rows, title=f"cudagym results ({summary.out})"))

@@ -2,7 +2,8 @@
 
 Episodes are ``<task_id>@<k>`` for k in 0..episodes-1. Rerunning with the same ``out`` directory
 resumes: complete episodes are skipped, interrupted ones (``.partial`` files) start over.
-All episodes share one `Evaluator`, which leases the GPU (or CPU) work itself.
+All episodes share one evaluator, which leases the GPU (or CPU) work itself: an `Evaluator` in
+this process, or (``backend="ray"``) a client of an evaluation pool on a Ray cluster.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class RunConfig(BaseModel):
     base_url: str | None = None
     tool_mode: Literal["native", "hermes"] = "native"
     seed: int = 0
+    backend: Literal["local", "ray"] = "local"  # where checks run: this process, or a Ray evaluation pool
+    ray_address: str | None = None  # backend ray: the cluster (None: a local Ray instance of this run)
     # contrastive feedback (CUDA-L1): each episode's prompt shows the best `contrastive` earlier
     # variants of its task (kept in <out>/variants.jsonl); episodes of one task then run in order
     contrastive: int = Field(default=0, ge=0)
@@ -88,6 +91,19 @@ def make_policy(cfg: RunConfig) -> tuple[Policy, bool]:
     raise ConfigError(f"unknown policy {cfg.policy!r}: use scripted, openai or module:function")
 
 
+def make_evaluator(cfg: RunConfig) -> Any:
+    """The run's evaluator: an `Evaluator` in this process (backend ``local``), or a client of an
+    evaluation pool on Ray (backend ``ray``, `cudagym.pool`), started on ``cfg.ray_address``."""
+    from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+
+    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode)
+    if cfg.backend == "ray":
+        from cudagym.pool import EvalPool, PoolConfig
+
+        return EvalPool.start(PoolConfig(evaluator=config), address=cfg.ray_address)
+    return Evaluator(config)
+
+
 def episode_ids(tasks: list[Task], episodes: int) -> list[tuple[Task, str]]:
     return [(t, f"{t.id}@{k}") for t in tasks for k in range(episodes)]
 
@@ -120,9 +136,7 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
 
     owns_evaluator = evaluator is None
     if evaluator is None:
-        from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-
-        evaluator = Evaluator(EvaluatorConfig(target=cfg.target, mode=cfg.mode))
+        evaluator = make_evaluator(cfg)
     policy, hermes = make_policy(cfg)
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
@@ -135,7 +149,7 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     sem = asyncio.Semaphore(cfg.concurrency)
     console.print(f"[bold]cudagym run[/]: {len(tasks)} tasks x {cfg.episodes} episodes on target "
                   f"{evaluator.target.value if hasattr(evaluator.target, 'value') else evaluator.target}, "
-                  f"policy {cfg.policy}, out {out}"
+                  f"policy {cfg.policy}, backend {cfg.backend}, out {out}"
                   + (f" (resuming: {skipped} done, {len(restarted)} restarted)" if prev is not None else ""))
 
     async def one(task: Task, eid: str, progress: Progress, bar: Any) -> None:

@@ -24,7 +24,9 @@ Contract
     (per-tool calls/errors/seconds so far).
 - ``areset``/``astep`` are the async forms (for trainers running many episodes in one event
   loop); ``reset``/``step`` run them on the env's private event loop.
-- The env owns its `Evaluator` unless one is injected (then it is shared and not closed here).
+- The env owns its `Evaluator` unless one is injected (then it is shared and not closed here):
+  anything with the evaluator's methods (`cudagym.rewards.api.EvaluatorAPI`), such as a Ray
+  evaluation pool's client (`cudagym.pool.EvalPool`), which this module never imports.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from cudagym.env.variants import (ContrastiveConfig, VariantBook, analysis_instr
                                   solution_files, variant_from_result)
 from cudagym.env.format import format_verdict, trim_output
 from cudagym.errors import ConfigError
+from cudagym.rewards.api import EvaluatorAPI
 from cudagym.rewards.verdict import AuditMode, ErrorKind, Verdict
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task, Tolerance
@@ -119,7 +122,7 @@ class KernelEnv(gym.Env[str, Any]):
         mode: AuditMode | None = None,
         *,
         config: EnvConfig | None = None,
-        evaluator: Any | None = None,
+        evaluator: EvaluatorAPI | None = None,
         token_counter: TokenCounter | None = None,
         variant_book: VariantBook | None = None,
         render_mode: str | None = None,
