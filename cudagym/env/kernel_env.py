@@ -309,10 +309,13 @@ class KernelEnv(gym.Env[str, Any]):
         if not con.keep and not con.require_analysis:
             return 0.0
         measured = False
-        for r in results:
-            v = variant_from_result(ctx.task.id, self._episode_id, self._turn, {}, r.data) if con.keep else None
+        files: dict[str, str] | None = None  # read once per turn, if anything was measured
+        for r in results if con.keep else []:
+            if ("profile" in r.data or "verdict" in r.data) and files is None:
+                files = solution_files(ctx.workspace)
+            v = variant_from_result(ctx.task.id, self._episode_id, self._turn, files or {}, r.data)
             if v is not None:
-                self.variants.add(v.model_copy(update={"files": solution_files(ctx.workspace.root)}))
+                self.variants.add(v)
                 measured = measured or r.name == "profile"
         if measured and con.in_episode:
             block = self.variants.render(ctx.task.id, con.keep, con.max_variant_chars, episode=self._episode_id,

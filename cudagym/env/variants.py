@@ -24,6 +24,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from cudagym.errors import WorkspaceError
+from cudagym.sandbox.workspace import Workspace
+
 ANALYSIS_TAG = "analysis"
 _ANALYSIS = re.compile(r"<analysis>\s*(\S.*?)</analysis>", re.DOTALL)
 _TOOL_START = re.compile(r"<tool_call>|^\s*\{", re.MULTILINE)
@@ -130,15 +133,14 @@ class VariantBook:
         return "\n\n".join(parts)
 
 
-def solution_files(root: Path) -> dict[str, str]:
-    """The solution's own files in a workspace: model_new.py and kernels/* (text only)."""
+def solution_files(workspace: Workspace) -> dict[str, str]:
+    """The solution's own files in a workspace: every file but the reference (text only)."""
     out: dict[str, str] = {}
-    paths = [root / "model_new.py", *sorted((root / "kernels").glob("*"))] if root.is_dir() else []
-    for p in paths:
-        if p.is_file():
+    for rel in workspace.list():
+        if rel != "model.py":
             try:
-                out[str(p.relative_to(root))] = p.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
+                out[rel] = workspace.read(rel)
+            except (OSError, UnicodeDecodeError, WorkspaceError):
                 continue
     return out
 
