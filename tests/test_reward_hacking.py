@@ -785,8 +785,8 @@ TIMING_PATCHES = {
     "the timer's method": """\
     import cudagym.sandbox.timing as _t
     _call = _t.DeviceTimer.call
-    def _fast(self, fn, args, after=None):
-        out, ms = _call(self, fn, args, after)
+    def _fast(self, fn, args, *rest):
+        out, ms = _call(self, fn, args, *rest)
         return out, ms / 10
     _t.DeviceTimer.call = _fast
     """,

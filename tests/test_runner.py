@@ -42,19 +42,16 @@ def _episode_records(out: Path):
             rec = json.loads(line)
             if rec["type"] == "episode":
                 counts[rec["episode_id"]] = counts.get(rec["episode_id"], 0) + 1
-            else:
+            elif rec["type"] == "step":
                 turns.setdefault(rec["episode_id"], []).append(rec["turn"])
     return counts, turns
 
 
-@pytest.mark.timeout(900)
-def test_resume_after_sigkill(tmp_path):
-    out = tmp_path / "run"
-    args = ["run", "--tasks", TASKS, "--policy", "test_runner:slow_policy", "--episodes", "6",
-            "--concurrency", "2", "--target", "cpu", "--out", str(out)]
-    proc = _cli(*args)
+def kill_midway(proc: subprocess.Popen, out: Path) -> set[str]:
+    """SIGKILL the runner `proc` (its process group) once some episodes of `out` are complete
+    and others in flight; the names of the complete ones."""
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:  # wait until some episodes are complete and others in flight
+    while time.monotonic() < deadline:
         done = list((out / "episodes").glob("*.jsonl")) if (out / "episodes").is_dir() else []
         partial = list((out / "episodes").glob("*.partial")) if (out / "episodes").is_dir() else []
         if len(done) >= 2 and partial and any(p.stat().st_size > 0 for p in partial):
@@ -65,7 +62,15 @@ def test_resume_after_sigkill(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
-    completed_before = {p.name for p in (out / "episodes").glob("*.jsonl")}
+    return {p.name for p in (out / "episodes").glob("*.jsonl")}
+
+
+@pytest.mark.timeout(900)
+def test_resume_after_sigkill(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "--tasks", TASKS, "--policy", "test_runner:slow_policy", "--episodes", "6",
+            "--concurrency", "2", "--target", "cpu", "--out", str(out)]
+    completed_before = kill_midway(_cli(*args), out)
     assert 2 <= len(completed_before) < 6
     assert list((out / "episodes").glob("*.partial"))
 
@@ -144,5 +149,6 @@ def test_report_command_and_help(tmp_path):
     assert "pass rate" in out and "100.0%" in out and "1.500x" in out
     p = _cli("run", "--help", env_extra={"COLUMNS": "200"})
     out, _ = p.communicate(timeout=120)
-    for opt in ("--tasks", "--policy", "--episodes", "--concurrency", "--target", "--out", "--max-turns", "--mode"):
+    for opt in ("--tasks", "--policy", "--episodes", "--concurrency", "--target", "--out", "--max-turns", "--mode",
+                "--backend", "--ray-address"):
         assert opt in out

@@ -32,6 +32,11 @@ def register(app: typer.Typer) -> None:
         tool_mode: str = typer.Option("native", "--tool-mode", help="For --policy openai: 'native' tool calls or 'hermes' <tool_call> text."),
         seed: int = typer.Option(0, "--seed", help="Seed of the environments' random generators."),
         sandbox: str = typer.Option("local", "--sandbox", help="Sandbox backend of the checks: 'local' (worker processes on this host) or 'docker' (a container per worker; image from `cudagym sandbox image build`)."),
+        contrastive: int = typer.Option(0, "--contrastive", min=0, help="Contrastive feedback (CUDA-L1): show each episode the best K earlier measured variants of its task, with their speedups (kept in OUT/variants.jsonl); one task's episodes then run in order. 0: off."),
+        require_analysis: bool = typer.Option(False, "--require-analysis", help="Ask for a performance analysis in <analysis>...</analysis> before each turn's tool call."),
+        analysis_reward: float = typer.Option(0.0, "--analysis-reward", help="Shaping reward, once per episode, for the first turn with an analysis."),
+        backend: str = typer.Option("local", "--backend", help="Where checks run: 'local' (an evaluator in this process, this host's GPUs) or 'ray' (an evaluation pool on a Ray cluster: an actor per GPU, compile actors; needs cudagym[ray])."),
+        ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to run the pool on (e.g. 'auto' or 'HOST:6379'); default: a local Ray instance started for this run."),
     ) -> None:
         """Run a policy over a task set and print the results table."""
         from rich.console import Console
@@ -47,14 +52,43 @@ def register(app: typer.Typer) -> None:
                             target=target, out=out, max_turns=max_turns, mode=mode,
                             tolerance=optional_tolerance(atol, rtol), max_context_tokens=max_context_tokens,
                             tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
-                            seed=seed, sandbox=sandbox)
+                            seed=seed, contrastive=contrastive, require_analysis=require_analysis,
+                            analysis_reward=analysis_reward, backend=backend, ray_address=ray_address,
+                            sandbox=sandbox)
             summary = run(cfg, console)
-        except (CudagymError, ValueError) as e:
+        except (CudagymError, ValueError, ImportError) as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
         console.print(render_table(summary.rows, title=f"cudagym results ({summary.out})"))
         console.print(f"ran {summary.ran} episodes, skipped {summary.skipped} already complete, "
                       f"in {summary.seconds:.1f}s; report: {summary.report_md}; plot: {summary.plot}")
+
+    export = typer.Typer(no_args_is_help=True, help="Export a run's trajectories as training data.")
+    app.add_typer(export, name="export")
+
+    @export.command("sft")
+    def export_sft_cmd(
+        run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run directory written by `cudagym run`."),
+        out: Path = typer.Option(..., "--out", help="Output file: .jsonl (JSON lines) or .parquet."),
+        min_milestone: str = typer.Option("correct", "--min-milestone", help="Keep episodes whose final verdict reached this: correct, faster_than_eager or faster_than_compile."),
+        min_speedup: Optional[float] = typer.Option(None, "--min-speedup", help="Also require at least this speedup over eager PyTorch."),
+    ) -> None:
+        """Write the episodes whose final verdict passed the threshold as chat-format SFT data (TRL's
+        SFTTrainer reads it), one row per distinct solution."""
+        from rich.console import Console
+
+        from cudagym.agent.export import ExportFilter, export_sft
+        from cudagym.errors import CudagymError
+
+        console = Console()
+        try:
+            s = export_sft(run_dir, out, ExportFilter(min_milestone=min_milestone, min_speedup=min_speedup))
+        except CudagymError as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+        console.print(f"exported {s.kept} of {s.episodes} episodes to {s.out} ({s.duplicates} duplicate solutions "
+                      f"skipped" + (f", {s.without_conversation} recorded without a conversation" if s.without_conversation
+                                    else "") + ")")
 
     @app.command("report")
     def report_cmd(

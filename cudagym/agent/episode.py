@@ -34,6 +34,10 @@ class EpisodeResult(BaseModel):
     task: dict[str, Any] = Field(default_factory=dict)  # id, source, level, ops, target
     error: str | None = None
     usage: dict[str, int] = Field(default_factory=dict)
+    # the whole conversation, untrimmed, and the tool schemas: written to the store as the
+    # episode's "conversation" record (for `cudagym export sft`), not in its summary line
+    messages: list[dict[str, Any]] = Field(default_factory=list, exclude=True)
+    tools: list[dict[str, Any]] = Field(default_factory=list, exclude=True)
 
 
 async def run_episode(
@@ -99,4 +103,5 @@ async def run_episode(
             break
     verdict = env.verdict.summary() if env.verdict is not None else None
     return EpisodeResult(episode_id=episode_id, task_id=meta["id"], status=status, reward=total_reward, turns=turn,
-                         seconds=time.perf_counter() - t0, verdict=verdict, task=meta, error=error, usage=usage)
+                         seconds=time.perf_counter() - t0, verdict=verdict, task=meta, error=error, usage=usage,
+                         messages=messages, tools=tools)

@@ -2,12 +2,14 @@
 
 Episodes are ``<task_id>@<k>`` for k in 0..episodes-1. Rerunning with the same ``out`` directory
 resumes: complete episodes are skipped, interrupted ones (``.partial`` files) start over.
-All episodes share one `Evaluator`, which leases the GPU (or CPU) work itself.
+All episodes share one evaluator, which leases the GPU (or CPU) work itself: an `Evaluator` in
+this process, or (``backend="ray"``) a client of an evaluation pool on a Ray cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +23,7 @@ from cudagym.agent.policy import CallablePolicy, Policy
 from cudagym.agent.report import GroupStats, write_report
 from cudagym.agent.store import TrajectoryStore
 from cudagym.env.kernel_env import EnvConfig, KernelEnv
+from cudagym.env.variants import ContrastiveConfig, VariantBook
 from cudagym.env.tokens import CharEstimate, TokenCounter, TokenizerCounter
 from cudagym.errors import ConfigError
 from cudagym.rewards.verdict import AuditMode
@@ -49,6 +52,13 @@ class RunConfig(BaseModel):
     base_url: str | None = None
     tool_mode: Literal["native", "hermes"] = "native"
     seed: int = 0
+    backend: Literal["local", "ray"] = "local"  # where checks run: this process, or a Ray evaluation pool
+    ray_address: str | None = None  # backend ray: the cluster (None: a local Ray instance of this run)
+    # contrastive feedback (CUDA-L1): each episode's prompt shows the best `contrastive` earlier
+    # variants of its task (kept in <out>/variants.jsonl); episodes of one task then run in order
+    contrastive: int = Field(default=0, ge=0)
+    require_analysis: bool = False
+    analysis_reward: float = 0.0
 
 
 class RunSummary(BaseModel):
@@ -80,6 +90,19 @@ def make_policy(cfg: RunConfig) -> tuple[Policy, bool]:
     if ":" in cfg.policy:
         return CallablePolicy.from_spec(cfg.policy), False
     raise ConfigError(f"unknown policy {cfg.policy!r}: use scripted, openai or module:function")
+
+
+def make_evaluator(cfg: RunConfig) -> Any:
+    """The run's evaluator: an `Evaluator` in this process (backend ``local``), or a client of an
+    evaluation pool on Ray (backend ``ray``, `cudagym.pool`), started on ``cfg.ray_address``."""
+    from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+
+    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox)
+    if cfg.backend == "ray":
+        from cudagym.pool import EvalPool, PoolConfig
+
+        return EvalPool.start(PoolConfig(evaluator=config), address=cfg.ray_address)
+    return Evaluator(config)
 
 
 def episode_ids(tasks: list[Task], episodes: int) -> list[tuple[Task, str]]:
@@ -114,23 +137,26 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
 
     owns_evaluator = evaluator is None
     if evaluator is None:
-        from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-
-        evaluator = Evaluator(EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox))
+        evaluator = make_evaluator(cfg)
     policy, hermes = make_policy(cfg)
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
     env_cfg = EnvConfig(target=cfg.target, mode=cfg.mode, tolerance=cfg.tolerance, max_turns=cfg.max_turns,
-                        workspace_root=out / "workspaces")
+                        workspace_root=out / "workspaces",
+                        contrastive=ContrastiveConfig(keep=cfg.contrastive, require_analysis=cfg.require_analysis,
+                                                      analysis_reward=cfg.analysis_reward))
+    book = VariantBook(out / "variants.jsonl") if cfg.contrastive else None
+    in_order: dict[str, asyncio.Lock] = {}  # contrastive: one task's episodes (its rounds) one after another
     sem = asyncio.Semaphore(cfg.concurrency)
     console.print(f"[bold]cudagym run[/]: {len(tasks)} tasks x {cfg.episodes} episodes on target "
                   f"{evaluator.target.value if hasattr(evaluator.target, 'value') else evaluator.target}, "
-                  f"policy {cfg.policy}, out {out}"
+                  f"policy {cfg.policy}, backend {cfg.backend}, out {out}"
                   + (f" (resuming: {skipped} done, {len(restarted)} restarted)" if prev is not None else ""))
 
     async def one(task: Task, eid: str, progress: Progress, bar: Any) -> None:
-        async with sem:
-            env = KernelEnv(tasks=[task], evaluator=evaluator, config=env_cfg, token_counter=counter)
+        rounds = in_order.setdefault(task.id, asyncio.Lock()) if book is not None else contextlib.nullcontext()
+        async with rounds, sem:
+            env = KernelEnv(tasks=[task], evaluator=evaluator, config=env_cfg, token_counter=counter, variant_book=book)
             writer = store.begin(eid)
             try:
                 result = await run_episode(env, policy, task, eid, hermes_prompt=hermes, context=budget,
@@ -141,6 +167,8 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
                                        error=f"{type(e).__name__}: {e}")
             finally:
                 env.close()
+            if result.messages:
+                writer.write({"type": "conversation", "tools": result.tools, "messages": result.messages})
             writer.commit(result.model_dump(mode="json"))
             v = result.verdict or {}
             progress.update(bar, advance=1, description=f"{eid}: {v.get('milestone', result.status)}")

@@ -3,7 +3,9 @@
 Layout::
 
     run.json                      the run's settings (written once; checked on resume)
-    episodes/<episode_id>.jsonl   one completed episode: its step records, then one
+    episodes/<episode_id>.jsonl   one completed episode: its step records, its
+                                  {"type": "conversation", ...} record (the whole
+                                  conversation and the tool schemas), then one
                                   {"type": "episode", ...} summary line
     episodes/<episode_id>.jsonl.partial   an episode in progress (steps appended as they happen)
 
@@ -99,6 +101,15 @@ class TrajectoryStore:
                 if rec.get("type") == "episode":
                     out.append(rec)
         return sorted(out, key=lambda r: r.get("episode_id", ""))
+
+    def conversation(self, episode_id: str) -> dict[str, Any] | None:
+        """The episode's "conversation" record (its whole conversation and tool schemas), or None
+        for an episode recorded without one."""
+        with open(self.path(episode_id), encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith('{"type": "conversation"'):
+                    return json.loads(line)
+        return None
 
     def steps(self, episode_id: str) -> list[dict[str, Any]]:
         with open(self.path(episode_id), encoding="utf-8") as fh:

@@ -24,7 +24,9 @@ Contract
     (per-tool calls/errors/seconds so far).
 - ``areset``/``astep`` are the async forms (for trainers running many episodes in one event
   loop); ``reset``/``step`` run them on the env's private event loop.
-- The env owns its `Evaluator` unless one is injected (then it is shared and not closed here).
+- The env owns its `Evaluator` unless one is injected (then it is shared and not closed here):
+  anything with the evaluator's methods (`cudagym.rewards.api.EvaluatorAPI`), such as a Ray
+  evaluation pool's client (`cudagym.pool.EvalPool`), which this module never imports.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ from cudagym.env.parsing import parse_action
 from cudagym.env.prompt import task_prompt
 from cudagym.env.tokens import CharEstimate, TokenCounter
 from cudagym.env.tools import ToolContext, Toolbox, ToolResult
+from cudagym.env.variants import (ContrastiveConfig, VariantBook, analysis_instruction, has_analysis,
+                                  solution_files, variant_from_result)
 from cudagym.env.format import format_verdict, trim_output
 from cudagym.errors import ConfigError
+from cudagym.rewards.api import EvaluatorAPI
 from cudagym.rewards.verdict import AuditMode, ErrorKind, Verdict
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task, Tolerance
@@ -105,6 +110,7 @@ class EnvConfig(BaseModel):
     keep_workspaces: bool = False
     score_on_truncation: bool = True
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    contrastive: ContrastiveConfig = Field(default_factory=ContrastiveConfig)  # CUDA-L1 feedback (off by default)
 
 
 class KernelEnv(gym.Env[str, Any]):
@@ -117,8 +123,9 @@ class KernelEnv(gym.Env[str, Any]):
         mode: AuditMode | None = None,
         *,
         config: EnvConfig | None = None,
-        evaluator: Any | None = None,
+        evaluator: EvaluatorAPI | None = None,
         token_counter: TokenCounter | None = None,
+        variant_book: VariantBook | None = None,
         render_mode: str | None = None,
         **overrides: Any,
     ):
@@ -153,6 +160,9 @@ class KernelEnv(gym.Env[str, Any]):
         self._shaped: set[str] = set()
         self._last_obs = ""
         self.verdict: Verdict | None = None
+        # contrastive feedback: an injected book is shared (several envs, one trainer)
+        self.variants = variant_book or VariantBook(self.config.contrastive.book)
+        self._episode_id = ""
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -182,7 +192,15 @@ class KernelEnv(gym.Env[str, Any]):
         self._done = False
         self._shaped = set()
         self.verdict = None
+        self._episode_id = uuid.uuid4().hex[:12]
         prompt = task_prompt(task, self.target)
+        con = self.config.contrastive
+        if con.keep:
+            earlier = self.variants.render(task.id, con.keep, con.max_variant_chars)
+            if earlier:
+                prompt += "\n\n" + earlier
+        if con.require_analysis:
+            prompt += "\n\n" + analysis_instruction()
         self._tokens = self.counter.count(prompt)
         self._last_obs = prompt
         info = {
@@ -238,6 +256,7 @@ class KernelEnv(gym.Env[str, Any]):
                 reward += self.config.shaping.first_correct
                 reasons.append(f"shaping: first passing verify {self.config.shaping.first_correct:+g}")
         verdict = next((r.verdict for r in results if r.verdict is not None), None)
+        reward += self._contrastive(ctx, parsed.text, results, notes, reasons)
 
         obs = self._render(results, notes)
         self._tokens += self.counter.count(parsed.text) + self.counter.count(obs)
@@ -284,6 +303,36 @@ class KernelEnv(gym.Env[str, Any]):
             return Verdict(reward=0.0, milestone="failed", compiled=False, correct=False,
                            reasons=[f"internal error while scoring: {type(e).__name__}"],
                            error=f"{type(e).__name__}: {e}", error_kind=ErrorKind.INTERNAL)
+
+    def _contrastive(self, ctx: ToolContext, text: str, results: list[ToolResult], notes: list[str],
+                     reasons: list[str]) -> float:
+        """Record the turn's measured variants; the analysis check and its shaping reward."""
+        con = self.config.contrastive
+        if not con.keep and not con.require_analysis:
+            return 0.0
+        measured = False
+        files: dict[str, str] | None = None  # read once per turn, if anything was measured
+        for r in results if con.keep else []:
+            if ("profile" in r.data or "verdict" in r.data) and files is None:
+                files = solution_files(ctx.workspace)
+            v = variant_from_result(ctx.task.id, self._episode_id, self._turn, files or {}, r.data)
+            if v is not None:
+                self.variants.add(v)
+                measured = measured or r.name == "profile"
+        if measured and con.in_episode:
+            block = self.variants.render(ctx.task.id, con.keep, con.max_variant_chars, episode=self._episode_id,
+                                         title="Variants of this episode so far")
+            notes.append(block)
+        reward = 0.0
+        if con.require_analysis:
+            if has_analysis(text):
+                if "analysis" not in self._shaped and con.analysis_reward:
+                    self._shaped.add("analysis")
+                    reward = con.analysis_reward
+                    reasons.append(f"shaping: first performance analysis {con.analysis_reward:+g}")
+            else:
+                notes.append("Note: this turn had no <analysis>...</analysis> before its tool call (asked for).")
+        return reward
 
     def _render(self, results: list[ToolResult], notes: list[str]) -> str:
         parts = [f"[{r.name}] {r.text}" for r in results]

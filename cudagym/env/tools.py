@@ -109,7 +109,7 @@ class ToolContext:
 
     task: Task
     workspace: Workspace
-    evaluator: Any  # cudagym.rewards.evaluator.Evaluator (or anything with its async API)
+    evaluator: Any  # an EvaluatorAPI: cudagym.rewards.evaluator.Evaluator, cudagym.pool.EvalPool
     max_output_chars: int = 6000
     last_compile: CompileResult | None = None
     counters: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -116,7 +116,8 @@ class LocalSandbox(SpareWorkerSandbox):
                   "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             if k in os.environ:
                 env[k] = os.environ[k]
-        env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1] if device.startswith("cuda:") else ("" if device == "cpu" else "0")
+        env["CUDA_VISIBLE_DEVICES"] = _visible_entry(device.split(":")[1]) if device.startswith("cuda:") else (
+            "" if device == "cpu" else _visible_entry("0"))
         premap = self.config.premap_result_mb
         env["CUDAGYM_PREMAP_MB"] = str(premap if premap is not None else (512 if device.startswith("cuda") else 0))
         if device.startswith("cuda"):
@@ -322,6 +323,14 @@ class LocalSandbox(SpareWorkerSandbox):
             cgroup.remove()
         if replenish is not None:
             asyncio.ensure_future(self._replenish(replenish))
+
+
+def _visible_entry(index: str) -> str:
+    """What names GPU `index` (of this process's visible GPUs) to a worker: this process's
+    CUDA_VISIBLE_DEVICES entry for it where that is set (a Ray actor given GPU 3 sees it as
+    cuda:0), else the index itself."""
+    vis = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return vis[int(index)] if int(index) < len(vis) else index
 
 
 def _num_threads(p: psutil.Process) -> int:
