@@ -28,6 +28,7 @@ import asyncio
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -129,12 +130,13 @@ class _Container:
     shm_fd: int
     device: str
     exited: asyncio.Future[int | None]  # the container's exit code, once it has stopped
+    pidfd: int | None = None  # the worker's (the container's init) process, seen from the host
     stdin_fd: int | None = None  # opened when the job starts (the worker holds its read end by then)
     copy_back: list[tuple[Path, Path]] = field(default_factory=list)  # (slot dir, host dir) after the job
 
     def release(self) -> None:
         self.frames.stop()
-        for fd in (self.shm_fd, self.stdin_fd):
+        for fd in (self.shm_fd, self.stdin_fd, self.pidfd):
             if fd is not None:
                 try:
                     os.close(fd)
@@ -284,10 +286,32 @@ class DockerSandbox(SpareWorkerSandbox):
         )
         try:  # the worker is the container's init: killing it ends every process of the job
             container.start()
+            container.reload()  # its host pid (State.Pid), for `_open_pidfd`
         except Exception:
             container.remove(force=True)
             raise
         return container
+
+    @staticmethod
+    def _open_pidfd(container: Any) -> int | None:
+        """A pidfd of the container's init, so that a job's end is a signal from here rather than a
+        round trip through dockerd, containerd and runc (a few hundred ms per job). None where pidfds
+        are missing (Linux < 5.3) or the pid is not visible here (a remote daemon)."""
+        pid = int(((container.attrs or {}).get("State") or {}).get("Pid") or 0)
+        if pid <= 0 or not hasattr(os, "pidfd_open"):
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        try:  # the pid is still this container's (not reused after an early exit)
+            cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            cgroup = ""
+        if container.id not in cgroup:
+            os.close(fd)
+            return None
+        return fd
 
     def _apply_limits(self, c: _Container, limits: LimitsConfig, device: str) -> None:
         """The job's own memory and process caps (the container started with the defaults)."""
@@ -312,6 +336,7 @@ class DockerSandbox(SpareWorkerSandbox):
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int | None] = loop.create_future()
         frames = FrameReader(frames_fd, loop, self.config.max_result_mb << 20)
+        pidfd = self._open_pidfd(container)
 
         def wait() -> None:  # one thread per container: `wait` blocks until it stops
             try:
@@ -329,7 +354,7 @@ class DockerSandbox(SpareWorkerSandbox):
                 pass
 
         threading.Thread(target=wait, name="cudagym-docker-wait", daemon=True).start()
-        return _Container(container, slot, frames, shm, device, exited)
+        return _Container(container, slot, frames, shm, device, exited, pidfd=pidfd)
 
     async def _take(self, device: str, replenish: bool = True) -> _Container:
         pool = self._spares.setdefault(device, [])
@@ -442,15 +467,19 @@ class DockerSandbox(SpareWorkerSandbox):
         finally:
             self._pause_starting(device, False, frozen)
             outcome.process_limited = _pids_events_max(c.container.id) > 0  # read before the cgroup goes
-            await self._kill(c)  # the result is in (or the job is over): nothing runs after this
+            dead = await self._kill(c)  # the result is in (or the job is over): nothing runs after this
             frames.stop()
             await frames.done
-        try:
-            code = await asyncio.wait_for(asyncio.shield(c.exited), timeout=30)
-        except asyncio.TimeoutError:  # the daemon did not report the exit: no status
-            code = None
-        state = await asyncio.to_thread(self._state, c)
-        if state.get("OOMKilled") and not result_in:
+        if c.exited.done():
+            code = c.exited.result()
+        elif dead and (result_in or outcome.timed_out):  # killed here: docker's exit event would say the same, later
+            code = 128 + signal.SIGKILL
+        else:
+            try:
+                code = await asyncio.wait_for(asyncio.shield(c.exited), timeout=30)
+            except asyncio.TimeoutError:  # the daemon did not report the exit: no status
+                code = None
+        if not result_in and (await asyncio.to_thread(self._state, c)).get("OOMKilled"):
             outcome.memory_exceeded, outcome.timed_out = True, False
         outcome.returncode = _exit_status(code)
         outcome.seconds = time.perf_counter() - t_ready
@@ -465,22 +494,52 @@ class DockerSandbox(SpareWorkerSandbox):
         gone.add_done_callback(self._reaping.discard)
         return outcome, gone
 
-    async def _kill(self, c: _Container, attempts: int = 3) -> None:
-        """SIGKILL the container's init (the worker), which ends its PID namespace, and wait for
-        the exit. The daemon may answer a kill with an error when the exit takes long (a container
-        of a thousand processes, a loaded host) or when the container stopped already: retried."""
+    async def _kill(self, c: _Container, attempts: int = 3) -> bool:
+        """SIGKILL the container's init (the worker), which ends its PID namespace, and wait until
+        every process of the job is gone; True once they are.
+
+        Through the worker's pidfd where there is one: the kernel reports the init's exit only
+        after every other process of its namespace has been reaped, so a readable pidfd means
+        nothing of the job runs any more (docker's own exit event follows later). Otherwise
+        through the daemon, which may answer a kill with an error when the exit takes long (a
+        container of a thousand processes, a loaded host) or when it stopped already: retried."""
+        if c.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(c.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except OSError:
+                attempts = max(attempts, 1)
+            else:
+                if await self._pidfd_exited(c.pidfd, timeout_s=20):
+                    return True
         for _ in range(attempts):
             if c.exited.done():
-                return
+                return True
             try:
                 await asyncio.to_thread(c.container.kill)
             except Exception:  # noqa: BLE001 - docker.errors.APIError: not running, or no exit event yet
                 pass
             try:
                 await asyncio.wait_for(asyncio.shield(c.exited), timeout=20)
-                return
+                return True
             except asyncio.TimeoutError:
                 continue
+        return c.exited.done()
+
+    @staticmethod
+    async def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
+        """Whether the process of `pidfd` exits within `timeout_s` (a pidfd is readable once it has)."""
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+        try:
+            await asyncio.wait_for(gone, timeout=timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(pidfd)
 
     def _state(self, c: _Container) -> dict[str, Any]:
         try:
