@@ -36,6 +36,19 @@ def cpu_config(cache_dir: Path, **overrides: object) -> EvaluatorConfig:
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module's sandbox fixtures (its `BACKEND_FIXTURES`, fixtures that build their evaluator with
+    `backend_config(request.param, ...)`) run on the local backend, and on docker too for tests
+    marked `both_backends`: a representative set, since every docker job starts a container (CI
+    runs the suite on two cores). A test that parametrizes the fixture itself is left as it is."""
+    own = {n for m in metafunc.definition.iter_markers("parametrize")
+           for n in ([a.strip() for a in m.args[0].split(",")] if isinstance(m.args[0], str) else m.args[0])}
+    both = metafunc.definition.get_closest_marker("both_backends") is not None
+    for name in getattr(metafunc.module, "BACKEND_FIXTURES", ()):
+        if name in metafunc.fixturenames and name not in own:
+            metafunc.parametrize(name, BACKENDS if both else ["local"], indirect=True)
+
+
 def require_docker() -> None:
     """Fail (CI) or skip (elsewhere) without a docker daemon; build the offline image if absent."""
     from cudagym.errors import SandboxError

@@ -14,9 +14,10 @@ from cudagym.rewards.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import LimitsConfig
 
-from conftest import BACKENDS, SOLUTIONS, backend_config, cpu_config, solution_workspace, task_of
+from conftest import SOLUTIONS, backend_config, cpu_config, solution_workspace, task_of
 
 TASK = task_of("red_row_sum")
+BACKEND_FIXTURES = ("limited",)  # local; docker too for the tests marked both_backends (conftest)
 
 HEADER = """\
 import ctypes
@@ -33,7 +34,7 @@ class ModelNew(nn.Module):
 NOOP_CPP = 'extern "C" void noop() {}\n'
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module")
 def limited(request: pytest.FixtureRequest, eval_cache: Path):
     """An evaluator with tight limits: the hang must be killed quickly, the allocation bounded;
     on each sandbox backend (local processes, docker containers)."""
@@ -65,6 +66,7 @@ def assert_honest_still_rewarded(ev: Evaluator, tmp_path: Path) -> None:
 
 
 # -- crashes ------------------------------------------------------------------------------------
+@pytest.mark.both_backends
 def test_segfault_in_python_via_ctypes(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     v = limited.evaluate(TASK, candidate(build_ws, "ctypes.string_at(0)\nreturn x.sum(1)"))
     assert_error(v, ErrorKind.CRASH, "crashed", "signal 11")
@@ -99,6 +101,7 @@ extern "C" void spin() { volatile unsigned long i = 0; for (;;) ++i; }
 """
 
 
+@pytest.mark.both_backends
 @pytest.mark.timeout(300)
 def test_hang_in_kernel_is_killed(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     """An infinite loop in native code (which no Python-level interrupt can stop)."""
@@ -108,6 +111,7 @@ def test_hang_in_kernel_is_killed(limited: Evaluator, build_ws, tmp_path: Path) 
 
 
 # -- memory -------------------------------------------------------------------------------------
+@pytest.mark.both_backends
 @pytest.mark.timeout(300)
 def test_unbounded_allocation(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     body = """\
@@ -129,6 +133,7 @@ def _pids_cgroup_available() -> bool:
         cg.remove()
 
 
+@pytest.mark.both_backends
 @pytest.mark.timeout(300)
 def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     if not _pids_cgroup_available():
@@ -162,6 +167,7 @@ def test_outputs_beyond_the_result_memory(eval_cache: Path, build_ws, tmp_path: 
         ev.close()
 
 
+@pytest.mark.both_backends
 def test_write_outside_workspace(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     """Next to the workspace (its parent directory, writable by the test), named relative to the
     workspace: the docker backend runs the job in a copy of the workspace at another path."""
