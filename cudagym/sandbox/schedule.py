@@ -99,6 +99,7 @@ class SpareWorkerSandbox(Sandbox):
         self._thread.start()
         self._closed = False
         self._scheduler = JobScheduler()
+        self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
 
     @abc.abstractmethod
     async def _run_on(self, job: Job, device: str,
@@ -108,12 +109,28 @@ class SpareWorkerSandbox(Sandbox):
     async def _spawn(self, device: str) -> Any: ...
 
     async def _replenish(self, device: str) -> None:
+        """Start spares for `device`, one after another, until the ready and starting ones make
+        `spare_workers`."""
         pool = self._spares.setdefault(device, [])
+        starting = self._starting.setdefault(device, set())
         want = self.config.spare_workers
         if want is None:
             want = 6 if device.startswith("cuda") else 2
-        while len(pool) < want and not self._closed:
-            pool.append(await self._spawn(device))
+        while len(pool) + len(starting) < want and not self._closed:
+            start = asyncio.ensure_future(self._start_spare(device))
+            starting.add(start)
+            start.add_done_callback(starting.discard)
+            await start
+
+    async def _start_spare(self, device: str) -> None:
+        # The spare joins the pool in the same task that starts it: `close` waits for these tasks,
+        # then stops the pool's spares, so none is left running
+        self._spares.setdefault(device, []).append(await self._spawn(device))
+
+    async def _shutdown(self) -> None:
+        while starting := [t for tasks in self._starting.values() for t in tasks]:
+            await asyncio.gather(*starting, return_exceptions=True)
+        await self._stop_spares()
 
     @abc.abstractmethod
     async def _stop_spares(self) -> None: ...
@@ -135,7 +152,7 @@ class SpareWorkerSandbox(Sandbox):
             return
         self._closed = True
         try:
-            asyncio.run_coroutine_threadsafe(self._stop_spares(), self._loop).result(timeout=self._stop_timeout_s)
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=self._stop_timeout_s)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
