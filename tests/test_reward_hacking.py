@@ -861,12 +861,22 @@ def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, b
 
 @pytest.mark.both_backends
 def test_14_tensor_frame_pointing_outside_the_result_memory(evaluator: Evaluator, build_ws) -> None:
-    """A tensor frame on the real result pipe whose bytes lie beyond the worker's result memory."""
+    """A tensor frame on the real result pipe whose bytes lie beyond the worker's result memory
+    (the pipe: the local worker's descriptor named in its argv; in a container, the descriptor the
+    worker holds on its FIFO, which cannot be opened again by its path)."""
     body = """\
     import json, os, struct, sys
     h = json.dumps({"type": "tensor", "role": "candidate", "trial": 0, "index": 0, "dtype": "float32",
                     "shape": [4], "offset": 1 << 62, "nbytes": 16}).encode()
-    os.write(int(sys.argv[1]), struct.pack("<I", len(h)) + h + struct.pack("<Q", 0))
+    def held(name):
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{f}").endswith(name):
+                    return int(f)
+            except OSError:
+                pass
+    fd = held("/frames") if sys.argv[1] == "--channel" else int(sys.argv[1])
+    os.write(fd, struct.pack("<I", len(h)) + h + struct.pack("<Q", 0))
     return run_kernel(x, self.bias, self.scale)
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
