@@ -38,7 +38,7 @@ from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
+from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -739,7 +739,6 @@ def _telemetry() -> dict[str, Any]:
         return {"error": str(e)[:200]}
 
 
-SAMPLE_SIZE = 2048  # elements of each output of every timed-loop call sent to the parent (all, if fewer)
 
 
 def op_watch() -> Any:
@@ -785,9 +784,9 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     (`cudagym.sandbox.timing`); returns how many were made.
 
     The same steps for every role and every call: the op counter armed around the call (the
-    candidate's cumulative counts go with each request), a sample of every output taken right
-    after the call ends (`SAMPLE_SIZE` secret random positions, drawn after the call returned)
-    and sent with the call's time before the next call is asked for. The calls the parent marks
+    candidate's cumulative counts go with each request), a sample of every output read at
+    the call's end (`DeviceTimer.read_at_end`: `SAMPLE_SIZE` secret random positions, drawn
+    after the call returned; on a GPU, by the close kernel while it holds every SM) and sent with the call's time before the next call is asked for. The calls the parent marks
     as probes call a tiny kernel of the harness instead, through the same steps.
     """
     rng = secrets.SystemRandom()
@@ -820,12 +819,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
             watch.disarm()
 
     def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
-        o = o.detach()
-        if o.numel() <= SAMPLE_SIZE:
-            return o.shape, None, o.clone()
-        gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
-        idx = torch.randint(o.numel(), (SAMPLE_SIZE,), device=o.device, generator=gen)
-        return o.shape, idx, o.reshape(-1)[idx]
+        values, idx = timer.read_at_end(o, SAMPLE_SIZE)
+        return o.shape, idx, values
 
     def after(i: int, out: Any) -> dict[str, Any]:
         pending.extend(sample(o) for o in as_outputs(out, who, p.device))
