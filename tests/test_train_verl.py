@@ -70,7 +70,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tiny-model")
     tok.save_pretrained(d)
     LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, max_position_embeddings=131072).save_pretrained(d)
+                num_key_value_heads=2, max_position_embeddings=131072,
+                architectures=["LlamaForCausalLM"]).save_pretrained(d)
     return d
 
 

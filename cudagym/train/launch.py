@@ -91,6 +91,8 @@ def validate_config(cfg: DictConfig) -> list[str]:
     from cudagym.env.kernel_env import EnvConfig
     from cudagym.train.verl_loop import AGENT_NAME
 
+    from hydra.errors import InstantiationException
+
     notes: list[str] = []
     try:
         OmegaConf.resolve(cfg)
@@ -98,7 +100,7 @@ def validate_config(cfg: DictConfig) -> list[str]:
         rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
         omega_conf_to_dataclass(cfg.algorithm)
-    except (AssertionError, ValueError, TypeError, AttributeError) as e:
+    except (AssertionError, ValueError, TypeError, AttributeError, InstantiationException) as e:
         raise ConfigError(f"verl rejected the config: {e}") from None
     if rollout.mode != "async":
         raise ConfigError("actor_rollout_ref.rollout.mode must be 'async': agent loops run on verl's async server")
