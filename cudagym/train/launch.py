@@ -66,7 +66,8 @@ def resolve_config(config: str, overrides: list[str] | None = None) -> DictConfi
 
 def loop_settings(cfg: DictConfig) -> Any:
     """The ``cudagym_kernel`` entry of the config's agent-loop file, validated (`LoopSettings`)."""
-    from cudagym.train.verl_loop import AGENT_NAME, LoopSettings
+    from cudagym.train import AGENT_NAME
+    from cudagym.train.verl_loop import LoopSettings
 
     path = Path(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
     if not path.is_file():
@@ -89,7 +90,7 @@ def validate_config(cfg: DictConfig) -> list[str]:
     from verl.utils.config import validate_config as verl_validate
 
     from cudagym.env.kernel_env import EnvConfig
-    from cudagym.train.verl_loop import AGENT_NAME
+    from cudagym.train import AGENT_NAME
 
     from hydra.errors import InstantiationException
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from cudagym.errors import ConfigError
 from cudagym.tasks.model import Target, Task
+from cudagym.train import AGENT_NAME
 
 ABILITY = "kernel"
 
@@ -57,7 +58,6 @@ def task_row(task: Task, split: str, index: int, target: Target, mode: str,
     """One verl row for `task` (see the module doc)."""
     from cudagym.agent.prompt import system_prompt
     from cudagym.env.prompt import task_prompt
-    from cudagym.train.verl_loop import AGENT_NAME
 
     sized = task.for_target(target)
     return {

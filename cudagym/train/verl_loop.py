@@ -42,8 +42,8 @@ from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
 from cudagym.tasks.model import Task
+from cudagym.train import AGENT_NAME
 
-AGENT_NAME = "cudagym_kernel"
 TOOL_NAMES = ("write_file", "edit_file", "read_file", "list_files", "compile", "verify", "profile", "submit")
 
 # The keys of `reward_extra_info`: verl stacks them across the batch, so every episode has all.
