@@ -29,9 +29,11 @@ Contract
   episode as the policy sees it -- the prompt, every action, every observation, plus
   ``message_overhead_tokens`` per action and per observation (what the caller's chat template
   adds around a message) -- counted with ``token_counter`` (pass the trainer's own tokenizer in a
-  `TokenizerCounter`; the default is a 4-chars-a-token estimate). ``reset(options={"prompt_tokens":
-  n})`` replaces the env's count of its task prompt with the caller's exact count of the prompt it
-  rendered (system prompt, tool schemas, template). An observation that would not fit in what is
+  `TokenizerCounter`; the default is a 4-chars-a-token estimate). After ``reset``, a trainer may
+  call ``declare_prompt(tokens, max_tokens=None)`` with its exact count of the prompt it rendered
+  (system prompt, tool schemas, chat template around the task prompt), which replaces the env's
+  own count of the task prompt, and with this episode's budget if it differs from the config's
+  (say, the prompt plus the trainer's completion limit). An observation that would not fit in what is
   left is trimmed to fit: the tool outputs (compile logs, profiles, file reads, notes) share the
   room, the longest trimmed first, each keeping its error lines, head and tail
   (`cudagym.env.format.trim_output`); the protocol is never cut: every call keeps its ``[tool]``
@@ -190,6 +192,7 @@ class KernelEnv(gym.Env[str, Any]):
         self._done = True
         self._shaped: set[str] = set()
         self._format_paid = 0.0
+        self._budget: int | None = self.config.max_tokens  # this episode's (see declare_prompt)
         self._last_obs = ""
         self.verdict: Verdict | None = None
         # contrastive feedback: an injected book is shared (several envs, one trainer)
@@ -234,11 +237,8 @@ class KernelEnv(gym.Env[str, Any]):
                 prompt += "\n\n" + earlier
         if con.require_analysis:
             prompt += "\n\n" + analysis_instruction()
-        prompt_tokens = (options or {}).get("prompt_tokens")
-        if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
-                                          or prompt_tokens < 0):
-            raise ConfigError(f"options['prompt_tokens'] must be a non-negative int, not {prompt_tokens!r}")
-        self._tokens = self.counter.count(prompt) if prompt_tokens is None else prompt_tokens
+        self._tokens = self.counter.count(prompt)
+        self._budget = self.config.max_tokens
         self._last_obs = prompt
         info = {
             "tools": self.tool_schemas(),
@@ -255,7 +255,10 @@ class KernelEnv(gym.Env[str, Any]):
         }
         return prompt, info
 
-    async def astep(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    async def astep(self, action: Any, *, action_tokens: int | None = None) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """`step`'s async form; `action_tokens` is the caller's exact token count of the action as
+        it was generated (a trainer knows it; re-tokenizing decoded text can differ), replacing the
+        env's count of its text."""
         t0 = time.perf_counter()
         if self._ctx is None or self._done:
             msg = "Error: the episode is over (or was never started); call reset() to begin a new one."
@@ -300,8 +303,8 @@ class KernelEnv(gym.Env[str, Any]):
 
         texts = [r.text for r in results]
         overhead = self.config.message_overhead_tokens
-        self._tokens += self.counter.count(parsed.text) + overhead
-        budget = self.config.max_tokens
+        self._tokens += (self.counter.count(parsed.text) if action_tokens is None else action_tokens) + overhead
+        budget = self._budget
         room = None if budget is None else budget - self._tokens - overhead  # for this observation
         obs = self._compose(results, texts, notes)
         trimmed = room is not None and self.counter.count(obs) > room
@@ -349,6 +352,18 @@ class KernelEnv(gym.Env[str, Any]):
             "truncated_by": truncated_by,
         }
         return obs, float(reward), terminated, truncated, info
+
+    def declare_prompt(self, tokens: int, max_tokens: int | None = None) -> None:
+        """The caller's exact token count of the prompt it rendered for this episode (replacing the
+        env's count of the task prompt) and, if given, this episode's token budget (replacing
+        ``config.max_tokens`` until the next reset). Call it after ``reset``, before the first step."""
+        if self._ctx is None or self._done or self._turn:
+            raise RuntimeError("declare_prompt() belongs between reset() and the first step()")
+        if tokens < 0 or (max_tokens is not None and max_tokens < 1):
+            raise ConfigError(f"declare_prompt: tokens={tokens}, max_tokens={max_tokens}")
+        self._tokens = int(tokens)
+        if max_tokens is not None:
+            self._budget = int(max_tokens)
 
     async def _final_verdict(self) -> Verdict:
         assert self._ctx is not None
@@ -420,7 +435,7 @@ class KernelEnv(gym.Env[str, Any]):
         obs = self._compose(results, texts, notes, tail)
         if count(obs) <= room:
             return obs, texts, False
-        note = f"[tool output trimmed to fit the episode's token budget of {self.config.max_tokens} tokens]"
+        note = f"[tool output trimmed to fit the episode's token budget of {self._budget} tokens]"
         tail_head, _, tail_rest = tail.partition("\n")
         items = [*texts, *notes, tail_rest]  # what may shrink; headers, the note and tail_head stay
         sizes = [count(x) for x in items]
