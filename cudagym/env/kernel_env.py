@@ -419,12 +419,12 @@ class KernelEnv(gym.Env[str, Any]):
 
     def _compose(self, results: list[ToolResult], texts: list[str], notes: list[str], tail: str = "") -> str:
         """The observation: one ``[tool]``-headed part per result, then the notes, then `tail`."""
-        parts = [f"[{r.name}] {t}" for r, t in zip(results, texts)]
-        parts.extend(notes)
+        cap = self.config.max_observation_chars  # per part, so that no part loses its header
+        parts = [trim_output(f"[{r.name}] {t}", cap) for r, t in zip(results, texts)]
+        parts.extend(trim_output(n, cap) for n in notes)
         if not parts:
             parts.append("Error: no tool call was run.")
-        budget = self.config.max_observation_chars * max(1, len(results))
-        body = trim_output("\n\n".join(parts), budget)
+        body = "\n\n".join(parts)
         return f"{body}\n\n{tail}" if tail else body
 
     def _fit(self, results: list[ToolResult], texts: list[str], notes: list[str], tail: str,
@@ -436,7 +436,8 @@ class KernelEnv(gym.Env[str, Any]):
         if count(obs) <= room:
             return obs, texts, False
         note = f"[tool output trimmed to fit the episode's token budget of {self._budget} tokens]"
-        tail_head, _, tail_rest = tail.partition("\n")
+        lines = tail.split("\n", 2)  # the budget line and the verdict's first line stay whole
+        tail_head, tail_rest = "\n".join(lines[:2]), (lines[2] if len(lines) > 2 else "")
         items = [*texts, *notes, tail_rest]  # what may shrink; headers, the note and tail_head stay
         sizes = [count(x) for x in items]
         slack = 0
