@@ -97,7 +97,7 @@ async def test_128k_budget_with_long_tool_output_ends_at_its_budget(evaluator, c
     assert trunc and not term and info["truncated_by"] == "tokens" and info["observation_trimmed"]
     used = counter.count(prompt) + 900 + sum(counter.count(a) + counter.count(o) + 2 * 5 for a, o in turns)
     assert used == info["tokens"] and info["tokens_left"] == 131072 - used
-    assert 131072 - 500 <= used <= 131072, used  # filled to its budget, not past it
+    assert 0.99 * 131072 <= used <= 131072, used  # filled to its budget (within 1%), not past it
     assert obs.startswith("[read_file] kernels/big.cpp (lines 1-3000 of 3000)")  # header and its first lines kept
     assert LINE.format(i=0) in obs and LINE.format(i=2999) in obs and "lines elided" in obs
     assert info["tool_results"][0]["text"] in obs

@@ -4,8 +4,9 @@ real sandbox) on a bundled task.
 
 Each group of two episodes holds one played by the scripted policy (a guided episode: the stored
 solution, through compile, verify, profile and submit) and one sampled from the random model
-(which never writes a tool call, so its turn budget ends it and its empty workspace scores -1), so
-the group's rewards differ and the step has a gradient.
+(which never writes a tool call, so its token budget -- the prompt plus `max_completion_length` --
+ends it, and its empty workspace scores -1), so the group's rewards differ and the step has a
+gradient.
 """
 
 from __future__ import annotations
@@ -68,12 +69,12 @@ def test_one_grpo_step_on_kernel_env(evaluator, tokenizer, tmp_path):
     tok = tokenizer
     model = tiny_causal_lm(tok)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    env_config = EnvConfig(target="cpu", max_turns=6, shaping=ShapingConfig(well_formed_turn=0.1, well_formed_cap=0.3))
+    env_config = EnvConfig(target="cpu", max_turns=40, shaping=ShapingConfig(well_formed_turn=0.1, well_formed_cap=0.3))
     rollout = KernelRollout([bundled_task(TASK)], tokenizer=tok, env_config=env_config, evaluator=evaluator,
                             config=RolloutConfig(guided_per_group=1), guide=ScriptedPolicy())
     recorder = Recorder(rollout)
     args = GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=6000, generation_kwargs={"max_new_tokens": 24}, learning_rate=1e-2,
+                      max_completion_length=2500, generation_kwargs={"max_new_tokens": 64}, learning_rate=1e-2,
                       beta=0.0, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
                       dataloader_num_workers=0, seed=0)
     trainer = GRPOTrainer(model=model, args=args, processing_class=tok, train_dataset=rollout.dataset(),
@@ -87,10 +88,15 @@ def test_one_grpo_step_on_kernel_env(evaluator, tokenizer, tmp_path):
     assert guided["guided"] and guided["terminated"] and guided["turns"] == 5, guided
     assert out["milestone_reward"][0] >= 1.0 and guided["milestone"] in ("correct", "faster_than_eager")
     assert out["shaping_reward"][0] == pytest.approx(0.3)  # 5 well-formed turns at 0.1, capped at 0.3
-    # the random model's episode: no tool call in 6 turns, truncated, the empty workspace scored
-    assert not sampled["guided"] and sampled["truncated_by"] == "turns" and sampled["turns"] == 6
+    # the random model's episode: no tool call, ended by its token budget, the empty workspace scored
+    assert not sampled["guided"] and sampled["truncated_by"] == "tokens" and 10 < sampled["turns"] < 40, sampled
     assert out["milestone_reward"][1] == -1.0 and out["shaping_reward"][1] == 0.0
-    assert sampled["parse_errors"] == 6
+    assert sampled["parse_errors"] == sampled["turns"]
+    # within its budget as tokenized (prompt + completion), and not far short of it (one turn's worth)
+    for i, e in enumerate(out["episode"]):
+        assert e["budget"] == len(out["prompt_ids"][i]) + 2500
+        assert e["tokens"] == len(out["prompt_ids"][i]) + len(out["completion_ids"][i]) <= e["budget"]
+    assert sampled["budget"] - sampled["tokens"] < 300
 
     # masks: the model's tokens are 1, the observations (rendered by the chat template) 0
     for ids, mask in zip(out["completion_ids"], out["env_mask"]):
@@ -111,7 +117,7 @@ def test_one_grpo_step_on_kernel_env(evaluator, tokenizer, tmp_path):
     logged = trainer.state.log_history[0]
     assert logged["rewards/milestone_reward/mean"] == pytest.approx(sum(out["milestone_reward"]) / 2)
     assert logged["rewards/shaping_reward/mean"] == pytest.approx(0.15)
-    assert logged["cudagym/turns"] == pytest.approx(5.5)
+    assert logged["cudagym/turns"] == pytest.approx((5 + sampled["turns"]) / 2)
     changed = [k for k, v in model.named_parameters() if not torch.equal(v.detach().cpu(), before[k])]
     assert changed, "the GRPO step changed no weight"
     rollout.close()

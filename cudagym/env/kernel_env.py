@@ -257,8 +257,9 @@ class KernelEnv(gym.Env[str, Any]):
 
     async def astep(self, action: Any, *, action_tokens: int | None = None) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """`step`'s async form; `action_tokens` is the caller's exact token count of the action as
-        it was generated (a trainer knows it; re-tokenizing decoded text can differ), replacing the
-        env's count of its text."""
+        it sits in the sequence (as generated, with any template tokens around it: a trainer knows
+        it, and re-tokenizing decoded text can differ), replacing the env's count of its text plus
+        ``message_overhead_tokens``."""
         t0 = time.perf_counter()
         if self._ctx is None or self._done:
             msg = "Error: the episode is over (or was never started); call reset() to begin a new one."
@@ -303,7 +304,7 @@ class KernelEnv(gym.Env[str, Any]):
 
         texts = [r.text for r in results]
         overhead = self.config.message_overhead_tokens
-        self._tokens += (self.counter.count(parsed.text) if action_tokens is None else action_tokens) + overhead
+        self._tokens += self.counter.count(parsed.text) + overhead if action_tokens is None else action_tokens
         budget = self._budget
         room = None if budget is None else budget - self._tokens - overhead  # for this observation
         obs = self._compose(results, texts, notes)
