@@ -461,8 +461,8 @@ class KernelEnv(gym.Env[str, Any]):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         return self._run(self.areset(seed=seed, options=options))
 
-    def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        return self._run(self.astep(action))
+    def step(self, action: Any, *, action_tokens: int | None = None) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return self._run(self.astep(action, action_tokens=action_tokens))
 
     def render(self) -> str | None:
         return self._last_obs if self.render_mode == "ansi" else None

@@ -51,6 +51,7 @@ would wait on each other: untested); images. The turn-level generation goes thro
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import uuid
@@ -66,7 +67,7 @@ from cudagym.env.tokens import TokenizerCounter
 from cudagym.env.tools import Toolbox
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
-from cudagym.tasks.model import Task
+from cudagym.tasks.model import Target, Task
 
 _TASK_ID = re.compile(r"^Task id: ([^;\n]+);", re.MULTILINE)  # cudagym.env.prompt.task_prompt's line
 
@@ -135,7 +136,7 @@ class KernelRollout:
 
             evaluator = Evaluator(EvaluatorConfig(target=env_config.target, mode=env_config.mode))
         self.evaluator = evaluator
-        self.target = str(evaluator.target.value if hasattr(evaluator.target, "value") else evaluator.target)
+        self.target = Target(evaluator.target).value
         overhead = self._observation_overhead() + self.config.observation_margin_tokens
         self.env_config = env_config.model_copy(update={
             "target": self.target,
@@ -151,7 +152,6 @@ class KernelRollout:
         from datasets import Dataset
 
         from cudagym.env.prompt import task_prompt
-        from cudagym.tasks.model import Target
 
         rows = []
         for t in self.tasks:
@@ -262,8 +262,6 @@ class KernelRollout:
         turn = await self.guide.aact(e.messages, self.tools, ctx)
         text = turn.content
         for c in turn.tool_calls:  # native calls become Hermes text, the format this adapter trains
-            import json
-
             text += f"\n<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>"
         return list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
 
