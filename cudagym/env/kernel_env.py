@@ -42,7 +42,10 @@ Contract
   ``min_turn_tokens`` are left, the episode ends with ``truncated=True``,
   ``truncated_by="tokens"`` (scored as it stands when ``score_on_truncation``). Only an action
   longer than what is left, or a budget smaller than the bare headers, can overshoot it.
-  ``info["tokens"]`` is the count so far, ``info["tokens_left"]`` what is left.
+  ``info["tokens"]`` is the count so far, ``info["tokens_left"]`` what is left,
+  ``info["observation_trimmed"]`` whether this observation was fitted. ``step(action,
+  action_tokens=n)`` (and ``astep``) take a trainer's exact length of the action in its sequence.
+  Without ``max_tokens`` (the default) nothing of this applies.
 - ``areset``/``astep`` are the async forms (for trainers running many episodes in one event
   loop); ``reset``/``step`` run them on the env's private event loop.
 - The env owns its `Evaluator` unless one is injected (then it is shared and not closed here):

@@ -21,8 +21,10 @@ One rollout, for each prompt TRL hands over (its sampler already repeats each pr
 
 1. a fresh `KernelEnv` (one shared evaluator) is reset on the row's task; the prompt is the
    policy's system prompt (Hermes tool format) and the env's task prompt, rendered with the
-   tokenizer's chat template; the env is told the exact prompt length and the episode's budget:
-   ``min(config.max_tokens, prompt + GRPOConfig.max_completion_length)``;
+   tokenizer's chat template; the env is told the exact prompt length and the episode's budget,
+   the smallest of ``RolloutConfig.max_tokens``, ``EnvConfig.max_tokens`` and the prompt plus
+   ``GRPOConfig.max_completion_length``; the env's ``message_overhead_tokens`` is raised to what
+   the template adds around an observation (measured once), so its count never falls short;
 2. all live episodes generate their next turn in one batch through the trainer's own generation
    path (transformers ``generate`` or vLLM, as the ``GRPOConfig`` says; the per-turn limit is
    ``generation_kwargs={"max_new_tokens": N}``, else ``max_completion_length``), cut to what is
@@ -41,8 +43,11 @@ solutions, a stronger model behind an OpenAI endpoint) play the first k episodes
 their turns are trained on like the policy's own (off-policy, with NaN sampling log-probs under
 vLLM's importance-sampling correction, which makes their ratio 1).
 
-Not supported: the ``environment_factory`` hook (native tool calls through the chat template;
-use this adapter with any template instead); several processes with vLLM in server mode (each
+Not supported: the ``environment_factory`` hook. In TRL 1.16 it parses tool calls with a response
+schema that TRL knows only for some chat templates, keeps calling tools for as long as the model
+emits calls (a ``submit`` cannot end the episode), and drops a tool result that would pass
+``max_completion_length`` instead of trimming it, ending the sample without the env's scoring;
+KernelEnv's protocol, budget and truncation do not map onto it. Also not supported: several processes with vLLM in server mode (each
 turn is one ``generate`` call per process, and processes that run different numbers of turns
 would wait on each other: untested); images. The turn-level generation goes through
 `GRPOTrainer._generate_single_turn`, a private method of the pinned TRL.
