@@ -37,7 +37,7 @@ from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
-from cudagym.sandbox.protocol import Job, encode_frame_head
+from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
 from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
 from cudagym.sandbox.wire import WIRE_DTYPES
 
@@ -840,7 +840,9 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         if answer.get("stop"):
             return None
         made[0] += 1
-        return int(answer["seed"]), bool(answer.get("probe"))
+        idle_ms = answer.get("idle_ms", 0.0)
+        idle_s = min(max(float(idle_ms), 0.0), MAX_IDLE_MS) / 1e3 if isinstance(idle_ms, (int, float)) else 0.0
+        return int(answer["seed"]), bool(answer.get("probe")), idle_s
 
     def probed(*args: Any) -> Any:  # the op counter goes through the same arm/disarm
         watch.arm()

@@ -480,7 +480,7 @@ def drive_calls(
     fn: Callable[..., Any],
     input_sets: list[list[Any]],
     inputs_for: Callable[[int], list[Any]],
-    next_call: Callable[[dict[str, Any]], tuple[int, bool] | None],
+    next_call: Callable[[dict[str, Any]], tuple[int, bool, float] | None],
     timer: DeviceTimer,
     after: Callable[[int, Any], dict[str, Any]] | None = None,
     probe: Callable[..., Any] | None = None,
@@ -489,8 +489,9 @@ def drive_calls(
 
     `next_call(report)` asks the parent for the next call, reporting the previous one (`{}`
     before the first; then `{"ms": its time, "host_ms": `timer.host_ms`, **after(i, out)}`), and returns the seed of the
-    next call's inputs and whether it is a probe (`probe` is called instead of `fn`: the
-    parent measures the loop's own overhead on it), or None to stop. Call i's buffers
+    next call's inputs, whether it is a probe (`probe` is called instead of `fn`: the
+    parent measures the loop's own overhead on it) and how long to idle before it (seconds;
+    server mode), or None to stop. Call i's buffers
     `input_sets[i % k]` are refilled with `inputs_for(seed)`: before the call on the CPU target;
     on a GPU, by the open gate at the end of the launch window, from a staging copy (a buffer it
     cannot copy, a non-contiguous one, is refilled before the call). `after(i, out)` runs once call
@@ -512,7 +513,9 @@ def drive_calls(
         report: dict[str, Any] = {}
         i = 0
         while (asked := next_call(report)) is not None:
-            seed, is_probe = asked
+            seed, is_probe, idle_s = asked
+            if idle_s > 0:
+                time.sleep(idle_s)  # server mode: the call arrives after a gap (nothing is timed here)
             args = input_sets[i % k]
             refill_([s if s is not None else a for s, a in zip(stage, args)], inputs_for(seed))
             seen: dict[str, Any] = {}
