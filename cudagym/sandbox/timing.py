@@ -36,7 +36,7 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
 A call's time is end event less start event, less the harness's overhead: that interval for a
 call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
 stream), the median of `CALIBRATION_CALLS` calls launched within the window, measured by each
-timing job before any candidate code is loaded (`harness.job_overhead_ns`), at most
+timing job on its own timer before any candidate code is loaded (`harness.job_timer`), at most
 `MAX_OVERHEAD_NS`. So an honest call
 reads what events right around it on its own stream read.
 
@@ -80,7 +80,7 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-7"  # 7: outputs sampled by the close kernel (6: a 1 ms window)
+PROTOCOL_VERSION = "gated-events-8"  # 8: each timer calibrates itself; 7: outputs sampled by the close kernel
 
 CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
 MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
@@ -424,6 +424,47 @@ class DeviceTimer:
         if err:
             raise RuntimeError(f"the timer's close kernel failed to launch: CUDA driver error {err}")
 
+    def calibrate(self, calls: int | None = None) -> int:
+        """Measure this timer's overhead and leave it out of its calls from now on; returns it (ns).
+
+        The median over `calls` (default `CALIBRATION_CALLS`) calls of a 4-byte fill kernel of
+        the call's time less the fill's own (events around it on the caller's stream), its output
+        read at the call's end as a call's is, through this timer's own gate, flush and window:
+        the close kernel's cost depends on where its counters and the flush buffer lie in this
+        process's memory (on an H100 a separate timer's calibration moved 1 us from process to
+        process, against the calls' times, not with them). Capped at `MAX_OVERHEAD_NS`. Run it
+        before any candidate code loads. The CPU target has none: 0."""
+        if not self.cuda:
+            self.overhead_ns = 0
+            return 0
+        probe = torch.empty(1, dtype=torch.int32, device=self.device)
+        output = torch.zeros(1 << 18, device=self.device)  # read at each call's end as a call's output is
+        own: list[tuple[Any, Any]] = []
+
+        def fill() -> None:
+            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks[0].record()
+            probe.zero_()
+            marks[1].record()
+            own.append(marks)
+
+        def read(_: Any) -> None:
+            self.read_at_end(output)
+
+        self.overhead_ns = 0
+        for _ in range(5):
+            self.call(fill, [], read)
+        own.clear()
+        timed = []
+        for _ in range(CALIBRATION_CALLS if calls is None else calls):
+            timed.append((self.call(fill, [], read)[1], self.host_ms or 0.0))
+        # a call the host launched after the window's end holds that lateness: not the timer's own
+        on_time = [(t, marks) for (t, host), marks in zip(timed, own) if host <= self.window_ms] or list(zip(
+            (t for t, _ in timed), own))
+        measured = int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in on_time))
+        self.overhead_ns = min(max(measured, 0), MAX_OVERHEAD_NS)
+        return self.overhead_ns
+
     def close_timeouts(self) -> int:
         """Calls so far whose close kernel gave up (timed to the device-wide synchronize)."""
         return int(self._gate[2].item()) if self.cuda else 0
@@ -438,35 +479,10 @@ def call_ms(end_ms: float, last_ms: float, overhead_ns: int) -> float:
 
 @functools.cache
 def harness_overhead_ns() -> int:
-    """The harness's overhead on this process's GPU (see the module's text): the median over
-    `CALIBRATION_CALLS` calls of a 4-byte fill kernel of the call's time less the fill's own
-    (a timer caps it at `MAX_OVERHEAD_NS`), its output read at the call's end as a call's is. Measured once per process; a worker does it before
-    loading any candidate code (`harness.prewarm`)."""
-    timer = DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0)
-    probe = torch.empty(1, dtype=torch.int32, device="cuda")
-    output = torch.zeros(1 << 18, device="cuda")  # read at each call's end as a call's output is
-    own: list[tuple[Any, Any]] = []
-
-    def fill() -> None:
-        marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        marks[0].record()
-        probe.zero_()
-        marks[1].record()
-        own.append(marks)
-
-    def read(_: Any) -> None:
-        timer.read_at_end(output)
-
-    for _ in range(5):
-        timer.call(fill, [], read)
-    own.clear()
-    calls = []
-    for _ in range(CALIBRATION_CALLS):
-        calls.append((timer.call(fill, [], read)[1], timer.host_ms or 0.0))
-    # a call the host launched after the window's end holds that lateness: not the timer's own
-    on_time = [(t, marks) for (t, host), marks in zip(calls, own) if host <= timer.window_ms] or list(zip(
-        (t for t, _ in calls), own))
-    return int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in on_time))
+    """The harness's overhead on this process's GPU, measured on a timer of its own without the
+    L2 flush (`DeviceTimer.calibrate`); measured once per process. A timing job calibrates the
+    timer that times its calls instead (`harness.job_timer`)."""
+    return DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0).calibrate()
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
