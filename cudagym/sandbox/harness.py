@@ -38,7 +38,7 @@ from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
-from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels
+from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -771,14 +771,15 @@ def _probe_fn(p: Problem) -> Any:
 
 
 def job_timer(p: Problem, job: Job) -> DeviceTimer:
-    """The job's timer, its overhead measured on itself (`DeviceTimer.calibrate`; GPU) before any
-    candidate code loads, with the spares that are still starting paused. Measured on a separate
-    timer once per process, the overhead read up to the 20 us cap in some processes on an H100
-    (other spares creating their CUDA contexts), and moved by 1 us from job to job against the
-    calls' times (`benchmarks/probe_placement.py`)."""
-    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=0)
-    timer.calibrate()
-    return timer
+    """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
+    with the spares that are still starting paused) on a separate timer without the flush
+    (`harness_overhead_ns`). Measured once per process while a spare waits, it read up to the
+    20 us cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
+    shorter than it then read 0. Measured on the job's own timer (its flush, gate and window) it
+    read 1-1.5 us more on an H100 and put small kernels further from Nsight Compute (a 1 us relu
+    read 0; softmax's spread over 10 jobs went from 3.2% to 5.6%: `benchmarks/bench_baselines.py`)."""
+    overhead = harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
+    return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=overhead)
 
 
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer) -> int:

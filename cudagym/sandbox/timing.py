@@ -36,7 +36,7 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
 A call's time is end event less start event, less the harness's overhead: that interval for a
 call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
 stream), the median of `CALIBRATION_CALLS` calls launched within the window, measured by each
-timing job on its own timer before any candidate code is loaded (`harness.job_timer`), at most
+timing job before any candidate code is loaded (`harness.job_timer`), at most
 `MAX_OVERHEAD_NS`. So an honest call
 reads what events right around it on its own stream read.
 
@@ -80,7 +80,7 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-8"  # 8: each timer calibrates itself; 7: outputs sampled by the close kernel
+PROTOCOL_VERSION = "gated-events-7"  # 7: outputs sampled by the close kernel (6: a 1 ms window)
 
 CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
 MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
@@ -430,10 +430,8 @@ class DeviceTimer:
         The median over `calls` (default `CALIBRATION_CALLS`) calls of a 4-byte fill kernel of
         the call's time less the fill's own (events around it on the caller's stream), its output
         read at the call's end as a call's is, through this timer's own gate, flush and window:
-        the close kernel's cost depends on where its counters and the flush buffer lie in this
-        process's memory (on an H100 a separate timer's calibration moved 1 us from process to
-        process, against the calls' times, not with them). Capped at `MAX_OVERHEAD_NS`. Run it
-        before any candidate code loads. The CPU target has none: 0."""
+        capped at `MAX_OVERHEAD_NS`. Run it before any candidate code loads. The CPU target has
+        none: 0. (Jobs calibrate a separate timer without the flush: `harness.job_timer` says why.)"""
         if not self.cuda:
             self.overhead_ns = 0
             return 0
@@ -480,8 +478,8 @@ def call_ms(end_ms: float, last_ms: float, overhead_ns: int) -> float:
 @functools.cache
 def harness_overhead_ns() -> int:
     """The harness's overhead on this process's GPU, measured on a timer of its own without the
-    L2 flush (`DeviceTimer.calibrate`); measured once per process. A timing job calibrates the
-    timer that times its calls instead (`harness.job_timer`)."""
+    L2 flush (`DeviceTimer.calibrate`); measured once per process (a timing job measures it
+    again, `harness.job_timer`)."""
     return DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0).calibrate()
 
 
