@@ -225,15 +225,19 @@ def ncu_summary(calls: list[list[tuple[str, float]]]) -> dict[str, Any]:
             "ncu_kernels": [[[name[:160], ms] for name, ms in c] for c in calls]}
 
 
-def ncu_phase(problems: list[TimingProblem], calls: int, work: Path) -> tuple[str, dict[str, dict[str, Any]]]:
-    """ncu's version, and its kernel time per call of each problem (one ncu run over all of them)."""
+def ncu_phase(problems: list[TimingProblem], calls: int, work: Path,
+              cache_control: str = "all") -> tuple[str, dict[str, dict[str, Any]]]:
+    """ncu's version, and its kernel time per call of each problem (one ncu run over all of them).
+    `cache_control` "all" (the acceptance's) flushes and invalidates every cache before each
+    kernel, the instruction and constant caches too, and a buffer the call wrote just before
+    the kernel (a reduction's zeroed semaphores); "none" leaves them as the call left them."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH: the ncu columns and the acceptance are skipped "
                            "(pass --no-ncu to skip it on purpose)")
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
     log, manifest_path = work / "ncu.csv", work / "ncu_manifest.json"
-    cmd = [ncu, "--csv", "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
+    cmd = [ncu, "--csv", "--clock-control", "none", "--cache-control", cache_control, "--profile-from-start", "off",
            "--metrics", NCU_METRIC, "--log-file", str(log),
            *driver_cmd("ncu", "cuda", problems, calls, manifest_path)]
     manifest = run_driver(cmd, manifest_path, timeout_s=360)
@@ -340,6 +344,8 @@ def main() -> None:
     ap.add_argument("--problems", help="comma-separated problem names (default: all)")
     ap.add_argument("--out", type=Path, help="write every raw number to this JSON file")
     ap.add_argument("--no-ncu", action="store_true", help="skip Nsight Compute")
+    ap.add_argument("--ncu-cache-control", choices=("all", "none"), default="all",
+                    help="Nsight Compute's --cache-control (default all: what the acceptance compares with)")
     ap.add_argument("--quick", action="store_true", help="fewer calls and spread jobs (a plumbing check)")
     ap.add_argument("--spread", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the spread over separate profile jobs (default: on)")
@@ -388,7 +394,7 @@ def main() -> None:
             calls = 5 if args.quick else 20
             progress(f"[ncu] one Nsight Compute run over {len(problems)} problems, {calls} calls each")
             try:
-                report["ncu_version"], by_problem = ncu_phase(problems, calls, work)
+                report["ncu_version"], by_problem = ncu_phase(problems, calls, work, args.ncu_cache_control)
                 for name, n in by_problem.items():
                     results[name].update(n)
             except RuntimeError as e:
