@@ -776,8 +776,9 @@ def job_timer(p: Problem, job: Job) -> DeviceTimer:
     (`harness_overhead_ns`). Measured once per process while a spare waits, it read up to the
     20 us cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
     shorter than it then read 0. Measured on the job's own timer (its flush, gate and window) it
-    read 1-1.5 us more on an H100 and put small kernels further from Nsight Compute (a 1 us relu
-    read 0; softmax's spread over 10 jobs went from 3.2% to 5.6%: `benchmarks/bench_baselines.py`)."""
+    read 1-1.5 us more on an H100, whether the output it samples was cold or hot in the L2, and
+    put small kernels further from Nsight Compute (a 1 us relu read 0; softmax's spread over 10
+    jobs was 5.6% and 4.0% against 3.2%: `benchmarks/bench_baselines.py`, branch `selfcal`)."""
     overhead = harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
     return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=overhead)
 
