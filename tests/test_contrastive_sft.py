@@ -125,7 +125,7 @@ def _through_trl(path: Path, tmp_path: Path) -> None:
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from tiny_lm import tiny_causal_lm, tiny_tokenizer
+    from cudagym.train.tiny import tiny_causal_lm, tiny_tokenizer
 
     data = load_dataset("json", data_files=str(path), split="train")
     tok = tiny_tokenizer(m["content"] or "" for row in data for m in row["messages"])

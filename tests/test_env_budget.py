@@ -12,7 +12,7 @@ from cudagym.env.kernel_env import EnvConfig, KernelEnv, ShapingConfig
 from cudagym.env.tokens import TokenizerCounter
 from cudagym.tasks.loaders import bundled_task
 
-from tiny_lm import tiny_tokenizer
+from cudagym.train.tiny import tiny_tokenizer
 
 TASK = "ew_scale_bias_gelu"
 LINE = "// line {i:05d}: the kernel writes out float values, then a tail of plain text"

@@ -22,24 +22,9 @@ from cudagym.env.parsing import parse_text
 from cudagym.tasks.loaders import bundled_task
 from cudagym.train.trl import KernelRollout, RolloutConfig
 
-from tiny_lm import tiny_causal_lm, tiny_tokenizer
+from cudagym.train.tiny import kernel_texts, tiny_causal_lm, tiny_tokenizer
 
 TASK = "ew_scale_bias_gelu"
-
-
-def _corpus() -> list[str]:
-    """Texts the tokenizer is trained on: the prompts, the solution, tool results seen in episodes."""
-    from cudagym.agent.prompt import system_prompt
-    from cudagym.env.prompt import task_prompt
-    from cudagym.env.tools import Toolbox
-    from cudagym.tasks.model import Target
-
-    sp = ScriptedPolicy()
-    files = sp.solution_files(TASK, "cpu")
-    task = bundled_task(TASK).for_target(Target.CPU)
-    return [system_prompt("cpu", "strict", Toolbox().schemas(), hermes=True), task_prompt(task, Target.CPU),
-            *files.values(), '<tool_call>\n{"name": "write_file", "arguments": {"path": "model_new.py"}}\n</tool_call>',
-            "<tool_response>\n[compile] Compile succeeded\n[verify] Verify PASSED\n</tool_response>"]
 
 
 class Recorder:
@@ -57,7 +42,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = tiny_tokenizer(_corpus(), vocab_size=800, eos="<|end|>")
+    tok = tiny_tokenizer(kernel_texts([TASK]), vocab_size=800, eos="<|end|>")
     tok.padding_side = "left"
     return tok
 

@@ -107,6 +107,7 @@ class _Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     parse_errors: int = 0
+    tool_seconds: dict[str, float] = field(default_factory=dict)  # per tool: seconds its calls took
 
     def left(self) -> int | None:
         return None if self.budget is None else self.budget - len(self.prompt_ids) - len(self.completion_ids)
@@ -245,6 +246,8 @@ class KernelRollout:
             e.tool_calls += len(info.get("calls", []))
             e.tool_errors += sum(not c["ok"] for c in info.get("calls", []))
             e.parse_errors += bool(info.get("parse_error"))
+            for c in info.get("calls", []):
+                e.tool_seconds[c["name"]] = e.tool_seconds.get(c["name"], 0.0) + c["seconds"]
             if terminated or truncated:
                 e.done, e.terminated, e.truncated, e.truncated_by = True, terminated, truncated, info.get("truncated_by")
                 continue
@@ -312,7 +315,8 @@ class KernelRollout:
         return {"task_id": e.task_id, "guided": e.guided, "turns": e.turns, "terminated": e.terminated,
                 "truncated": e.truncated, "truncated_by": e.truncated_by, "tokens": len(e.prompt_ids) + len(e.completion_ids),
                 "budget": e.budget, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
-                "parse_errors": e.parse_errors, "milestone": v.milestone if v is not None else None,
+                "parse_errors": e.parse_errors, "tool_seconds": dict(e.tool_seconds),
+                "milestone": v.milestone if v is not None else None,
                 "reasons": list(e.reasons)}
 
     def close(self) -> None:
