@@ -118,6 +118,7 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
     medians: list[float] = []
     gaps: list[float | None] = []
     late: list[tuple[int, float | None]] = []
+    overheads: list[int | None] = []  # each job's own calibration, left out of its calls
     for _ in range(jobs):
         p = await ev.aprofile(task, ws)
         if not (p.ok and p.candidate is not None):
@@ -125,8 +126,11 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
         medians.append(p.candidate.median_ms)
         gaps.append(p.clock_gap_ms)
         late.append((p.late_launches, p.host_ms))
-    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late,
-            "cv": statistics.pstdev(medians) / statistics.fmean(medians)}
+        overheads.append(p.harness_overhead_ns)
+    raw = [m + (o or 0) / 1e6 for m, o in zip(medians, overheads)]
+    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late, "overheads_ns": overheads,
+            "cv": statistics.pstdev(medians) / statistics.fmean(medians),
+            "cv_with_overhead": statistics.pstdev(raw) / statistics.fmean(raw)}
 
 
 async def cudagym_phase(args: argparse.Namespace, problems: list[TimingProblem], cache: Path,
@@ -221,15 +225,19 @@ def ncu_summary(calls: list[list[tuple[str, float]]]) -> dict[str, Any]:
             "ncu_kernels": [[[name[:160], ms] for name, ms in c] for c in calls]}
 
 
-def ncu_phase(problems: list[TimingProblem], calls: int, work: Path) -> tuple[str, dict[str, dict[str, Any]]]:
-    """ncu's version, and its kernel time per call of each problem (one ncu run over all of them)."""
+def ncu_phase(problems: list[TimingProblem], calls: int, work: Path,
+              cache_control: str = "all") -> tuple[str, dict[str, dict[str, Any]]]:
+    """ncu's version, and its kernel time per call of each problem (one ncu run over all of them).
+    `cache_control` "all" (the acceptance's) flushes and invalidates every cache before each
+    kernel, the instruction and constant caches too, and a buffer the call wrote just before
+    the kernel (a reduction's zeroed semaphores); "none" leaves them as the call left them."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH: the ncu columns and the acceptance are skipped "
                            "(pass --no-ncu to skip it on purpose)")
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
     log, manifest_path = work / "ncu.csv", work / "ncu_manifest.json"
-    cmd = [ncu, "--csv", "--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off",
+    cmd = [ncu, "--csv", "--clock-control", "none", "--cache-control", cache_control, "--profile-from-start", "off",
            "--metrics", NCU_METRIC, "--log-file", str(log),
            *driver_cmd("ncu", "cuda", problems, calls, manifest_path)]
     manifest = run_driver(cmd, manifest_path, timeout_s=360)
@@ -314,7 +322,8 @@ def main_table(problems: list[TimingProblem], results: dict[str, dict[str, Any]]
 
 def spread_table(spread: dict[str, dict[str, Any]], cuda: bool) -> Table:
     t = Table(title="spread of the candidate median over separate profile jobs (fresh workers)")
-    for c in ("problem", "jobs", "median of medians ms", "min ms", "max ms", "CV", "target", "acceptance"):
+    for c in ("problem", "jobs", "median of medians ms", "min ms", "max ms", "CV", "target", "acceptance",
+              "CV with overhead left in", "overhead µs, min-max"):
         t.add_column(c)
     for name, s in spread.items():
         m = s["medians_ms"]
@@ -322,8 +331,10 @@ def spread_table(spread: dict[str, dict[str, Any]], cuda: bool) -> Table:
             t.add_row(name, str(len(m)), "-", "-", "-", "-", f"< {s['target_cv']:.0%}", f"error: {s['error'][:200]}")
             continue
         verdict = ("PASS" if s["cv"] < s["target_cv"] else "FAIL") if cuda else "n/a (CPU)"
+        o = [x / 1e3 for x in s.get("overheads_ns", []) if x is not None]
         t.add_row(name, str(len(m)), sig4(statistics.median(m)), sig4(min(m)), sig4(max(m)), f"{s['cv']:.2%}",
-                  f"< {s['target_cv']:.0%}", verdict)
+                  f"< {s['target_cv']:.0%}", verdict, f"{s['cv_with_overhead']:.2%}" if "cv_with_overhead" in s else "-",
+                  f"{min(o):.2f}-{max(o):.2f}" if o else "-")
     return t
 
 
@@ -333,6 +344,8 @@ def main() -> None:
     ap.add_argument("--problems", help="comma-separated problem names (default: all)")
     ap.add_argument("--out", type=Path, help="write every raw number to this JSON file")
     ap.add_argument("--no-ncu", action="store_true", help="skip Nsight Compute")
+    ap.add_argument("--ncu-cache-control", choices=("all", "none"), default="all",
+                    help="Nsight Compute's --cache-control (default all: what the acceptance compares with)")
     ap.add_argument("--quick", action="store_true", help="fewer calls and spread jobs (a plumbing check)")
     ap.add_argument("--spread", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the spread over separate profile jobs (default: on)")
@@ -381,7 +394,7 @@ def main() -> None:
             calls = 5 if args.quick else 20
             progress(f"[ncu] one Nsight Compute run over {len(problems)} problems, {calls} calls each")
             try:
-                report["ncu_version"], by_problem = ncu_phase(problems, calls, work)
+                report["ncu_version"], by_problem = ncu_phase(problems, calls, work, args.ncu_cache_control)
                 for name, n in by_problem.items():
                     results[name].update(n)
             except RuntimeError as e:

@@ -34,9 +34,13 @@ def check(
                                               "(a container per worker; `cudagym sandbox image build`).")] = "local",
     no_compile_baseline: Annotated[bool, typer.Option("--no-compile-baseline",
                                                       help="Skip the torch.compile baseline (no +3 milestone).")] = False,
+    server_gaps: Annotated[Optional[str], typer.Option(help="Also time in server mode: each call after an idle gap "
+                                                            "drawn from LOW,HIGH ms (e.g. 1,10), shown beside the "
+                                                            "offline time (the reward stays offline).")] = None,
 ) -> None:
     """Compile, verify and profile SOLUTION for TASK, and print the milestone reward with its reasons."""
     from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+    from cudagym.sandbox.protocol import TimingConfig
     from cudagym.sandbox.workspace import Workspace
     from cudagym.tasks.loaders import resolve_task
     from cudagym.tasks.model import optional_tolerance
@@ -51,8 +55,13 @@ def check(
         tolerance = optional_tolerance(atol, rtol)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--atol/--rtol") from None
+    try:
+        server_gap_ms = TimingConfig.parse_idle(server_gaps) if server_gaps else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--server-gaps") from None
     console = Console(stderr=True)
     cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline, sandbox=sandbox,
+                          server_gap_ms=server_gap_ms,
                           **({"cache_dir": cache_dir} if cache_dir else {}))
     try:
         t = resolve_task(task)
@@ -99,6 +108,11 @@ def _print_verdict(v: Verdict) -> None:
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     table.add_row("candidate / eager / torch.compile ms", f"{fmt(v.candidate_ms)} / {fmt(v.eager_ms)} / {fmt(v.compile_ms)}")
     table.add_row("speedup vs eager / compile", f"{fmt(v.speedup_vs_eager)} / {fmt(v.speedup_vs_compile)}")
+    if v.server is not None:
+        s, ms = v.server, (lambda t: None if t is None else t.median_ms)
+        table.add_row(f"server mode ({s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms gaps): ms",
+                      f"{fmt(ms(s.candidate))} / {fmt(ms(s.eager))} / {fmt(ms(s.compiled))}")
+        table.add_row("server mode: speedup vs eager / compile", f"{fmt(s.speedup_vs_eager)} / {fmt(s.speedup_vs_compile)}")
     console.print(table)
     for r in v.reasons:
         console.print(f"  • {r}")

@@ -119,34 +119,17 @@ def test_sft_export_keeps_correct_episodes_once_and_loads_through_trl(contrastiv
     _through_trl(out, tmp_path)
 
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
-    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<call>{{ c['function']['name'] }} "
-    "{{ c['function']['arguments'] }}</call>{% endfor %}{% endif %}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
 def _through_trl(path: Path, tmp_path: Path) -> None:
     """TRL's SFTTrainer prepares the export (chat template, tokenization) and takes one step
     with a tiny random model and a tokenizer built here."""
     from datasets import load_dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
+    from cudagym.train.tiny import tiny_causal_lm, tiny_tokenizer
+
     data = load_dataset("json", data_files=str(path), split="train")
-    special = ["<pad>", "<eos>", "<unk>", "<|end|>", "<call>", "</call>",
-               *(f"<|{r}|>" for r in ("system", "user", "assistant", "tool"))]
-    raw = Tokenizer(models.BPE(unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    texts = [m["content"] or "" for row in data for m in row["messages"]]
-    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=special,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tok.chat_template = CHAT_TEMPLATE
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=65536))
+    tok = tiny_tokenizer(m["content"] or "" for row in data for m in row["messages"])
+    model = tiny_causal_lm(tok)
     args = SFTConfig(output_dir=str(tmp_path / "trl"), max_steps=1, per_device_train_batch_size=1, max_length=2048,
                      report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", dataloader_num_workers=0)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)

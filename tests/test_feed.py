@@ -81,3 +81,45 @@ def test_reports_that_do_not_add_up_are_violations() -> None:
     assert "refused" in feed({"what": "call", "role": "candidate", "index": 5, "ms": 1.0}, 0.0)
     assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": float("nan")}, 0.0)
     assert len(feed.violations) == 3
+
+
+SERVER = CFG.model_copy(update={"idle_ms": (2.0, 9.0), "idle_seed": 7})
+
+
+def server_gaps(cfg: TimingConfig, role: str = "candidate", calls: int = 12) -> list[float]:
+    """The gaps a server-mode feed asks a worker to idle before each call; every call's wall
+    time is its gap plus 1 ms."""
+    feed, now, gaps, report = CallFeed(cfg, (role,)), 0.0, [], {}
+    for i in range(calls):
+        answer = feed({"what": "call", "role": role, "index": i, "ops": {}, **report}, now)
+        assert "refused" not in answer, answer
+        if answer.get("stop"):
+            break
+        gaps.append(answer.get("idle_ms", 0.0))
+        now += (answer.get("idle_ms", 0.0) + 1.0) / 1e3
+        report = {"ms": 0.5}
+    assert all(c.wall_ms is None or c.wall_ms == pytest.approx(1.0) for c in feed._roles[role].calls)  # gaps left out
+    return gaps
+
+
+def test_server_mode_asks_for_seeded_gaps_within_bounds_before_every_call() -> None:
+    gaps = server_gaps(SERVER)
+    assert len(gaps) >= 9 and all(2.0 <= g <= 9.0 for g in gaps) and len(set(gaps)) == len(gaps)
+    assert server_gaps(SERVER) == gaps  # seeded
+    assert server_gaps(SERVER.model_copy(update={"idle_seed": 8})) != gaps
+    assert server_gaps(SERVER, role="eager") != gaps  # each role its own
+    assert server_gaps(CFG) == [0.0] * len(server_gaps(CFG))  # offline: back to back
+
+
+def test_a_worker_that_skips_its_idle_gap_is_a_violation() -> None:
+    feed = CallFeed(SERVER, ("candidate",))
+    answer = feed({"what": "call", "role": "candidate", "index": 0, "ops": {}}, 0.0)
+    assert answer["idle_ms"] >= 2.0
+    refused = feed({"what": "call", "role": "candidate", "index": 1, "ops": {}, "ms": 0.5}, 0.0015)
+    assert "refused" in refused and "idle gap" in feed.violations[0]
+
+
+@pytest.mark.parametrize("gap", [(-1.0, 2.0), (5.0, 2.0), (0.0, 5000.0)])
+def test_server_gaps_out_of_bounds_are_refused(gap: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match="idle_ms"):
+        TimingConfig(idle_ms=gap)

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.verdict import ErrorKind
@@ -477,3 +478,36 @@ def test_forged_call_times_with_blinded_identity_checks_are_caught_on_the_gpu(tm
     v = ev.evaluate(task, ws)
     assert v.reward < 0 and v.error_kind == ErrorKind.TAMPER, v.summary()
     assert "own clock" in " ".join(v.reasons), v.reasons
+
+
+def test_the_close_kernel_reads_every_layout_of_output_as_indexing_does():
+    """`read_at_end` on a GPU: the close kernel's positions, strides and element sizes agree with
+    torch's own indexing, for contiguous, strided, offset, broadcast, many-dimensional and small
+    outputs of several dtypes."""
+    from cudagym.sandbox.timing import MAX_SAMPLED_OUTPUTS, DeviceTimer
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn(512, 384, device="cuda", generator=g)
+    outputs = [
+        big,                                              # contiguous
+        big.t().half(),                                   # transposed fp16 copy: contiguous
+        big.t(),                                          # transposed view
+        big[7:, 3::2],                                    # offset and strided
+        torch.randn(1, 384, device="cuda", generator=g).expand(640, 384),  # stride 0
+        (big > 0)[:40],                                   # bool
+        torch.randn(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, device="cuda", generator=g).transpose(0, 10),  # 11 dims
+        torch.arange(300, device="cuda", dtype=torch.int64).view(20, 15).t(),  # small: read whole
+        torch.randn(64, 64, device="cuda", generator=g, dtype=torch.complex64)[:, ::3],
+    ]
+    outputs += [big[i:] for i in range(MAX_SAMPLED_OUTPUTS)]  # past the close kernel's slots
+    timer = DeviceTimer(torch.device("cuda"))
+    read: list = []
+    timer.call(lambda: outputs, [], lambda outs: read.extend(timer.read_at_end(o) for o in outs))
+    assert len(read) == len(outputs)
+    for o, (values, positions) in zip(outputs, read):
+        if positions is None:
+            assert values.shape == o.shape and torch.equal(values, o)
+        else:
+            assert int(positions.min()) >= 0 and int(positions.max()) < o.numel()
+            assert len(set(positions.tolist())) > len(positions) // 2  # drawn, not constant
+            assert torch.equal(values, o.reshape(-1)[positions]), o.shape

@@ -13,21 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+from cudagym.rewards.evaluator import Evaluator
 from cudagym.rewards.verdict import ErrorKind
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, load_task_file
 
+import test_inline_build as inline_build
+import test_published_patterns as published
+from test_gpu import SOLUTIONS, ev  # noqa: F401 - the GPU evaluator fixture
+
 pytestmark = pytest.mark.gpu
-SOLUTIONS = Path(__file__).resolve().parent.parent / "examples" / "solutions"
 SEED_PATH = "built after the same seed"
-
-
-@pytest.fixture(scope="module")
-def ev(tmp_path_factory):
-    cfg = EvaluatorConfig(target="cuda", cache_dir=tmp_path_factory.mktemp("cache"), compile_baseline=False)
-    with Evaluator(cfg) as e:
-        yield e
 
 
 def gpu_workspace(root: Path, task_id: str, model_new: str, kernels: dict[str, str] | None = None):
@@ -110,43 +106,9 @@ def own(ext, x, residual, clamp_max):
     return out
 '''
 
-BUILT_IN_INIT = HEADER + '''
-
-class ModelNew(nn.Module):
-    def __init__(self, clamp_max):
-        super().__init__()
-        self.clamp_max = clamp_max
-        try:
-            self.ext = build()
-        except Exception:
-            self.ext = None
-
-    def forward(self, x, residual):
-        if self.ext is None:
-            return fallback(x, residual, self.clamp_max)
-        return own(self.ext, x, residual, self.clamp_max)
-'''
-
-BUILT_ON_FIRST_FORWARD = HEADER + '''
-
-class ModelNew(nn.Module):
-    def __init__(self, clamp_max):
-        super().__init__()
-        self.clamp_max = clamp_max
-        self.ext = None
-        self.tried = False
-
-    def forward(self, x, residual):
-        if not self.tried:
-            self.tried = True
-            try:
-                self.ext = build()
-            except Exception:
-                pass
-        if self.ext is None:
-            return fallback(x, residual, self.clamp_max)
-        return own(self.ext, x, residual, self.clamp_max)
-'''
+# The CPU tests' solutions (tests/test_inline_build.py), on this file's CUDA extension
+BUILT_IN_INIT = HEADER + inline_build.BUILT_IN_INIT[len(inline_build.HEADER):]
+BUILT_ON_FIRST_FORWARD = HEADER + inline_build.BUILT_ON_FIRST_FORWARD[len(inline_build.HEADER):]
 
 
 def unique(prefix: str) -> str:
@@ -180,7 +142,7 @@ def test_cuda_extension_that_does_not_compile_is_a_compile_error_not_a_fallback(
 
 
 # -- restructured and fused parameters -----------------------------------------------------------
-FUSED_MODEL = '''\
+FUSED_HEADER = '''\
 import ctypes
 import torch
 import torch.nn as nn
@@ -191,15 +153,8 @@ _lib.linear_bias_gelu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + 
 _lib.linear_bias_gelu.restype = ctypes.c_int
 
 
-class ModelNew(nn.Module):
-    def __init__(self, in_features, out_features):
-        super().__init__()
-        linear = nn.Linear(in_features, out_features)  # drawn as the reference draws them
-        extra = torch.randn(out_features) * 0.1
-        self.weight = nn.Parameter(linear.weight.detach().clone())
-        self.fused_bias = nn.Parameter(linear.bias.detach() + extra)  # two biases, one parameter
-
-    def forward(self, x):
+'''
+FUSED_FORWARD = '''    def forward(self, x):
         x = x.contiguous()
         n, k = self.weight.shape
         m = x.numel() // k
@@ -209,6 +164,9 @@ class ModelNew(nn.Module):
             raise RuntimeError(f"linear_bias_gelu launch failed: CUDA error {err}")
         return out
 '''
+_CPU_FUSED = published.FUSED_MODEL  # its __init__: parameters drawn as the reference draws them, biases fused
+FUSED_MODEL = (FUSED_HEADER + _CPU_FUSED[_CPU_FUSED.index("class ModelNew"):_CPU_FUSED.index("    def forward")]
+               + FUSED_FORWARD)
 
 
 def fused_kernel() -> str:

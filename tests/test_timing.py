@@ -22,10 +22,10 @@ def test_the_loop_makes_the_calls_the_parent_asks_for_with_each_calls_inputs() -
     reports: list[dict] = []
     seeds = iter([3, 5, 7])
 
-    def next_call(report: dict) -> tuple[int, bool] | None:
+    def next_call(report: dict) -> tuple[int, bool, float] | None:
         reports.append(report)
         seed = next(seeds, None)
-        return None if seed is None else (seed, seed == 5)  # the second call is a probe
+        return None if seed is None else (seed, seed == 5, 0.0)  # the second call is a probe
 
     def fn(a: torch.Tensor) -> torch.Tensor:
         return a * 2

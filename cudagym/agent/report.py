@@ -30,6 +30,7 @@ class GroupStats(BaseModel):
     geomean_vs_compile: float | None
     n_timed: int  # correct episodes with a speedup (the geomean's population)
     mean_reward: float
+    geomean_server_vs_eager: float | None = None  # server-mode timing (when the run asked for it)
 
 
 def _geomean(xs: list[float]) -> float | None:
@@ -52,6 +53,7 @@ def group_stats(name: str, episodes: list[dict[str, Any]]) -> GroupStats:
         geomean_vs_compile=_geomean([s for s in sc if s is not None]),
         n_timed=sum(1 for s in se if s is not None),
         mean_reward=sum(float(e.get("reward", 0.0)) for e in episodes) / n if n else 0.0,
+        geomean_server_vs_eager=_geomean([((e["verdict"].get("server") or {}).get("speedup_vs_eager")) for e in correct]),
     )
 
 
@@ -70,14 +72,16 @@ def render_table(rows: list[GroupStats], title: str = "cudagym results") -> Any:
     from rich.table import Table
 
     t = Table(title=title)
+    server = any(r.geomean_server_vs_eager is not None for r in rows)
     for col in ("group", "episodes", "pass rate", "faster than eager", "faster than compile",
-                "geomean vs eager", "geomean vs compile", "mean reward"):
+                "geomean vs eager", "geomean vs compile", *(["geomean vs eager (server)"] if server else []), "mean reward"):
         t.add_column(col, justify="left" if col == "group" else "right")
     pct = lambda x: f"{x * 100:.1f}%"  # noqa: E731
     gm = lambda x, n: "n/a" if x is None else f"{x:.3f}x (n={n})"  # noqa: E731
     for r in rows:
+        extra = ["n/a" if r.geomean_server_vs_eager is None else f"{r.geomean_server_vs_eager:.3f}x"] if server else []
         t.add_row(r.group, str(r.episodes), pct(r.pass_rate), pct(r.faster_than_eager), pct(r.faster_than_compile),
-                  gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_timed), f"{r.mean_reward:+.2f}")
+                  gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_timed), *extra, f"{r.mean_reward:+.2f}")
     return t
 
 

@@ -59,6 +59,7 @@ class RunConfig(BaseModel):
     contrastive: int = Field(default=0, ge=0)
     require_analysis: bool = False
     analysis_reward: float = 0.0
+    server_gap_ms: tuple[float, float] | None = None  # server-mode timing beside offline (CUDA-L2): idle gaps, ms
 
 
 class RunSummary(BaseModel):
@@ -97,7 +98,7 @@ def make_evaluator(cfg: RunConfig) -> Any:
     evaluation pool on Ray (backend ``ray``, `cudagym.pool`), started on ``cfg.ray_address``."""
     from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 
-    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox)
+    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox, server_gap_ms=cfg.server_gap_ms)
     if cfg.backend == "ray":
         from cudagym.pool import EvalPool, PoolConfig
 

@@ -120,6 +120,11 @@ def format_profile(r: ProfileResult, budget: int) -> str:
         f"torch.compile: {_ms(r.compiled)}",
         f"Speedup vs eager {_x(r.speedup_vs_eager)}, vs torch.compile {_x(r.speedup_vs_compile)}.",
     ]
+    if r.server is not None:
+        s = r.server
+        lines.append(f"Server mode (calls after {s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms idle gaps): ModelNew {_ms(s.candidate)}, "
+                     f"eager {_ms(s.eager)}, torch.compile {_ms(s.compiled)}; speedup vs eager "
+                     f"{_x(s.speedup_vs_eager)}, vs torch.compile {_x(s.speedup_vs_compile)}.")
     lines.extend(f"- {x}" for x in r.reasons)
     if r.ncu:
         lines.append("Nsight Compute metrics:")

@@ -22,7 +22,12 @@ class CharEstimate:
 
 
 class TokenizerCounter:
-    """Exact counts from a `tokenizers.Tokenizer` (the Hugging Face `tokenizers` library)."""
+    """Exact counts from a real tokenizer: a `tokenizers.Tokenizer` or a `transformers` tokenizer
+    (the one the trainer uses, so that the env's budget and the trainer's sequence lengths agree).
+
+    Text is counted without special tokens; the tokens a chat template adds around a message are
+    the caller's to declare (`EnvConfig.message_overhead_tokens`).
+    """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -36,4 +41,5 @@ class TokenizerCounter:
     def count(self, text: str) -> int:
         if not text:
             return 0
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        return len(enc.ids) if hasattr(enc, "ids") else len(enc)

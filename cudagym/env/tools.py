@@ -234,6 +234,17 @@ class Toolbox:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
 
+    def accepts(self, call: ToolCall) -> bool:
+        """Whether `call` names one of these tools with valid arguments (it may still fail when run)."""
+        spec = self.tools.get(call.name)
+        if spec is None:
+            return False
+        try:
+            spec.args.model_validate(call.arguments)
+        except ValidationError:
+            return False
+        return True
+
     async def run(self, ctx: ToolContext, call: ToolCall) -> ToolResult:
         """Run one call. Every failure becomes an error result, never an exception."""
         t0 = time.perf_counter()

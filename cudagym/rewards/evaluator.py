@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from cudagym.rewards.audit import forbidden_ops
 from cudagym.rewards.compare import Comparison, compare_outputs, decode_tensor
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
 from cudagym.rewards.verdict import (
-    AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, TimingStats, Verdict, VerifyResult,
+    AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, ServerTiming, TimingStats, Verdict, VerifyResult,
 )
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
@@ -60,6 +60,24 @@ class EvaluatorConfig(BaseModel):
     spare_workers: int | None = None  # warm spare workers per device (None: 6 per GPU, 2 on the CPU)
     sandbox: Literal["local", "docker"] = "local"  # where workers run: processes here, or containers
     docker: DockerSandboxConfig = Field(default_factory=DockerSandboxConfig)  # the docker backend's settings
+    # Server mode beside offline in every profile: each call after an idle gap drawn from this
+    # range (ms; `TimingConfig.idle_ms`), at most server_calls timed calls. None: offline only.
+    server_gap_ms: tuple[float, float] | None = None
+    server_calls: int = 100
+
+    @field_validator("server_gap_ms")
+    @classmethod
+    def _server_gap(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        return TimingConfig(idle_ms=v).idle_ms  # its bounds
+
+    def server_timing(self) -> TimingConfig | None:
+        """The timing of server-mode jobs (None: not asked for)."""
+        if self.server_gap_ms is None:
+            return None
+        t = self.timing
+        return TimingConfig.model_validate({**t.model_dump(), "idle_ms": self.server_gap_ms,
+                                            "max_calls": min(t.max_calls, self.server_calls),
+                                            "min_calls": min(t.min_calls, self.server_calls)})
 
 
 def resolve_target(target: str) -> Target:
@@ -218,7 +236,7 @@ class Evaluator:
         return Job(kind=kind, nonce=secrets.token_hex(16), task_id=task.id, task_code=task.code, dtype=task.dtype,
                    device=self.device, workspace=str(ws.root) if ws else "", cache_dir=str(self.config.cache_dir / "build"),
                    mode=self.config.mode, seed=secrets.randbits(62), verify=self.config.verify,
-                   timing=self.config.timing, limits=self.config.limits, **kw)
+                   timing=kw.pop("timing", self.config.timing), limits=self.config.limits, **kw)
 
     # -- compile ----------------------------------------------------------------------------
     async def acompile(self, task: Task, workspace: Workspace) -> CompileResult:
@@ -385,10 +403,12 @@ class Evaluator:
                             error="\n".join(reasons) or None, reasons=reasons)
 
     # -- profile ----------------------------------------------------------------------------
-    async def abaselines(self, task: Task) -> dict[str, Any]:
-        """Eager and torch.compile timings of the reference (measured once, then cached)."""
+    async def abaselines(self, task: Task, timing: TimingConfig | None = None) -> dict[str, Any]:
+        """Eager and torch.compile timings of the reference under `timing` (default: the
+        config's), measured once, then cached."""
         task = task.for_target(self._target)
-        key = BaselineCache.key(task.digest, self.device_name, self.config.timing, self.config.compile_baseline)
+        timing = timing or self.config.timing
+        key = BaselineCache.key(task.digest, self.device_name, timing, self.config.compile_baseline)
         cached = self.baselines.get(key)
         if cached is not None:
             return {**cached, "cached": True}
@@ -401,11 +421,11 @@ class Evaluator:
                 return {**cached, "cached": True}
             cache = self.config.cache_dir
             job = self._job("baseline", task, None, with_compile_baseline=self.config.compile_baseline,
-                            writable=[str(cache / "home")])
+                            writable=[str(cache / "home")], timing=timing)
             # Only the trusted reference runs here; inductor writes large precompiled headers.
             job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600),
                                                        "max_file_mb": 4096, "memory_mb": max(job.limits.memory_mb, 16384)})
-            feed = CallFeed(self.config.timing, ("eager", "compiled"))
+            feed = CallFeed(timing, ("eager", "compiled"))
             o = await self.sandbox.run(job, self.device, feed)
             failure = _outcome_failure(o, "baseline")
             if failure or feed.violations:
@@ -420,21 +440,42 @@ class Evaluator:
             lock.release()
 
     async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
-        """Time the candidate against cached baselines; re-check outputs of timed calls."""
+        """Time the candidate against cached baselines; re-check outputs of timed calls. With
+        `server_gap_ms` configured, a second job in server mode (`ServerTiming`), held to the
+        same checks: a failure there fails the profile."""
         t0 = time.perf_counter()
         task = task.for_target(self._target)
         built = await self.toolchain.abuild(workspace, self._target)
         if not built.ok:
             return ProfileResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors))
+        result = await self._timed_profile(task, workspace, built, self.config.timing, t0)
+        server = self.config.server_timing()
+        if result.ok and server is not None and server.idle_ms is not None:
+            s = await self._timed_profile(task, workspace, built, server, time.perf_counter())
+            if not s.ok or s.candidate is None:
+                why = [f"server mode ({server.idle_ms[0]:g}-{server.idle_ms[1]:g} ms gaps): {r}" for r in s.reasons]
+                return s.model_copy(update={"reasons": why or ["server mode failed"], "seconds": time.perf_counter() - t0})
+            result.server = ServerTiming(gap_ms=server.idle_ms, candidate=s.candidate, eager=s.eager, compiled=s.compiled,
+                                         speedup_vs_eager=s.speedup_vs_eager, speedup_vs_compile=s.speedup_vs_compile)
+            result.breakdown["server_s"] = s.seconds
+        if ncu and self._target == Target.CUDA:
+            from cudagym.sandbox.ncu import ncu_summary
+
+            result = result.model_copy(update={"ncu": await ncu_summary(self, task, workspace, built.artifact_dir)})
+        return result.model_copy(update={"seconds": time.perf_counter() - t0})
+
+    async def _timed_profile(self, task: Task, workspace: Workspace, built: Any, timing: TimingConfig,
+                             t0: float) -> ProfileResult:
+        """One profile job under `timing` against its baselines, with every check of `aprofile`."""
         t_built = time.perf_counter()
-        base = await self.abaselines(task)
+        base = await self.abaselines(task, timing)
         t_base = time.perf_counter()
         if "error" in base:
             return ProfileResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"baseline failed: {base['error']}",
                                  seconds=time.perf_counter() - t0)
         init_seed = secrets.randbits(62) | 1
-        feed = CallFeed(self.config.timing, ("candidate",))
-        job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed)
+        feed = CallFeed(timing, ("candidate",))
+        job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, timing=timing)
         o = await self.sandbox.run(job, self.device, feed)
         t_job = time.perf_counter()
         failure = _outcome_failure(o, "profile")
@@ -447,7 +488,7 @@ class Evaluator:
             _release_later(o)
             return ProfileResult(ok=False, error_kind=failure[0], error=failure[1], reasons=[failure[1].splitlines()[0]],
                                  seconds=time.perf_counter() - t0)
-        why = await self._recheck(task, o, feed, init_seed)
+        why = await self._recheck(task, o, feed, init_seed, timing.recheck_calls)
         _release_later(o)
         t_cmp = time.perf_counter()
         if why:
@@ -463,7 +504,7 @@ class Evaluator:
                                  seconds=time.perf_counter() - t0)
         cand = TimingStats.from_samples(times)
         gap = feed.clock_gap_ms("candidate")
-        slack = self.config.timing.clock_slack_ms + self.config.timing.clock_slack_rel * cand.median_ms
+        slack = timing.clock_slack_ms + timing.clock_slack_rel * cand.median_ms
         if gap is not None and gap > slack and self._target == Target.CUDA:
             why = (f"the reported call times are {gap:.4f} ms per call below what the evaluator's own clock saw "
                    f"(median {cand.median_ms:.4f} ms reported; allowed {slack:.4f} ms): forged or tampered timing")
@@ -490,7 +531,7 @@ class Evaluator:
             result.late_launches, result.host_ms = feed.late_launches("candidate")
             if result.late_launches * 2 > len(times):
                 reasons.append(f"{result.late_launches} of {len(times)} timed calls took the host longer than the "
-                               f"{self.config.timing.launch_window_us / 1e3:g} ms launch window to launch (median "
+                               f"{timing.launch_window_us / 1e3:g} ms launch window to launch (median "
                                f"{result.host_ms:.3f} ms): their times include that host work")
         if diag.get("gate_holds_every_sm") is False:
             reasons.append("the timer's gate kernels cannot fill every SM of this GPU: work on a stream that does not "
@@ -503,20 +544,17 @@ class Evaluator:
                    f"({floor_ms:.4f} ms at the device's peak bandwidth/FLOP rate)")
             result = result.model_copy(update={"ok": False, "error_kind": ErrorKind.IMPLAUSIBLE, "error": why,
                                                "reasons": [*reasons, why]})
-        if ncu and self._target == Target.CUDA:
-            from cudagym.sandbox.ncu import ncu_summary
-
-            result = result.model_copy(update={"ncu": await ncu_summary(self, task, workspace, built.artifact_dir)})
         breakdown = {"build_check_s": t_built - t0, "baselines_s": t_base - t_built, "job_s": t_job - t_base,
                      **_job_breakdown("candidate", o), "compare_s": t_cmp - t_job,
                      "stats_s": time.perf_counter() - t_cmp}
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 
-    async def _recheck(self, task: Task, o: JobOutcome, feed: CallFeed, init_seed: int) -> tuple[ErrorKind, str] | None:
+    async def _recheck(self, task: Task, o: JobOutcome, feed: CallFeed, init_seed: int,
+                       calls: int) -> tuple[ErrorKind, str] | None:
         """Compare the samples of timed calls drawn by the parent with a reference-only worker's
         outputs for the same seeds (and parameters); the failure if they differ."""
         wrong = "outputs of timed calls are wrong: "
-        picks = feed.recheck_sample("candidate", self.config.timing.recheck_calls)
+        picks = feed.recheck_sample("candidate", calls)
         if not picks:
             return ErrorKind.TAMPER, "no timed call could be re-checked"
         k = len(picks)

@@ -59,6 +59,7 @@ def milestone_verdict(
         candidate_ms=p.candidate.median_ms if p.candidate else None,
         speedup_vs_eager=p.speedup_vs_eager,
         speedup_vs_compile=p.speedup_vs_compile,
+        server=p.server,
     )
     beats_eager = p.speedup_vs_eager is not None and p.speedup_vs_eager > 1 + cfg.eager_margin
     beats_compile = p.speedup_vs_compile is not None and p.speedup_vs_compile > 1 + cfg.compile_margin

@@ -103,6 +103,19 @@ class VerifyResult(BaseModel):
     breakdown: dict[str, float] = Field(default_factory=dict)  # where the seconds went
 
 
+class ServerTiming(BaseModel):
+    """Times of calls that arrive after random idle gaps (server mode, `TimingConfig.idle_ms`),
+    beside the offline ones of back-to-back calls: a separate job for the candidate and for the
+    baselines, under the same protocol."""
+
+    gap_ms: tuple[float, float]
+    candidate: TimingStats
+    eager: TimingStats | None = None
+    compiled: TimingStats | None = None
+    speedup_vs_eager: float | None = None
+    speedup_vs_compile: float | None = None
+
+
 class ProfileResult(BaseModel):
     ok: bool
     candidate: TimingStats | None = None
@@ -123,6 +136,7 @@ class ProfileResult(BaseModel):
     baselines_cached: bool = False
     telemetry: dict[str, Any] = Field(default_factory=dict)
     ncu: dict[str, Any] | None = None
+    server: ServerTiming | None = None  # server mode, when asked for (`EvaluatorConfig.server_gap_ms`)
     error_kind: ErrorKind | None = None
     error: str | None = None
     reasons: list[str] = Field(default_factory=list)
@@ -143,6 +157,7 @@ class Verdict(BaseModel):
     candidate_ms: float | None = None
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
+    server: ServerTiming | None = None  # server-mode times beside these (when asked for); not rewarded
     reasons: list[str] = Field(default_factory=list)
     error: str | None = None
     error_kind: ErrorKind | None = None

@@ -28,6 +28,7 @@ probe's own time, which the candidate could shrink too, is a few microseconds.
 from __future__ import annotations
 
 import math
+import random
 import secrets
 import statistics
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class Call:
     ms: float | None = None  # the worker's measured time of the call
     probe: bool = False  # the harness's tiny kernel, not the model
     host_ms: float | None = None  # the worker's host span of the call (`DeviceTimer.host_ms`; diagnostic)
+    idle_ms: float = 0.0  # server mode: the gap the worker idled before the call (left out of wall_ms)
 
 
 def _violation(violations: list[str], why: str) -> dict[str, Any]:
@@ -84,6 +86,7 @@ class _Role:
     timed_n: int = 0  # model calls after warm-up
     stopped: bool = False
     ops: dict[str, int] = field(default_factory=dict)  # cumulative op counts, as last reported
+    gaps: random.Random | None = None  # server mode: the role's idle gaps
 
 
 class CallFeed:
@@ -114,7 +117,8 @@ class CallFeed:
                 return _violation(self.violations, f"calls of {role_name!r} began before {expected!r} ended")
             if list(self.roles).index(role_name) != len(self._roles):
                 return _violation(self.violations, f"calls of {role_name!r} out of order")
-            self._roles[role_name] = _Role()
+            gaps = None if self.cfg.idle_ms is None else random.Random(f"{self.cfg.idle_seed}:{role_name}")
+            self._roles[role_name] = _Role(gaps=gaps)
         role = self._roles[role_name]
         if role.stopped or index != len(role.calls):
             return _violation(self.violations, f"call {index!r} of {role_name!r} was asked for out of order "
@@ -127,8 +131,9 @@ class CallFeed:
             return {"stop": True}
         seed = secrets.randbits(62)
         probe = len(role.calls) % PROBE_EVERY == PROBE_EVERY - 1
-        role.calls.append(Call(seed=seed, asked_s=arrived_s, probe=probe))
-        return {"seed": seed, "probe": probe}
+        idle_ms = role.gaps.uniform(*self.cfg.idle_ms) if role.gaps is not None and self.cfg.idle_ms else 0.0
+        role.calls.append(Call(seed=seed, asked_s=arrived_s, probe=probe, idle_ms=idle_ms))
+        return {"seed": seed, "probe": probe, **({"idle_ms": idle_ms} if idle_ms else {})}
 
     def _take_report(self, role: _Role, request: dict[str, Any], arrived_s: float) -> str | None:
         """Record the previous call's report and the role's op counts; a reason if they do not add up."""
@@ -141,7 +146,11 @@ class CallFeed:
             host = request.get("host_ms")
             if isinstance(host, (int, float)) and not isinstance(host, bool) and math.isfinite(host):
                 prev.host_ms = float(host)
-            prev.wall_ms = (arrived_s - prev.asked_s) * 1e3
+            wall_ms = (arrived_s - prev.asked_s) * 1e3
+            if wall_ms < prev.idle_ms:  # the worker gets the gap after `asked_s` and idles it before the call
+                return (f"call {len(role.calls) - 1} was reported {wall_ms:.3f} ms after it was asked for, before its "
+                        f"{prev.idle_ms:.3f} ms idle gap could end (server mode)")
+            prev.wall_ms = wall_ms - prev.idle_ms
         ops = request.get("ops") or {}
         if not isinstance(ops, dict) or not all(isinstance(v, int) for v in ops.values()):
             return "the op counts reported are malformed"

@@ -37,8 +37,8 @@ from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
-from cudagym.sandbox.protocol import Job, encode_frame_head
-from cudagym.sandbox.timing import DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
+from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
+from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -739,7 +739,6 @@ def _telemetry() -> dict[str, Any]:
         return {"error": str(e)[:200]}
 
 
-SAMPLE_SIZE = 2048  # elements of each output of every timed-loop call sent to the parent (all, if fewer)
 
 
 def op_watch() -> Any:
@@ -771,29 +770,32 @@ def _probe_fn(p: Problem) -> Any:
     return fill
 
 
-def job_overhead_ns(p: Problem) -> int | None:
-    """The timer's overhead, measured for this job (GPU; before any candidate code loads, with the
-    spares that are still starting paused): measured once per process while a spare waits, it
-    read up to the 20 us cap in some processes on an H100 (other spares creating their CUDA
-    contexts), and calls shorter than it then read 0."""
-    return harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
+def job_timer(p: Problem, job: Job) -> DeviceTimer:
+    """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
+    with the spares that are still starting paused) on a separate timer without the flush
+    (`harness_overhead_ns`). Measured once per process while a spare waits, it read up to the
+    20 us cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
+    shorter than it then read 0. Measured on the job's own timer (its flush, gate and window) it
+    read 1-1.5 us more on an H100, whether the output it samples was cold or hot in the L2, and
+    put small kernels further from Nsight Compute (a 1 us relu read 0; softmax's spread over 10
+    jobs was 5.6% and 4.0% against 3.2%: `benchmarks/bench_baselines.py`, branch `selfcal`)."""
+    overhead = harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
+    return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=overhead)
 
 
-def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases,
-                overhead_ns: int | None = None) -> int:
+def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer) -> int:
     """Make the calls of `role` that the parent asks for, under the timing protocol
     (`cudagym.sandbox.timing`); returns how many were made.
 
     The same steps for every role and every call: the op counter armed around the call (the
-    candidate's cumulative counts go with each request), a sample of every output taken right
-    after the call ends (`SAMPLE_SIZE` secret random positions, drawn after the call returned)
-    and sent with the call's time before the next call is asked for. The calls the parent marks
+    candidate's cumulative counts go with each request), a sample of every output read at
+    the call's end (`DeviceTimer.read_at_end`: `SAMPLE_SIZE` secret random positions, drawn
+    after the call returned; on a GPU, by the close kernel while it holds every SM) and sent with the call's time before the next call is asked for. The calls the parent marks
     as probes call a tiny kernel of the harness instead, through the same steps.
     """
     rng = secrets.SystemRandom()
-    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
-                        overhead_ns=overhead_ns)
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
+    timeouts = timer.close_timeouts()  # a baseline job's roles share one timer
     overhead = timer.overhead_ns
     sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
     watch = op_watch()
@@ -820,12 +822,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
             watch.disarm()
 
     def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
-        o = o.detach()
-        if o.numel() <= SAMPLE_SIZE:
-            return o.shape, None, o.clone()
-        gen = torch.Generator(device=o.device).manual_seed(rng.getrandbits(62))
-        idx = torch.randint(o.numel(), (SAMPLE_SIZE,), device=o.device, generator=gen)
-        return o.shape, idx, o.reshape(-1)[idx]
+        values, idx = timer.read_at_end(o, SAMPLE_SIZE)
+        return o.shape, idx, values
 
     def after(i: int, out: Any) -> dict[str, Any]:
         pending.extend(sample(o) for o in as_outputs(out, who, p.device))
@@ -845,7 +843,9 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         if answer.get("stop"):
             return None
         made[0] += 1
-        return int(answer["seed"]), bool(answer.get("probe"))
+        idle_ms = answer.get("idle_ms", 0.0)
+        idle_s = min(max(float(idle_ms), 0.0), MAX_IDLE_MS) / 1e3 if isinstance(idle_ms, (int, float)) else 0.0
+        return int(answer["seed"]), bool(answer.get("probe")), idle_s
 
     def probed(*args: Any) -> Any:  # the op counter goes through the same arm/disarm
         watch.arm()
@@ -859,7 +859,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = overhead
-        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts()
+        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts() - timeouts
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     check_tamper()
     p.intact()
@@ -887,11 +887,11 @@ def run_profile(job: Job, ch: Channel) -> None:
     check = check_tamper  # bound before any candidate code runs
     ph = Phases()
     p = Problem(job, with_candidate=False)
-    overhead = job_overhead_ns(p)
+    timer = job_timer(p, job)
     p.load_candidate()
     ph.mark("load")
     tele0 = _telemetry() if p.device.type == "cuda" else {}
-    calls = _timing_run(p, p.cand, job, ch, "candidate", ph, overhead)
+    calls = _timing_run(p, p.cand, job, ch, "candidate", ph, timer)
     check()
     tele1 = _telemetry() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
@@ -905,8 +905,8 @@ def run_baseline(job: Job, ch: Channel) -> None:
     """The reference's timed loops (eager, then torch.compile), under the candidate's protocol."""
     ph = Phases()
     p = Problem(job, with_candidate=False)
-    overhead = job_overhead_ns(p)
-    _timing_run(p, p.ref, job, ch, "eager", ph, overhead)
+    timer = job_timer(p, job)
+    _timing_run(p, p.ref, job, ch, "eager", ph, timer)
     body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}
     if job.with_compile_baseline:
         try:
@@ -917,7 +917,7 @@ def run_baseline(job: Job, ch: Channel) -> None:
         except Exception as e:  # noqa: BLE001
             body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         else:
-            _timing_run(p, compiled, job, ch, "compiled", ph, overhead)
+            _timing_run(p, compiled, job, ch, "compiled", ph, timer)
     body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
     ch.final({**body, "phases": ph.times, "diagnostics": ph.extra})
 

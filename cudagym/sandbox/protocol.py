@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from cudagym.rewards.verdict import AuditMode
 
@@ -29,6 +29,9 @@ class VerifyConfig(BaseModel):
     scaled_trial: bool = True  # one trial with floating inputs scaled x3 (another distribution)
     min_own_share: float = 0.3  # permissive mode: share of device time in the candidate's kernels
     settle_ms: float = 20.0  # wait before re-reading an output, to catch work finishing late
+
+
+MAX_IDLE_MS = 1000.0  # the longest gap server mode may idle before a call
 
 
 class TimingConfig(BaseModel):
@@ -53,6 +56,28 @@ class TimingConfig(BaseModel):
     # on a loaded 2-core CPU -13 to +30 ms at 2-19 ms calls, so the CPU target only reports it
     clock_slack_ms: float = 1.0
     clock_slack_rel: float = 1.0
+    # Server mode (`ServerTiming`): before every call (warm-up and probes too, so that nothing
+    # tells them apart) the worker idles a gap drawn uniformly from idle_ms, from a generator
+    # seeded by idle_seed and the role: calls arrive at random intervals, not back to back, so
+    # the GPU's clocks and the host are not warm as in a loop. None: offline (back to back).
+    idle_ms: tuple[float, float] | None = None
+    idle_seed: int = 0
+
+    @staticmethod
+    def parse_idle(text: str) -> tuple[float, float]:
+        """'LOW,HIGH' in ms (a command line's server-mode gaps) as `idle_ms`; ValueError if not."""
+        try:
+            low, high = (float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"server-mode gaps are LOW,HIGH in ms (e.g. 1,10), not {text!r}") from None
+        return TimingConfig(idle_ms=(low, high)).idle_ms  # type: ignore[return-value]
+
+    @field_validator("idle_ms")
+    @classmethod
+    def _gap_bounds(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not 0.0 <= v[0] <= v[1] <= MAX_IDLE_MS:
+            raise ValueError(f"idle_ms must be (low, high) with 0 <= low <= high <= {MAX_IDLE_MS:g} ms, not {v}")
+        return v
 
 
 class LimitsConfig(BaseModel):

@@ -26,24 +26,28 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
    CPU, copied in by a copy engine, which the gate does not hold): only work ordered after
    the start event sees the inputs;
 4. the timer's stream waits for the caller's stream, then runs the *close gate* kernel: the
-   same blocks, which exit only once all of them have been resident at once, so once no kernel
-   of the call, on any stream, still holds an SM. Then the end event. The close kernel is
-   issued after the call returned on the host, so host work that ends after the window is
-   timed. A re-checked
-   call's outputs are sampled right here, on the timer's stream (`after`);
+   same blocks, which go on only once all of them have been resident at once, so once no
+   kernel of the call, on any stream, still holds an SM. While they all still hold the SMs they
+   read the call's output samples (`DeviceTimer.read_at_end`: secret positions from a seed drawn
+   after the call returned), then exit. Then the end event. The close kernel is issued after the
+   call returned on the host, so host work that ends after the window is timed;
 5. synchronize the device, then a last event on the timer's stream; the call's time is read.
 
 A call's time is end event less start event, less the harness's overhead: that interval for a
 call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
 stream), the median of `CALIBRATION_CALLS` calls launched within the window, measured by each
-timing job before any candidate code is loaded (`harness.job_overhead_ns`), at most
+timing job before any candidate code is loaded (`harness.job_timer`), at most
 `MAX_OVERHEAD_NS`. So an honest call
 reads what events right around it on its own stream read.
 
-What the SMs do not show is work on the copy engines (`cudaMemcpyAsync`, memsets) on a stream
-the caller's stream never waits for:
-- after the end event: a re-checked call's outputs are sampled as soon as the close kernel ends,
-  so an output still being written by a copy is a mismatch; if the close kernel gives up
+What the SMs do not show is work on a stream the caller's stream never waits for that is not
+running when the close kernel's blocks all become resident: a copy engine's copy, or a kernel
+that becomes ready at that moment and loses the race for the SMs to the close kernel (on an
+H100, a device-to-device `cudaMemcpyAsync` on such a stream read 0.066 ms where the honest call
+read 0.061, and its output was complete when sampled after the end event, as the harness then
+did). So the samples are read inside the close kernel, not after it:
+- at the close: an output still being written by a copy, or not yet written by a kernel that
+  could not start, is read as it is: a mismatch; if the close kernel gives up
   (`CLOSE_TIMEOUT_NS`: something held an SM that long), the call runs to the last event, less
   `TAIL_ALLOWANCE_MS`;
 - during the launch window: a copy may run, but the inputs do not yet hold the call's values
@@ -66,6 +70,7 @@ import ctypes
 import functools
 import gc
 import os
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -75,13 +80,16 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-6"  # 6: a 1 ms window; the inputs take their values at its end
+PROTOCOL_VERSION = "gated-events-7"  # 7: outputs sampled by the close kernel (6: a 1 ms window)
 
 CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
 MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
 CLOSE_TIMEOUT_NS = 1_000_000_000  # the close kernel gives up after this long
 TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
 GATE_THREADS = 256
+SAMPLE_SIZE = 2048  # elements of each output of a call read at its end (`DeviceTimer.read_at_end`; all, if fewer)
+MAX_SAMPLED_OUTPUTS = 16  # outputs of one call the close kernel reads (more are read before it)
+MAX_SAMPLED_DIMS = 8  # dimensions of a non-contiguous output the close kernel reads (more: made contiguous first)
 
 _GATE_SOURCE = r"""
 #define THREADS GATE_THREADS
@@ -90,12 +98,13 @@ __device__ __forceinline__ unsigned long long now_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-// gate[0]: blocks of the close kernel that arrived; gate[1]: kept reads; gate[2]: close timeouts
+// gate[0]: blocks of the close kernel that arrived; gate[1]: kept reads; gate[2]: close timeouts;
+// gate[3]: blocks of the close kernel that read their share of the samples
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns,
                   const long long* copies, int n_copies) {
     unsigned long long t0 = now_ns();
-    if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = 0u;
+    if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = gate[3] = 0u;
     while (now_ns() - t0 < window_ns) {}
     // only now do the call's input buffers take this call's values: copies[3c..3c+2] = src, dst, bytes
     const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
@@ -116,14 +125,68 @@ cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned 
     for (unsigned long long i = tid; i < words; i += stride) acc ^= p[i];
     if (acc == 0x9e3779b97f4a7c15ull) gate[1] = 1u;  // the buffer is zeros: never, but the reads stay
 }
+// A call's sampled outputs, read by the close kernel (`DeviceTimer.read_at_end`): `count`
+// elements of `src` (`numel` elements of `elem_size` bytes, `ndim` sizes and strides, in
+// elements) at positions drawn from the close's seed (all of them, in order, if count == numel),
+// copied to `values`; the positions to `positions` (if not null).
+struct Sampled {
+    unsigned long long src, values, positions;
+    long long numel, count, elem_size, ndim;
+    long long sizes[MAX_DIMS], strides[MAX_DIMS];
+};
+struct Samples {
+    unsigned long long seed;
+    long long n;
+    Sampled out[MAX_SAMPLED];
+};
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns) {
+cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns, const Samples samples) {
+    __shared__ int gave_up;
     if (threadIdx.x == 0) {
+        gave_up = 0;
         unsigned long long t0 = now_ns();
         atomicAdd(gate, 1u);
         volatile unsigned int* arrived = gate;
         while (*arrived < blocks) {
-            if (now_ns() - t0 > timeout_ns) { atomicAdd(gate + 2, 1u); break; }
+            if (now_ns() - t0 > timeout_ns) { atomicAdd(gate + 2, 1u); gave_up = 1; break; }
+        }
+    }
+    __syncthreads();
+    if (samples.n == 0) return;
+    // Every block is resident: no other kernel holds an SM, and none can start before the last
+    // block below has read its share. What the call left unwritten now stays unwritten here.
+    const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
+    for (int o = 0; o < (int)samples.n; ++o) {
+        const Sampled& s = samples.out[o];
+        for (unsigned long long i = tid; i < (unsigned long long)s.count; i += stride) {
+            long long flat = (long long)i;
+            if (s.count != s.numel)
+                flat = (long long)((mix64(samples.seed + 0x9e3779b97f4a7c15ull * ((unsigned long long)o << 32 | i)) >> 11)
+                                   % (unsigned long long)s.numel);
+            long long off = 0, rest = flat;
+            for (int d = (int)s.ndim - 1; d >= 0; --d) {
+                off += (rest % s.sizes[d]) * s.strides[d];
+                rest /= s.sizes[d];
+            }
+            const volatile unsigned char* from = (const volatile unsigned char*)s.src + off * s.elem_size;
+            unsigned char* to = (unsigned char*)s.values + i * s.elem_size;
+            for (int b = 0; b < (int)s.elem_size; ++b) to[b] = from[b];
+            if (s.positions) ((long long*)s.positions)[i] = flat;
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long t0 = now_ns();
+        atomicAdd(gate + 3, 1u);
+        volatile unsigned int* read = gate + 3;
+        while (!gave_up && *read < blocks) {
+            if (now_ns() - t0 > timeout_ns) break;
         }
     }
     __syncthreads();
@@ -133,7 +196,23 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
 
 def gate_source(blocks_per_sm: int) -> str:
     """The gate kernels' CUDA source for GPUs that keep `blocks_per_sm` of their blocks resident."""
-    return _GATE_SOURCE.replace("GATE_THREADS", str(GATE_THREADS)).replace("BLOCKS_PER_SM", str(blocks_per_sm))
+    return (_GATE_SOURCE.replace("GATE_THREADS", str(GATE_THREADS)).replace("BLOCKS_PER_SM", str(blocks_per_sm))
+            .replace("MAX_SAMPLED", str(MAX_SAMPLED_OUTPUTS)).replace("MAX_DIMS", str(MAX_SAMPLED_DIMS)))
+
+
+class _Sampled(ctypes.Structure):
+    """The close kernel's `Sampled` (one output it reads; see the source above)."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
+                ("numel", ctypes.c_int64), ("count", ctypes.c_int64), ("elem_size", ctypes.c_int64),
+                ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_SAMPLED_DIMS),
+                ("strides", ctypes.c_int64 * MAX_SAMPLED_DIMS)]
+
+
+class _Samples(ctypes.Structure):
+    """The close kernel's `Samples`, passed by value: no copy to the GPU inside the timed interval."""
+
+    _fields_ = [("seed", ctypes.c_uint64), ("n", ctypes.c_int64), ("out", _Sampled * MAX_SAMPLED_OUTPUTS)]
 
 
 class Gate(NamedTuple):
@@ -163,6 +242,13 @@ def gate_kernels(index: int) -> Gate:
     per_sm = max(per_sm, 1)
     return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], per_sm * props.multi_processor_count,
                 per_sm * GATE_THREADS >= props.max_threads_per_multi_processor)
+
+
+def _cuda_driver() -> Any:
+    """The CUDA driver library, as torch loaded it."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    return _get_gpu_runtime_library()
 
 
 def _cudart() -> Any | None:
@@ -213,6 +299,7 @@ class DeviceTimer:
             self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
             self.holds_every_sm = gate.holds_every_sm
             self._gate = torch.zeros(4, dtype=torch.int32, device=device)
+            self._libcuda = _cuda_driver()
             self._window_ns = int(launch_window_us * 1e3)
             if overhead_ns is None:
                 overhead_ns = harness_overhead_ns()
@@ -225,6 +312,8 @@ class DeviceTimer:
         # call's): past `window_ms`, the call's time holds host work (diagnostic, last call only)
         self.host_ms: float | None = None
         self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
+        # while `call`'s `after` runs: what the close kernel will read, and the tensors it reads
+        self._reading: tuple[_Samples, list[torch.Tensor]] | None = None
 
     def flush(self) -> None:
         """The CPU target's cache flush (on a GPU, the open gate kernel reads the buffer)."""
@@ -248,8 +337,9 @@ class DeviceTimer:
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
              after: Callable[[Any], None] | None = None, copies: torch.Tensor | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
-        right after the call's end (on a GPU: on the timer's stream, before the device-wide
-        synchronize). `copies` (`copy_plan`; GPU): what the open gate copies at the window's end,
+        once the call has returned, to read its outputs with `read_at_end` (on a GPU: on the
+        timer's stream, before the close kernel, which reads them; on the CPU: after the timed
+        interval). `copies` (`copy_plan`; GPU): what the open gate copies at the window's end,
         before the start event."""
         if not self.cuda:
             self.flush()
@@ -272,16 +362,106 @@ class DeviceTimer:
         caller.wait_stream(timer)
         out = fn(*args)
         timer.wait_stream(caller)
-        self._close(self._grid, self._block, [self._gate, self._blocks, CLOSE_TIMEOUT_NS], stream=timer)
+        samples, kept = _Samples(seed=secrets.randbits(64)), []  # the seed is drawn after the call returned
+        if after is not None:
+            self._reading = samples, kept
+            try:
+                with torch.cuda.stream(timer):
+                    after(out)
+            finally:
+                self._reading = None
+        self._launch_close(samples)
         self.host_ms = (self._perf() - opened) * 1e3
         marks[1].record(timer)
-        if after is not None:
-            with torch.cuda.stream(timer):
-                after(out)
         self._sync()
+        kept.clear()
         marks[2].record(timer)
         marks[2].synchronize()
         return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]), self.overhead_ns)
+
+    def read_at_end(self, t: torch.Tensor, count: int = SAMPLE_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`count` values of `t` at secret random flat (row-major) positions, and the positions;
+        or, if `t` has no more than `count` elements, all its values in its shape, and None.
+
+        On a GPU, from `call`'s `after`: the close kernel reads them once it holds every SM, so
+        nothing the call launched, on any stream, can still be writing `t` (a copy engine's copy
+        is read half done) or start writing it before they are read; the positions come from a
+        seed drawn after the call returned. The tensors hold them once `call` returns. Elsewhere,
+        and for outputs past `MAX_SAMPLED_OUTPUTS` in one call, they are read at once."""
+        t = t.detach()
+        everything = t.numel() <= count
+        reading = self._reading
+        if reading is None or not t.is_cuda or t.numel() == 0 or reading[0].n >= MAX_SAMPLED_OUTPUTS:
+            if everything:
+                return t.clone(), None
+            gen = torch.Generator(device=t.device).manual_seed(secrets.randbits(62))
+            idx = torch.randint(t.numel(), (count,), device=t.device, generator=gen)
+            return t.reshape(-1)[idx], idx
+        samples, kept = reading
+        if t.dim() > MAX_SAMPLED_DIMS and not t.is_contiguous():
+            t = t.contiguous()
+        n = t.numel() if everything else count
+        values = torch.empty(n, dtype=t.dtype, device=t.device)
+        positions = None if everything else torch.empty(n, dtype=torch.int64, device=t.device)
+        shape, strides = ([t.numel()], [1]) if t.is_contiguous() else (list(t.shape), list(t.stride()))
+        s = samples.out[samples.n]
+        s.src, s.values, s.positions = t.data_ptr(), values.data_ptr(), 0 if positions is None else positions.data_ptr()
+        s.numel, s.count, s.elem_size, s.ndim = t.numel(), n, t.element_size(), len(shape)
+        for d, (size, stride) in enumerate(zip(shape, strides)):
+            s.sizes[d], s.strides[d] = size, stride
+        samples.n += 1
+        kept.append(t)  # alive until the close kernel has read it
+        return (values.view(t.shape) if everything else values), positions
+
+    def _launch_close(self, samples: _Samples) -> None:
+        """The close kernel on the timer's stream (launched here: torch's kernel handles pass
+        no structs by value)."""
+        params = (ctypes.c_void_p(self._gate.data_ptr()), ctypes.c_uint(self._blocks), ctypes.c_uint(CLOSE_TIMEOUT_NS),
+                  samples)
+        pointers = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params))
+        err = self._libcuda.cuLaunchKernel(self._close.func, self._blocks, 1, 1, GATE_THREADS, 1, 1, 0,
+                                           self._stream._as_parameter_, pointers, None)
+        if err:
+            raise RuntimeError(f"the timer's close kernel failed to launch: CUDA driver error {err}")
+
+    def calibrate(self, calls: int | None = None) -> int:
+        """Measure this timer's overhead and leave it out of its calls from now on; returns it (ns).
+
+        The median over `calls` (default `CALIBRATION_CALLS`) calls of a 4-byte fill kernel of
+        the call's time less the fill's own (events around it on the caller's stream), its output
+        read at the call's end as a call's is, through this timer's own gate, flush and window:
+        capped at `MAX_OVERHEAD_NS`. Run it before any candidate code loads. The CPU target has
+        none: 0. (Jobs calibrate a separate timer without the flush: `harness.job_timer` says why.)"""
+        if not self.cuda:
+            self.overhead_ns = 0
+            return 0
+        probe = torch.empty(1, dtype=torch.int32, device=self.device)
+        output = torch.zeros(1 << 18, device=self.device)  # read at each call's end as a call's output is
+        own: list[tuple[Any, Any]] = []
+
+        def fill() -> None:
+            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks[0].record()
+            probe.zero_()
+            marks[1].record()
+            own.append(marks)
+
+        def read(_: Any) -> None:
+            self.read_at_end(output)
+
+        self.overhead_ns = 0
+        for _ in range(5):
+            self.call(fill, [], read)
+        own.clear()
+        timed = []
+        for _ in range(CALIBRATION_CALLS if calls is None else calls):
+            timed.append((self.call(fill, [], read)[1], self.host_ms or 0.0))
+        # a call the host launched after the window's end holds that lateness: not the timer's own
+        on_time = [(t, marks) for (t, host), marks in zip(timed, own) if host <= self.window_ms] or list(zip(
+            (t for t, _ in timed), own))
+        measured = int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in on_time))
+        self.overhead_ns = min(max(measured, 0), MAX_OVERHEAD_NS)
+        return self.overhead_ns
 
     def close_timeouts(self) -> int:
         """Calls so far whose close kernel gave up (timed to the device-wide synchronize)."""
@@ -297,31 +477,10 @@ def call_ms(end_ms: float, last_ms: float, overhead_ns: int) -> float:
 
 @functools.cache
 def harness_overhead_ns() -> int:
-    """The harness's overhead on this process's GPU (see the module's text): the median over
-    `CALIBRATION_CALLS` calls of a 4-byte fill kernel of the call's time less the fill's own
-    (a timer caps it at `MAX_OVERHEAD_NS`). Measured once per process; a worker does it before
-    loading any candidate code (`harness.prewarm`)."""
-    timer = DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0)
-    probe = torch.empty(1, dtype=torch.int32, device="cuda")
-    own: list[tuple[Any, Any]] = []
-
-    def fill() -> None:
-        marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        marks[0].record()
-        probe.zero_()
-        marks[1].record()
-        own.append(marks)
-
-    for _ in range(5):
-        timer.call(fill, [])
-    own.clear()
-    calls = []
-    for _ in range(CALIBRATION_CALLS):
-        calls.append((timer.call(fill, [])[1], timer.host_ms or 0.0))
-    # a call the host launched after the window's end holds that lateness: not the timer's own
-    on_time = [(t, marks) for (t, host), marks in zip(calls, own) if host <= timer.window_ms] or list(zip(
-        (t for t, _ in calls), own))
-    return int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in on_time))
+    """The harness's overhead on this process's GPU, measured on a timer of its own without the
+    L2 flush (`DeviceTimer.calibrate`); measured once per process (a timing job measures it
+    again, `harness.job_timer`)."""
+    return DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0).calibrate()
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
@@ -335,7 +494,7 @@ def drive_calls(
     fn: Callable[..., Any],
     input_sets: list[list[Any]],
     inputs_for: Callable[[int], list[Any]],
-    next_call: Callable[[dict[str, Any]], tuple[int, bool] | None],
+    next_call: Callable[[dict[str, Any]], tuple[int, bool, float] | None],
     timer: DeviceTimer,
     after: Callable[[int, Any], dict[str, Any]] | None = None,
     probe: Callable[..., Any] | None = None,
@@ -344,12 +503,13 @@ def drive_calls(
 
     `next_call(report)` asks the parent for the next call, reporting the previous one (`{}`
     before the first; then `{"ms": its time, "host_ms": `timer.host_ms`, **after(i, out)}`), and returns the seed of the
-    next call's inputs and whether it is a probe (`probe` is called instead of `fn`: the
-    parent measures the loop's own overhead on it), or None to stop. Call i's buffers
+    next call's inputs, whether it is a probe (`probe` is called instead of `fn`: the
+    parent measures the loop's own overhead on it) and how long to idle before it (seconds;
+    server mode), or None to stop. Call i's buffers
     `input_sets[i % k]` are refilled with `inputs_for(seed)`: before the call on the CPU target;
     on a GPU, by the open gate at the end of the launch window, from a staging copy (a buffer it
-    cannot copy, a non-contiguous one, is refilled before the call). `after(i, out)` runs right after call i ends (on a GPU: on
-    the timer's stream, before the device-wide synchronize; see the module's text) and returns
+    cannot copy, a non-contiguous one, is refilled before the call). `after(i, out)` runs once call
+    i has returned (`DeviceTimer.call`'s `after`: it reads outputs with `read_at_end`) and returns
     what to report about it. The garbage collector is paused so that a collection does not land
     inside a call.
     """
@@ -367,7 +527,9 @@ def drive_calls(
         report: dict[str, Any] = {}
         i = 0
         while (asked := next_call(report)) is not None:
-            seed, is_probe = asked
+            seed, is_probe, idle_s = asked
+            if idle_s > 0:
+                time.sleep(idle_s)  # server mode: the call arrives after a gap (nothing is timed here)
             args = input_sets[i % k]
             refill_([s if s is not None else a for s, a in zip(stage, args)], inputs_for(seed))
             seen: dict[str, Any] = {}
