@@ -119,6 +119,7 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
     gaps: list[float | None] = []
     late: list[tuple[int, float | None]] = []
     overheads: list[int | None] = []  # each job's own calibration, left out of its calls
+    clocks: list[tuple[Any, Any]] = []  # each job's SM clock (MHz, NVML) before and after its timed loop
     for _ in range(jobs):
         p = await ev.aprofile(task, ws)
         if not (p.ok and p.candidate is not None):
@@ -127,8 +128,9 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
         gaps.append(p.clock_gap_ms)
         late.append((p.late_launches, p.host_ms))
         overheads.append(p.harness_overhead_ns)
+        clocks.append(tuple((p.telemetry.get(when) or {}).get("sm_clock_mhz") for when in ("before", "after")))
     raw = [m + (o or 0) / 1e6 for m, o in zip(medians, overheads)]
-    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late, "overheads_ns": overheads,
+    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late, "overheads_ns": overheads, "sm_clocks_mhz": clocks,
             "cv": statistics.pstdev(medians) / statistics.fmean(medians),
             "cv_with_overhead": statistics.pstdev(raw) / statistics.fmean(raw)}
 
@@ -323,7 +325,7 @@ def main_table(problems: list[TimingProblem], results: dict[str, dict[str, Any]]
 def spread_table(spread: dict[str, dict[str, Any]], cuda: bool) -> Table:
     t = Table(title="spread of the candidate median over separate profile jobs (fresh workers)")
     for c in ("problem", "jobs", "median of medians ms", "min ms", "max ms", "CV", "target", "acceptance",
-              "CV with overhead left in", "overhead µs, min-max"):
+              "CV with overhead left in", "overhead µs, min-max", "SM clock MHz, min-max"):
         t.add_column(c)
     for name, s in spread.items():
         m = s["medians_ms"]
@@ -334,7 +336,8 @@ def spread_table(spread: dict[str, dict[str, Any]], cuda: bool) -> Table:
         o = [x / 1e3 for x in s.get("overheads_ns", []) if x is not None]
         t.add_row(name, str(len(m)), sig4(statistics.median(m)), sig4(min(m)), sig4(max(m)), f"{s['cv']:.2%}",
                   f"< {s['target_cv']:.0%}", verdict, f"{s['cv_with_overhead']:.2%}" if "cv_with_overhead" in s else "-",
-                  f"{min(o):.2f}-{max(o):.2f}" if o else "-")
+                  f"{min(o):.2f}-{max(o):.2f}" if o else "-",
+                  f"{min(c):.0f}-{max(c):.0f}" if (c := [x for pair in s.get("sm_clocks_mhz", []) for x in pair if x]) else "-")
     return t
 
 

@@ -73,6 +73,7 @@ from cudagym.env.tools import Toolbox
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
 from cudagym.tasks.model import Target, Task
+from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_ids, observation_overhead, render, tool_response
 
 _TASK_ID = re.compile(r"^Task id: ([^;\n]+);", re.MULTILINE)  # cudagym.env.prompt.task_prompt's line
 
@@ -83,7 +84,7 @@ class RolloutConfig(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)  # prompt + completion per episode (131072: 128K); None: no cap
     # beyond the prompt + GRPOConfig.max_completion_length
     guided_per_group: int = Field(default=0, ge=0)  # episodes of each group played by `guide`
-    observation_margin_tokens: int = Field(default=2, ge=0)  # added to the measured template overhead
+    observation_margin_tokens: int = Field(default=OBSERVATION_MARGIN_TOKENS, ge=0)  # added to the measured template overhead
 
 
 @dataclass
@@ -143,7 +144,7 @@ class KernelRollout:
             evaluator = Evaluator(EvaluatorConfig(target=env_config.target, mode=env_config.mode))
         self.evaluator = evaluator
         self.target = Target(evaluator.target).value
-        overhead = self._observation_overhead() + self.config.observation_margin_tokens
+        overhead = observation_overhead(tokenizer, self.counter.count) + self.config.observation_margin_tokens
         self.env_config = env_config.model_copy(update={
             "target": self.target,
             "message_overhead_tokens": max(env_config.message_overhead_tokens, overhead)})
@@ -251,7 +252,7 @@ class KernelRollout:
             if terminated or truncated:
                 e.done, e.terminated, e.truncated, e.truncated_by = True, terminated, truncated, info.get("truncated_by")
                 continue
-            suffix = self._observation_ids(obs)
+            suffix = observation_ids(self.tokenizer, obs)
             if e.completion_ids and e.completion_ids[-1] != eos:
                 suffix = [eos] + suffix  # the turn was cut: close it as the template would
             left = e.left()
@@ -262,7 +263,7 @@ class KernelRollout:
             e.completion_ids += suffix
             e.mask += [0] * len(suffix)
             e.logprobs += [0.0] * len(suffix)
-            e.messages.append({"role": "user", "content": _tool_response(obs)})
+            e.messages.append({"role": "user", "content": tool_response(obs)})
 
     async def _guided_turn(self, e: _Episode) -> list[int]:
         assert self.guide is not None
@@ -284,27 +285,7 @@ class KernelRollout:
         return m.group(1).strip()
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                                 return_dict=False)
-        return list(ids)
-
-    def _observation_ids(self, obs: str) -> list[int]:
-        """The tokens the chat template puts after an assistant turn (ended by EOS) for the user
-        message carrying `obs`, up to and including the next generation prompt."""
-        before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        prefix = self._render(before, add_generation_prompt=False)
-        eos = self.tokenizer.eos_token_id
-        if eos in prefix:  # templates that end a turn with EOS plus a newline: the newline is the suffix's
-            prefix = prefix[: len(prefix) - prefix[::-1].index(eos)]
-        full = self._render(before + [{"role": "user", "content": _tool_response(obs)}], add_generation_prompt=True)
-        if full[: len(prefix)] != prefix:
-            raise ConfigError("the tokenizer's chat template does not render a conversation as a prefix of its "
-                              "continuation; multi-turn training needs one that does")
-        return full[len(prefix):]
-
-    def _observation_overhead(self) -> int:
-        probe = "x"
-        return len(self._observation_ids(probe)) - self.counter.count(probe) + 1  # +1: EOS closing a cut turn
+        return render(self.tokenizer, messages, add_generation_prompt)
 
     @staticmethod
     def _milestone(e: _Episode) -> float:
@@ -325,10 +306,6 @@ class KernelRollout:
             self._owns_evaluator = False
         if not self._loop.is_closed():
             self._loop.close()
-
-
-def _tool_response(obs: str) -> str:
-    return f"<tool_response>\n{obs}\n</tool_response>"
 
 
 def milestone_reward(completions: list[Any], milestone_reward: list[float], episode: list[dict[str, Any]] | None = None,

@@ -16,8 +16,10 @@ builds one instance per sample and awaits ``run(sampling_params, **row)``; it re
   form `cudagym.agent.episode` uses for text turns (``response_mask = 0``). Token merging is
   verl's own Continuous Token builder, so the template's boundaries are the model family's;
 - ``reward_score`` is the episode's return: the milestone reward of the verdict at ``submit``,
-  or of the workspace as it stands when a budget ends the episode (the env's turn/token budget,
-  or verl's ``rollout.response_length``), plus any shaping the env config pays;
+  or of the workspace as it stands when a budget ends the episode (the env's turns, or its token
+  budget, which is verl's: the prompt as rendered plus ``rollout.response_length``, declared to
+  the env with each turn's generated token count, so the env trims observations to what is left
+  and ends the episode where verl would), plus any shaping the env config pays;
 - ``extra_fields["reward_extra_info"]`` holds per-episode metrics with a fixed set of keys
   (turns, tool calls and errors, compile/verify/profile seconds, speedups, why it ended), which
   verl logs next to the reward.
@@ -43,6 +45,7 @@ from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
 from cudagym.tasks.model import Task
 from cudagym.train import AGENT_NAME
+from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_overhead
 
 TOOL_NAMES = ("write_file", "edit_file", "read_file", "list_files", "compile", "verify", "profile", "submit")
 
@@ -164,9 +167,11 @@ class KernelAgentLoop(AgentLoopBase):
 
     def make_env(self, task: Task) -> KernelEnv:
         spec = self.settings.evaluator
+        counter = HFTokenCounter(self.tokenizer)
         config = EnvConfig.model_validate({**self.settings.env, "target": spec.target, "mode": spec.mode})
-        return KernelEnv(task, config=config, evaluator=_Evaluators.get(spec),
-                         token_counter=HFTokenCounter(self.tokenizer))
+        overhead = observation_overhead(self.tokenizer, counter.count) + OBSERVATION_MARGIN_TOKENS
+        config = config.model_copy(update={"message_overhead_tokens": max(config.message_overhead_tokens, overhead)})
+        return KernelEnv(task, config=config, evaluator=_Evaluators.get(spec), token_counter=counter)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         extra_info = _plain(kwargs.get("extra_info")) or {}
@@ -184,6 +189,9 @@ class KernelAgentLoop(AgentLoopBase):
         messages: list[dict[str, Any]] = [*system, {"role": "user", "content": obs}]
         tools = info["tools"] if self.settings.tools_in_template else None
         prompt_ids = await self.ct_build_initial_tokens(messages, tools=tools)
+        # the env's token budget is verl's: the prompt as rendered plus the response length, so the
+        # env fits its observations into what is left (long logs trimmed) and ends the episode there
+        env.declare_prompt(len(prompt_ids), len(prompt_ids) + self.response_length)
         ids = list(prompt_ids)
         mask: list[int] = []
         logprobs: list[float] = []
@@ -212,7 +220,7 @@ class KernelAgentLoop(AgentLoopBase):
             turns += 1
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             t0 = time.perf_counter()
-            obs, r, terminated, env_truncated, step = await env.astep(text)
+            obs, r, terminated, env_truncated, step = await env.astep(text, action_tokens=len(out.token_ids))
             tally["env_s"] += time.perf_counter() - t0
             reward += r
             tally["parse_errors"] += bool(step.get("parse_error"))
@@ -226,6 +234,7 @@ class KernelAgentLoop(AgentLoopBase):
             messages.append({"role": "assistant", "content": text})
             if terminated or env_truncated:
                 submitted, truncated = terminated, env_truncated
+                budget_hit = step.get("truncated_by") == "tokens"  # the env scored the workspace
                 break
             if len(mask) >= self.response_length:
                 budget_hit = True
@@ -240,7 +249,7 @@ class KernelAgentLoop(AgentLoopBase):
             if len(mask) >= self.response_length:
                 budget_hit = True
                 break
-        if budget_hit:  # verl's response budget ended it: score the workspace as it stands
+        if budget_hit and verdict is None:  # verl's response budget ended it: score the workspace as it stands
             final = await env.evaluator.aevaluate(env.task, env.workspace)
             reward += final.reward
             verdict = final.summary()
