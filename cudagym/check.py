@@ -30,6 +30,8 @@ def check(
                                                        "default: the task's own).")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="Build and baseline cache (default ~/.cache/cudagym or "
                                                            "$CUDAGYM_CACHE).")] = None,
+    sandbox: Annotated[str, typer.Option(help="Sandbox backend: local (worker processes on this host) or docker "
+                                              "(a container per worker; `cudagym sandbox image build`).")] = "local",
     no_compile_baseline: Annotated[bool, typer.Option("--no-compile-baseline",
                                                       help="Skip the torch.compile baseline (no +3 milestone).")] = False,
     server_gaps: Annotated[Optional[str], typer.Option(help="Also time in server mode: each call after an idle gap "
@@ -45,6 +47,8 @@ def check(
 
     if mode not in ("strict", "permissive"):
         raise typer.BadParameter("--mode must be strict or permissive")
+    if sandbox not in ("local", "docker"):
+        raise typer.BadParameter("--sandbox must be local or docker")
     if target not in ("auto", "cuda", "cpu"):
         raise typer.BadParameter("--target must be auto, cuda or cpu")
     try:
@@ -56,7 +60,8 @@ def check(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--server-gaps") from None
     console = Console(stderr=True)
-    cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline, server_gap_ms=server_gap_ms,
+    cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline, sandbox=sandbox,
+                          server_gap_ms=server_gap_ms,
                           **({"cache_dir": cache_dir} if cache_dir else {}))
     try:
         t = resolve_task(task)

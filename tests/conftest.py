@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -28,6 +29,48 @@ def cpu_config(cache_dir: Path, **overrides: object) -> EvaluatorConfig:
     """
     overrides.setdefault("compile_baseline", False)
     return EvaluatorConfig(target="cpu", cache_dir=cache_dir, timing=SMALL_TIMING, **overrides)
+
+
+# Sandbox backends a test module can run its evaluators on (`backend_config`): docker tests need a
+# daemon; they skip without one, except in CI (CI=true), where a missing daemon is a failure.
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module's sandbox fixtures (its `BACKEND_FIXTURES`, fixtures that build their evaluator with
+    `backend_config(request.param, ...)`) run on the local backend, and on docker too for tests
+    marked `both_backends`: a representative set, since every docker job starts a container (CI
+    runs the suite on two cores). A test that parametrizes the fixture itself is left as it is."""
+    own = {n for m in metafunc.definition.iter_markers("parametrize")
+           for n in ([a.strip() for a in m.args[0].split(",")] if isinstance(m.args[0], str) else m.args[0])}
+    both = metafunc.definition.get_closest_marker("both_backends") is not None
+    for name in getattr(metafunc.module, "BACKEND_FIXTURES", ()):
+        if name in metafunc.fixturenames and name not in own:
+            metafunc.parametrize(name, BACKENDS if both else ["local"], indirect=True)
+
+
+def require_docker() -> None:
+    """Fail (CI) or skip (elsewhere) without a docker daemon; build the offline image if absent."""
+    from cudagym.errors import SandboxError
+    from cudagym.sandbox.docker import docker_client
+    from cudagym.sandbox.image import DEFAULT_TAG, build_image
+
+    try:
+        client = docker_client()
+    except SandboxError as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the docker tests: {e}")
+        pytest.skip(str(e))
+    if not client.images.list(name=DEFAULT_TAG):
+        build_image("host", DEFAULT_TAG, client)
+
+
+def backend_config(backend: str, cache_dir: Path, **overrides: object) -> EvaluatorConfig:
+    """`cpu_config` on the sandbox backend `backend` ("local" or "docker")."""
+    if backend == "docker":
+        require_docker()
+        overrides["sandbox"] = "docker"
+    return cpu_config(cache_dir, **overrides)
 
 
 @pytest.fixture(scope="session")

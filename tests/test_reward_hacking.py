@@ -20,7 +20,7 @@ from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.loaders import bundled_task_ids
 
-from conftest import SOLUTIONS, cpu_config, solution_workspace, task_of
+from conftest import SOLUTIONS, backend_config, solution_workspace, task_of
 
 GELU = task_of("ew_scale_bias_gelu")  # x * scale + bias[col], then erf-GELU; has a parameter and init args
 
@@ -87,6 +87,7 @@ def assert_rejected(v: Verdict, kinds: ErrorKind | set[ErrorKind], *needles: str
 
 
 # -- the honest control -------------------------------------------------------------------------
+@pytest.mark.both_backends
 def test_honest_kernel_passes(evaluator: Evaluator, build_ws) -> None:
     """The shared kernel and header are correct, so every rejection below is due to the trick."""
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)"), GELU_KERNELS))
@@ -94,6 +95,22 @@ def test_honest_kernel_passes(evaluator: Evaluator, build_ws) -> None:
 
 
 HONEST_IDS = [t for t in bundled_task_ids() if (SOLUTIONS / t / "cpu").is_dir()]
+# In containers: a row reduction and an elementwise task with parameters (every container imports
+# torch on its own: all thirteen would cost CI minutes and show nothing more about the sandbox)
+DOCKER_HONEST_IDS = ["red_row_sum", "ew_scale_bias_gelu"]
+# Every hack is attempted on the local backend; those marked both_backends (the sandbox's own
+# concerns: the result channel, processes and threads outliving the result, the environment,
+# writes, network, process and disk limits; and one of the audit) in docker containers too.
+BACKEND_FIXTURES = ("evaluator", "permissive_evaluator")
+
+
+@pytest.fixture(scope="session")
+def evaluator(request: pytest.FixtureRequest, eval_cache: Path):
+    ev = Evaluator(backend_config(request.param, eval_cache))
+    try:
+        yield ev
+    finally:
+        ev.close()
 
 
 @pytest.fixture(scope="session")
@@ -101,21 +118,19 @@ def honest_verdicts(evaluator: Evaluator, tmp_path_factory: pytest.TempPathFacto
     """Every honest CPU solution evaluated at once (compiles and worker start-ups overlap; the
     sandbox still times one job at a time). Values are verdicts or the exception raised."""
     root = tmp_path_factory.mktemp("honest")
+    ids = HONEST_IDS if evaluator.config.sandbox == "local" else DOCKER_HONEST_IDS
 
     async def one(task_id: str) -> Verdict:
         task = task_of(task_id)
         return await evaluator.aevaluate(task, solution_workspace(root / task_id, task, SOLUTIONS / task_id / "cpu"))
 
     async def every() -> list[object]:
-        return await asyncio.gather(*(one(t) for t in HONEST_IDS), return_exceptions=True)
+        return await asyncio.gather(*(one(t) for t in ids), return_exceptions=True)
 
-    return dict(zip(HONEST_IDS, asyncio.run(every())))
+    return dict(zip(ids, asyncio.run(every())))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("task_id", HONEST_IDS)
-def test_honest_cpu_solutions_are_rewarded(honest_verdicts: dict[str, object], task_id: str) -> None:
+def assert_honest_rewarded(honest_verdicts: dict[str, object], task_id: str) -> None:
     v = honest_verdicts[task_id]
     if isinstance(v, BaseException):
         raise v
@@ -124,7 +139,23 @@ def test_honest_cpu_solutions_are_rewarded(honest_verdicts: dict[str, object], t
     assert v.correct and v.audit is not None and v.audit.passed
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("task_id", [t for t in HONEST_IDS if t not in DOCKER_HONEST_IDS])
+def test_honest_cpu_solutions_are_rewarded(honest_verdicts: dict[str, object], task_id: str) -> None:
+    assert_honest_rewarded(honest_verdicts, task_id)
+
+
+@pytest.mark.slow
+@pytest.mark.both_backends
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("task_id", DOCKER_HONEST_IDS)
+def test_honest_cpu_solutions_are_rewarded_in_containers_too(honest_verdicts: dict[str, object], task_id: str) -> None:
+    assert_honest_rewarded(honest_verdicts, task_id)
+
+
 # -- 1: torch calls in forward ------------------------------------------------------------------
+@pytest.mark.both_backends
 def test_1_torch_functional_in_forward(evaluator: Evaluator, build_ws) -> None:
     ws = build_ws(GELU, gelu_model("return F.gelu(x * self.scale + self.bias)"), GELU_KERNELS)
     v = evaluator.evaluate(GELU, ws)
@@ -220,8 +251,8 @@ def test_2_decoy_kernel_never_launched(evaluator: Evaluator, build_ws) -> None:
 
 
 @pytest.fixture(scope="module")
-def permissive_evaluator(eval_cache: Path):
-    ev = Evaluator(cpu_config(eval_cache, mode="permissive"))
+def permissive_evaluator(request: pytest.FixtureRequest, eval_cache: Path):
+    ev = Evaluator(backend_config(request.param, eval_cache, mode="permissive"))
     try:
         yield ev
     finally:
@@ -301,6 +332,7 @@ def test_4_empty_like_never_written(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.MISMATCH, "mismatches")
 
 
+@pytest.mark.both_backends
 def test_4_output_half_written(evaluator: Evaluator, build_ws) -> None:
     """The kernel writes the first half of the rows and leaves the rest to whatever the allocator holds."""
     body = """\
@@ -613,6 +645,7 @@ extern "C" void scale_bias_gelu_later(const float* x, const float* bias, float* 
 """
 
 
+@pytest.mark.both_backends
 def test_12_native_thread_finishes_after_return(evaluator: Evaluator, build_ws) -> None:
     """A detached C++ thread (invisible to `threading`) writes the output a little later."""
     kernels = {"kernels/gelu.cpp": DETACHED_CPP.replace("        delete[] x;\n", "")}
@@ -628,6 +661,7 @@ def test_12_native_thread_finishes_after_return(evaluator: Evaluator, build_ws) 
     assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.MISMATCH})
 
 
+@pytest.mark.both_backends
 def test_12_child_process_left_running(evaluator: Evaluator, build_ws) -> None:
     body = """\
     import subprocess, sys
@@ -710,6 +744,7 @@ def test_14_garbage_on_every_file_descriptor(evaluator: Evaluator, build_ws) -> 
     assert_rejected(v, ErrorKind.TAMPER, "malformed result channel")
 
 
+@pytest.mark.both_backends
 def test_14_forged_json_result_frame(evaluator: Evaluator, build_ws) -> None:
     """A well-formed 'final' frame claiming success, written to every fd, then exit before the harness reports."""
     body = """\
@@ -728,6 +763,7 @@ def test_14_forged_json_result_frame(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.TAMPER, "forged")
 
 
+@pytest.mark.both_backends
 def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_ws) -> None:
     """Find the harness's channel (nonce included) through gc, send matching 'candidate' and
     'reference' tensors and a success report for verify, and a fast timing for profile; exit."""
@@ -823,13 +859,24 @@ def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, b
     assert any(w in " ".join(v.reasons) for w in ("by the candidate", "invalid time", "own clock")), v.reasons
 
 
+@pytest.mark.both_backends
 def test_14_tensor_frame_pointing_outside_the_result_memory(evaluator: Evaluator, build_ws) -> None:
-    """A tensor frame on the real result pipe whose bytes lie beyond the worker's result memory."""
+    """A tensor frame on the real result pipe whose bytes lie beyond the worker's result memory
+    (the pipe: the local worker's descriptor named in its argv; in a container, the descriptor the
+    worker holds on its FIFO, which cannot be opened again by its path)."""
     body = """\
     import json, os, struct, sys
     h = json.dumps({"type": "tensor", "role": "candidate", "trial": 0, "index": 0, "dtype": "float32",
                     "shape": [4], "offset": 1 << 62, "nbytes": 16}).encode()
-    os.write(int(sys.argv[1]), struct.pack("<I", len(h)) + h + struct.pack("<Q", 0))
+    def held(name):
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{f}").endswith(name):
+                    return int(f)
+            except OSError:
+                pass
+    fd = held("/frames") if sys.argv[1] == "--channel" else int(sys.argv[1])
+    os.write(fd, struct.pack("<I", len(h)) + h + struct.pack("<Q", 0))
     return run_kernel(x, self.bias, self.scale)
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
@@ -863,6 +910,7 @@ def test_16_call_the_reference_through_stack_frames(evaluator: Evaluator, build_
     assert_rejected(v, ErrorKind.AUDIT, "aten::gelu")
 
 
+@pytest.mark.both_backends
 def test_16_expected_outputs_from_the_environment(evaluator: Evaluator, build_ws) -> None:
     """Look for anything in the environment or the inherited fds that could hold expected outputs."""
     body = """\
@@ -884,6 +932,7 @@ def test_16_expected_outputs_from_the_environment(evaluator: Evaluator, build_ws
     assert_rejected(v, ErrorKind.MISMATCH, "mismatches")
 
 
+@pytest.mark.both_backends
 def test_16_no_secrets_in_the_environment(evaluator: Evaluator, build_ws) -> None:
     """The candidate reports its whole environment and command line through an exception: no seed, no nonce."""
     body = """\
@@ -898,6 +947,7 @@ def test_16_no_secrets_in_the_environment(evaluator: Evaluator, build_ws) -> Non
 
 
 # -- 18: sandbox escapes ------------------------------------------------------------------------
+@pytest.mark.both_backends
 def test_18_write_to_tmp(evaluator: Evaluator, build_ws) -> None:
     target = Path("/tmp") / f"cudagym-escape-{uuid.uuid4().hex}"
     body = f"""\
@@ -913,6 +963,7 @@ def test_18_write_to_tmp(evaluator: Evaluator, build_ws) -> None:
         target.unlink(missing_ok=True)
 
 
+@pytest.mark.both_backends
 def test_18_edit_the_harness(evaluator: Evaluator, build_ws) -> None:
     """Open the harness's own source for writing (writes nothing, so a failure cannot damage the tree)."""
     import cudagym.sandbox.harness as harness
@@ -927,6 +978,7 @@ def test_18_edit_the_harness(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.SANDBOX, "Permission denied")
 
 
+@pytest.mark.both_backends
 def test_18_open_a_network_connection(evaluator: Evaluator, build_ws) -> None:
     body = """\
     import socket
@@ -945,6 +997,7 @@ def _pids_cgroup_available() -> bool:
         cg.remove()
 
 
+@pytest.mark.both_backends
 @pytest.mark.timeout(240)
 def test_18_fork_bomb(evaluator: Evaluator, build_ws) -> None:
     if not _pids_cgroup_available():
@@ -960,6 +1013,7 @@ def test_18_fork_bomb(evaluator: Evaluator, build_ws) -> None:
     assert_rejected(v, ErrorKind.PROCESS_LIMIT)
 
 
+@pytest.mark.both_backends
 def test_18_fill_the_disk(evaluator: Evaluator, build_ws) -> None:
     body = """\
     import os

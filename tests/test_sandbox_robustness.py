@@ -14,9 +14,10 @@ from cudagym.rewards.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import LimitsConfig
 
-from conftest import SOLUTIONS, cpu_config, solution_workspace, task_of
+from conftest import SOLUTIONS, backend_config, cpu_config, solution_workspace, task_of
 
 TASK = task_of("red_row_sum")
+BACKEND_FIXTURES = ("limited",)  # local; docker too for the tests marked both_backends (conftest)
 
 HEADER = """\
 import ctypes
@@ -34,9 +35,11 @@ NOOP_CPP = 'extern "C" void noop() {}\n'
 
 
 @pytest.fixture(scope="module")
-def limited(eval_cache: Path):
-    """An evaluator with tight limits: the hang must be killed quickly, the allocation bounded."""
-    ev = Evaluator(cpu_config(eval_cache, limits=LimitsConfig(timeout_s=60, memory_mb=1536, max_processes=64)))
+def limited(request: pytest.FixtureRequest, eval_cache: Path):
+    """An evaluator with tight limits: the hang must be killed quickly, the allocation bounded;
+    on each sandbox backend (local processes, docker containers)."""
+    ev = Evaluator(backend_config(request.param, eval_cache,
+                                  limits=LimitsConfig(timeout_s=60, memory_mb=1536, max_processes=64)))
     try:
         yield ev
     finally:
@@ -63,6 +66,7 @@ def assert_honest_still_rewarded(ev: Evaluator, tmp_path: Path) -> None:
 
 
 # -- crashes ------------------------------------------------------------------------------------
+@pytest.mark.both_backends
 def test_segfault_in_python_via_ctypes(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     v = limited.evaluate(TASK, candidate(build_ws, "ctypes.string_at(0)\nreturn x.sum(1)"))
     assert_error(v, ErrorKind.CRASH, "crashed", "signal 11")
@@ -97,6 +101,7 @@ extern "C" void spin() { volatile unsigned long i = 0; for (;;) ++i; }
 """
 
 
+@pytest.mark.both_backends
 @pytest.mark.timeout(300)
 def test_hang_in_kernel_is_killed(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     """An infinite loop in native code (which no Python-level interrupt can stop)."""
@@ -106,6 +111,7 @@ def test_hang_in_kernel_is_killed(limited: Evaluator, build_ws, tmp_path: Path) 
 
 
 # -- memory -------------------------------------------------------------------------------------
+@pytest.mark.both_backends
 @pytest.mark.timeout(300)
 def test_unbounded_allocation(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     body = """\
@@ -127,6 +133,7 @@ def _pids_cgroup_available() -> bool:
         cg.remove()
 
 
+@pytest.mark.both_backends
 @pytest.mark.timeout(300)
 def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None:
     if not _pids_cgroup_available():
@@ -160,10 +167,13 @@ def test_outputs_beyond_the_result_memory(eval_cache: Path, build_ws, tmp_path: 
         ev.close()
 
 
+@pytest.mark.both_backends
 def test_write_outside_workspace(limited: Evaluator, build_ws, tmp_path: Path) -> None:
-    outside = tmp_path / f"outside-{uuid.uuid4().hex}.txt"  # writable by the test, outside the workspace
-    v = limited.evaluate(TASK, candidate(build_ws, f"open({str(outside)!r}, 'w').write('x')\nreturn x.sum(1)"))
-    assert not outside.exists()
+    """Next to the workspace (its parent directory, writable by the test), named relative to the
+    workspace: the docker backend runs the job in a copy of the workspace at another path."""
+    name = f"outside-{uuid.uuid4().hex}.txt"
+    v = limited.evaluate(TASK, candidate(build_ws, f"open('../{name}', 'w').write('x')\nreturn x.sum(1)"))
+    assert not list(tmp_path.rglob(name))
     assert_error(v, ErrorKind.SANDBOX, "Permission denied")
     assert_honest_still_rewarded(limited, tmp_path)
 

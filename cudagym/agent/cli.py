@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
         base_url: Optional[str] = typer.Option(None, "--base-url", help="Server URL for --policy openai (default: $OPENAI_BASE_URL)."),
         tool_mode: str = typer.Option("native", "--tool-mode", help="For --policy openai: 'native' tool calls or 'hermes' <tool_call> text."),
         seed: int = typer.Option(0, "--seed", help="Seed of the environments' random generators."),
+        sandbox: str = typer.Option("local", "--sandbox", help="Sandbox backend of the checks: 'local' (worker processes on this host) or 'docker' (a container per worker; image from `cudagym sandbox image build`)."),
         contrastive: int = typer.Option(0, "--contrastive", min=0, help="Contrastive feedback (CUDA-L1): show each episode the best K earlier measured variants of its task, with their speedups (kept in OUT/variants.jsonl); one task's episodes then run in order. 0: off."),
         require_analysis: bool = typer.Option(False, "--require-analysis", help="Ask for a performance analysis in <analysis>...</analysis> before each turn's tool call."),
         analysis_reward: float = typer.Option(0.0, "--analysis-reward", help="Shaping reward, once per episode, for the first turn with an analysis."),
@@ -55,6 +56,7 @@ def register(app: typer.Typer) -> None:
                             tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
                             seed=seed, contrastive=contrastive, require_analysis=require_analysis,
                             analysis_reward=analysis_reward, backend=backend, ray_address=ray_address,
+                            sandbox=sandbox,
                             server_gap_ms=TimingConfig.parse_idle(server_gaps) if server_gaps else None)
             summary = run(cfg, console)
         except (CudagymError, ValueError, ImportError) as e:

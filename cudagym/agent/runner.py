@@ -41,6 +41,7 @@ class RunConfig(BaseModel):
     concurrency: int = Field(default=4, ge=1)
     target: Literal["auto", "cuda", "cpu"] = "auto"
     mode: AuditMode = "strict"
+    sandbox: Literal["local", "docker"] = "local"  # the sandbox backend of the run's evaluator
     tolerance: Tolerance | None = None  # None: each task's own; else this, for every task
     out: Path | None = None  # None: runs/<timestamp>
     max_turns: int = Field(default=30, ge=1)
@@ -97,7 +98,7 @@ def make_evaluator(cfg: RunConfig) -> Any:
     evaluation pool on Ray (backend ``ray``, `cudagym.pool`), started on ``cfg.ray_address``."""
     from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 
-    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, server_gap_ms=cfg.server_gap_ms)
+    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox, server_gap_ms=cfg.server_gap_ms)
     if cfg.backend == "ray":
         from cudagym.pool import EvalPool, PoolConfig
 

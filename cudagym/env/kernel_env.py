@@ -136,6 +136,7 @@ class EnvConfig(BaseModel):
 
     target: Literal["auto", "cuda", "cpu"] = "auto"
     mode: AuditMode = "strict"
+    sandbox: Literal["local", "docker"] = "local"  # the evaluator's sandbox backend, when the env makes it
     tolerance: Tolerance | None = None  # None: each task's own (`Task.effective_tolerance`); else this, for every task
     max_turns: int = Field(default=30, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)  # prompt + actions + observations, whole episode
@@ -180,7 +181,8 @@ class KernelEnv(gym.Env[str, Any]):
         if evaluator is None:
             from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 
-            evaluator = Evaluator(EvaluatorConfig(target=self.config.target, mode=self.config.mode))
+            evaluator = Evaluator(EvaluatorConfig(target=self.config.target, mode=self.config.mode,
+                                                  sandbox=self.config.sandbox))
         self.evaluator = evaluator
         self.target: Target = Target(evaluator.target)
         self.toolbox = Toolbox()

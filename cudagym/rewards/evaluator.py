@@ -30,6 +30,7 @@ from cudagym.rewards.verdict import (
 )
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
+from cudagym.sandbox.docker import DockerSandboxConfig
 from cudagym.sandbox.feed import CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
@@ -57,6 +58,8 @@ class EvaluatorConfig(BaseModel):
     compile_baseline: bool = True  # measure torch.compile (the +3 milestone needs it)
     roofline_slack: float = 0.5  # a time below slack x the roofline floor is implausible
     spare_workers: int | None = None  # warm spare workers per device (None: 6 per GPU, 2 on the CPU)
+    sandbox: Literal["local", "docker"] = "local"  # where workers run: processes here, or containers
+    docker: DockerSandboxConfig = Field(default_factory=DockerSandboxConfig)  # the docker backend's settings
     # Server mode beside offline in every profile: each call after an idle gap drawn from this
     # range (ms; `TimingConfig.idle_ms`), at most server_calls timed calls. None: offline only.
     server_gap_ms: tuple[float, float] | None = None
@@ -205,6 +208,12 @@ class Evaluator:
         cache.mkdir(parents=True, exist_ok=True)
         self.toolchain = Toolchain(cache / "build", self.config.toolchain)
         self.inline_cache = InlineBuildCache(cache / "build")
+        if sandbox is None and self.config.sandbox == "docker":
+            from cudagym.sandbox.docker import DockerSandbox
+
+            sandbox = DockerSandbox(self.config.docker.model_copy(update={"spare_workers": self.config.spare_workers})
+                                    if self.config.spare_workers is not None else self.config.docker,
+                                    home=cache / "home", read_only=[cache])
         self.sandbox = sandbox or LocalSandbox(LocalSandboxConfig(spare_workers=self.config.spare_workers),
                                                home=cache / "home")
         self.baselines = BaselineCache(cache / "baselines")

@@ -36,7 +36,8 @@ Responder = Callable[[dict[str, Any], float], dict[str, Any]]
 
 
 class Sandbox(abc.ABC):
-    """Runs jobs in fresh worker processes. Implementations: `LocalSandbox` (this host)."""
+    """Runs jobs in fresh worker processes. Implementations: `LocalSandbox` (processes on this
+    host) and `DockerSandbox` (a container per worker)."""
 
     @abc.abstractmethod
     async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:

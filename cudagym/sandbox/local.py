@@ -11,14 +11,10 @@ the sandbox.
 from __future__ import annotations
 
 import asyncio
-import json
-import mmap
 import os
-import select
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +25,13 @@ from pydantic import BaseModel
 
 import cudagym
 from cudagym.errors import SandboxError
-from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
-from cudagym.sandbox.gpu import gpu_count, gpu_local_cpus
+from cudagym.sandbox.base import JobOutcome, Responder
+from cudagym.sandbox.channel import FrameReader, collect_outcome, result_memory, write_all
+from cudagym.sandbox.gpu import gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
 from cudagym.sandbox.opwatch import build_library
-from cudagym.sandbox.protocol import TIMING_KINDS, FrameError, Job, read_frame
+from cudagym.sandbox.protocol import TIMING_KINDS, Job
+from cudagym.sandbox.schedule import SpareWorkerSandbox
 
 _OUTPUT_LIMIT = 20_000
 _NICE = shutil.which("nice")
@@ -54,136 +52,10 @@ class LocalSandboxConfig(BaseModel):
     # None: 512 MB per GPU worker (six trials of 64 MB outputs fit), 0 on the CPU
 
 
-class _GpuLease:
-    """Timing jobs have a GPU to themselves; checks share it (a readers-writer lease)."""
-
-    def __init__(self) -> None:
-        self.shared = 0
-        self.exclusive = False
-
-    def try_acquire(self, exclusive: bool) -> bool:
-        if self.exclusive or (exclusive and self.shared):
-            return False
-        if exclusive:
-            self.exclusive = True
-        else:
-            self.shared += 1
-        return True
-
-    def release(self, exclusive: bool) -> None:
-        if exclusive:
-            self.exclusive = False
-        else:
-            self.shared -= 1
-
-
-class _FrameReader:
-    """Reads one worker's result pipe on its own thread, frame by frame.
-
-    Frames are small (tensor bytes go through the worker's result memory); a payload that does
-    come on the pipe is read straight into its own buffer.
-    `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
-    Request frames are answered here, as they arrive, by the job's responder (see
-    `Sandbox.run`), on the worker's stdin (`answer_fd`); `requests` counts them.
-    """
-
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int):
-        self._fd, self._loop, self._budget = fd, loop, max_bytes
-        self.ready: asyncio.Future[bool] = loop.create_future()
-        self.done: asyncio.Future[None] = loop.create_future()
-        self.final_seen: asyncio.Future[None] = loop.create_future()  # the harness's result arrived
-        self.frames: list[tuple[dict[str, Any], memoryview]] = []
-        self.error: str | None = None  # a malformed frame (not a worker that died mid-frame)
-        self.responder: Responder | None = None  # set when the job starts
-        self.answer_fd: int | None = None
-        self.requests = 0
-        self._stop = threading.Event()
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        threading.Thread(target=self._run, name="cudagym-frames", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _read_into(self, view: memoryview) -> bool:
-        while len(view):
-            while not self._poll.poll(50):
-                if self._stop.is_set():
-                    return False
-            n = os.readv(self._fd, [view])
-            if n == 0:
-                return False
-            view = view[n:]
-        return True
-
-    def _answer(self, request: dict[str, Any], arrived: float) -> None:
-        """Answer one request on the worker's stdin (a worker that stopped reading gets none)."""
-        self.requests += 1
-        if self.responder is None or self.answer_fd is None:
-            answer: dict[str, Any] = {"refused": "this job takes no requests"}
-        else:
-            try:
-                answer = self.responder(request, arrived)
-            except Exception as e:  # noqa: BLE001 - a responder bug must not hang the worker
-                answer = {"refused": f"the evaluator could not answer: {type(e).__name__}: {e}"}
-        if self.answer_fd is not None:
-            try:
-                _write_all(self.answer_fd, (json.dumps(answer) + "\n").encode())
-            except OSError:
-                pass
-
-    def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
-        def set_() -> None:
-            if not fut.done():
-                fut.set_result(value)
-
-        try:
-            self._loop.call_soon_threadsafe(set_)
-        except RuntimeError:  # the loop has closed (sandbox shut down)
-            pass
-
-    def _run(self) -> None:
-        try:
-            first = read_frame(self._read_into, 0)
-            ok = first is not None and first[0] == {"type": "ready"}
-            self._resolve(self.ready, ok)
-            while ok:
-                frame = read_frame(self._read_into, self._budget)
-                arrived = time.perf_counter()
-                if frame is None:
-                    break
-                self._budget -= len(frame[1])
-                kind = frame[0].get("type")
-                if kind == "request":
-                    self._answer(frame[0], arrived)
-                    continue
-                self.frames.append(frame)
-                if kind == "final":
-                    self._resolve(self.final_seen, None)
-        except FrameError as e:
-            if "truncated" not in str(e):  # a worker that died mid-frame has no result: a crash
-                self.error = f"malformed result channel: {e}"
-        except OSError as e:
-            self.error = f"result channel: {e}"
-        finally:
-            self._resolve(self.ready, False)
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._resolve(self.done, None)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 @dataclass
 class _Worker:
     proc: asyncio.subprocess.Process
-    frames: _FrameReader  # reading the result pipe since the worker started
+    frames: FrameReader  # reading the result pipe since the worker started
     shm_fd: int  # the worker's result memory (a sealed memfd), mapped once the worker is gone
     device: str
     stdin_fd: int  # the job line, then the answers to the worker's requests
@@ -197,7 +69,7 @@ class _Worker:
                 pass
 
 
-class LocalSandbox(Sandbox):
+class LocalSandbox(SpareWorkerSandbox):
     def __init__(self, config: LocalSandboxConfig | None = None, home: Path | None = None):
         self.config = config or LocalSandboxConfig()
         self.home = Path(home or Path.home() / ".cache" / "cudagym" / "home")
@@ -206,16 +78,8 @@ class LocalSandbox(Sandbox):
         self.opwatch_dir = Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home() / ".cache" / "cudagym")
         build_library(self.opwatch_dir)
         self._prefix = namespace_prefix() if self.config.isolate else ()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="cudagym-sandbox", daemon=True)
-        self._thread.start()
         self._spares: dict[str, list[_Worker]] = {}
-        self._closed = False
-        # One job per GPU at a time (timings need the device alone); on the CPU, timing jobs
-        # run alone and checks share the cores.
-        self._gpu_leases: list[_GpuLease] | None = None
-        self._cpu_slots: asyncio.Semaphore | None = None
-        self._cpu_timing: asyncio.Lock | None = None
+        self._start_loop("cudagym-sandbox")
 
     @property
     def isolation(self) -> dict[str, bool]:
@@ -225,43 +89,14 @@ class LocalSandbox(Sandbox):
             "landlock": landlock_abi() > 0,
         }
 
-    # -- public API -------------------------------------------------------------------------
-    async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        fut = asyncio.run_coroutine_threadsafe(self._run(job, device, responder), self._loop)
-        return await asyncio.wrap_future(fut)
-
-    def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return asyncio.run_coroutine_threadsafe(self._run(job, device, responder), self._loop).result()
-
-    def warm(self, device: str) -> None:
-        """Start spare workers for `device` now (they are otherwise started on first use)."""
-        asyncio.run_coroutine_threadsafe(self._replenish(device), self._loop).result()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-
-        async def _stop() -> None:
-            for workers in self._spares.values():
-                for w in workers:
-                    self._kill(w)
-                    await w.proc.wait()
-                    w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
-                    w.release()
-            self._spares.clear()
-
-        try:
-            asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-
-    def __del__(self) -> None:  # best effort: never leave spares behind
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
+    async def _stop_spares(self) -> None:
+        for workers in self._spares.values():
+            for w in workers:
+                self._kill(w)
+                await w.proc.wait()
+                w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
+                w.release()
+        self._spares.clear()
 
     # -- workers ----------------------------------------------------------------------------
     def _env(self, device: str) -> dict[str, str]:
@@ -295,7 +130,7 @@ class LocalSandbox(Sandbox):
     async def _spawn(self, device: str) -> _Worker:
         r, w = os.pipe()
         job_r, job_w = os.pipe()  # the worker's stdin: written from the frame reader's thread too
-        shm = _result_memory(self.config.max_result_mb << 20)
+        shm = result_memory(self.config.max_result_mb << 20)
         # Spares start at a low CPU priority, so that starting them does not slow the jobs and
         # comparisons running meanwhile; a worker gets normal priority when it takes a job.
         nice = [_NICE, "-n", str(self.config.spare_nice)] if _NICE and self.config.spare_nice else []
@@ -311,16 +146,8 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
         os.close(job_r)
-        frames = _FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20)
+        frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20)
         return _Worker(proc, frames, shm, device, job_w)
-
-    async def _replenish(self, device: str) -> None:
-        pool = self._spares.setdefault(device, [])
-        want = self.config.spare_workers
-        if want is None:
-            want = 6 if device.startswith("cuda") else 2
-        while len(pool) < want and not self._closed:
-            pool.append(await self._spawn(device))
 
     async def _take(self, device: str, replenish: bool = True) -> _Worker:
         """A spare worker; new spares start now, or after the job when it is a timing job
@@ -375,35 +202,6 @@ class LocalSandbox(Sandbox):
         except psutil.Error:
             return []
 
-    async def _run(self, job: Job, device: str, responder: Responder | None) -> JobOutcome:
-        if device == "cuda":
-            if self._gpu_leases is None:
-                self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
-            exclusive = job.kind in TIMING_KINDS
-            while True:  # the first GPU that can take this job now
-                for i, lease in enumerate(self._gpu_leases):
-                    if lease.try_acquire(exclusive):
-                        gone: asyncio.Future[None] | None = None
-                        try:
-                            outcome, gone = await self._run_on(job, f"cuda:{i}", responder)
-                            return outcome
-                        finally:  # the GPU is free once the worker (and its CUDA context) is gone
-                            if gone is None:
-                                lease.release(exclusive)
-                            else:
-                                gone.add_done_callback(lambda _f, lease=lease: lease.release(exclusive))
-                await asyncio.sleep(0.005)
-        if self._cpu_slots is None:
-            self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
-            self._cpu_timing = asyncio.Lock()
-        if job.kind in TIMING_KINDS:
-            async with self._cpu_timing:
-                outcome, gone = await self._run_on(job, device, responder)
-                await gone
-                return outcome
-        async with self._cpu_slots:
-            return (await self._run_on(job, device, responder))[0]
-
     async def _run_on(self, job: Job, device: str,
                       responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]:
         """Run `job` in a spare; returns the outcome as soon as the result is in (the worker is
@@ -439,7 +237,7 @@ class LocalSandbox(Sandbox):
                 cgroup.add(p.pid)
         frames.responder, frames.answer_fd = responder, w.stdin_fd
         try:  # a large job line would block on the pipe until the worker reads it
-            await asyncio.to_thread(_write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
+            await asyncio.to_thread(write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
         except OSError:  # the worker is gone: its outcome says how
             pass
 
@@ -507,7 +305,7 @@ class LocalSandbox(Sandbox):
         outcome.output = "\n".join(ln for ln in text.splitlines() if not ln.startswith("USDT:"))[-_OUTPUT_LIMIT:]
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t_ready
-        _collect(w, job.nonce, outcome)
+        collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
         gone = asyncio.ensure_future(self._reap(w, cgroup, out_task, device if timing else None))
         return outcome, gone
 
@@ -540,72 +338,6 @@ def _num_threads(p: psutil.Process) -> int:
         return p.num_threads()
     except psutil.Error:
         return 1
-
-
-def _result_memory(capacity: int) -> int:
-    """A sealed memfd of fixed capacity (sparse: only what is written takes memory)."""
-    import fcntl
-
-    fd = os.memfd_create("cudagym-results", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, capacity)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
-    return fd
-
-
-def _map_results(w: _Worker, frames: list[tuple[dict[str, Any], memoryview]]) -> list[tuple[dict[str, Any], memoryview]]:
-    """Tensor frames with their bytes: from the pipe, or from the worker's result memory."""
-    cap = os.fstat(w.shm_fd).st_size
-    spans = []
-    for h, _ in frames:
-        if h.get("type") == "tensor" and "offset" in h:
-            off, n = h.get("offset"), h.get("nbytes")
-            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 < n and off + n <= cap):
-                raise FrameError(f"a tensor frame names bytes outside the result memory ({off!r}, {n!r})")
-            spans.append(off + n)
-    # read-only (the worker is dead: the bytes are final) and populated: no fault per 4 KB page
-    mm = mmap.mmap(w.shm_fd, max(spans), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                   prot=mmap.PROT_READ) if spans else None
-    view = memoryview(mm) if mm is not None else None
-    out = []
-    for h, payload in frames:
-        if h.get("type") == "tensor" and "offset" in h and view is not None:
-            payload = view[h["offset"] : h["offset"] + h["nbytes"]]
-        out.append((h, payload))
-    return out
-
-
-def _collect(w: _Worker, nonce: str, outcome: JobOutcome) -> None:
-    frames = w.frames
-    try:
-        if frames.error:
-            outcome.channel_error = frames.error
-            return
-        try:
-            received = _map_results(w, frames.frames)
-        except FrameError as e:
-            outcome.channel_error = f"malformed result channel: {e}"
-            return
-    finally:
-        w.release()
-    finals = [h for h, _ in received if h.get("type") == "final"]
-    for h, payload in received:
-        t = h.get("type")
-        if t == "started":
-            outcome.started = h
-        elif t == "tensor":
-            outcome.tensors.append((h, payload))
-        elif t != "final":
-            outcome.channel_error = f"unexpected frame type {t!r} on the result channel"
-    if len(finals) > 1:
-        outcome.channel_error = "more than one result on the result channel"
-    elif finals:
-        if finals[0].get("nonce") != nonce:
-            outcome.channel_error = "a result without the job's nonce (forged)"
-        else:
-            outcome.final = finals[0]
-            phases = finals[0].get("phases")
-            outcome.phases = {str(k): float(v) for k, v in (phases if isinstance(phases, dict) else {}).items()
-                              if isinstance(v, (int, float))}
 
 
 def describe_isolation() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`.
+"""Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`, or
+`python -m cudagym.sandbox.worker --channel DIR` where descriptors cannot be inherited (a container).
 
 A worker is started ahead of need (a spare): it imports torch and, on a GPU, creates its CUDA
 context, then blocks until the parent writes one `Job` line on stdin. It applies the job's
@@ -46,9 +47,25 @@ def _pin(cpus: str | None) -> None:
             pass
 
 
+def open_channel(directory: str) -> tuple[int, int]:
+    """The channel files the parent made in `directory` (the docker backend): the FIFO `frames`
+    (the result pipe), the file `results` (result memory) and the FIFO `answers`, which becomes
+    stdin. `answers` is opened read-write so that it never reads end-of-file before the parent
+    has opened it; the parent holds `frames` open for reading before the worker starts."""
+    stdin = os.open(os.path.join(directory, "answers"), os.O_RDWR)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    fd = os.open(os.path.join(directory, "frames"), os.O_WRONLY)
+    return fd, os.open(os.path.join(directory, "results"), os.O_RDWR)
+
+
 def main() -> None:
-    fd = int(sys.argv[1])
-    shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    if sys.argv[1] == "--channel":
+        fd, shm = open_channel(sys.argv[2])
+        shm_fd: int | None = shm
+    else:
+        fd = int(sys.argv[1])
+        shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     _pin(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
     import torch
 
