@@ -17,8 +17,9 @@ their reasons. A table at the end; every number in `--out` (JSON), written after
     python benchmarks/train_grpo_gpu.py [--steps 3] [--tasks ew_scale_bias_gelu,red_row_sum]
         [--group-size 2] [--max-completion-length 3000] [--target auto|cuda|cpu] [--out FILE.json]
 
-On the GPU machine the package is on PYTHONPATH; TRL, datasets, dill and multiprocess travel as
-wheels (see the README's "Training" section).
+Needs the dev extra's TRL and datasets (`pip install -e ".[dev]"`). On our lent GPU machine, where
+nothing can be installed from an index, the package goes on PYTHONPATH and TRL 1.16.0, datasets
+5.2.0, dill and multiprocess travel as wheels (`shared/device/README.md` says how).
 """
 
 from __future__ import annotations
