@@ -19,7 +19,8 @@ their reasons. A table at the end; every number in `--out` (JSON), written after
 
 Needs the dev extra's TRL and datasets (`pip install -e ".[dev]"`). On our lent GPU machine, where
 nothing can be installed from an index, the package goes on PYTHONPATH and TRL 1.16.0, datasets
-5.2.0, dill and multiprocess travel as wheels (`shared/device/README.md` says how).
+5.2.0, dill and multiprocess travel as wheels, installed with `pip install --no-index --no-deps
+--target DIR` and put on PYTHONPATH too.
 """
 
 from __future__ import annotations
