@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from cudagym.agent.context import ContextBudget
 from cudagym.agent.policy import AssistantTurn, Policy, PolicyError, TurnContext
-from cudagym.agent.prompt import system_prompt
+from cudagym.agent.prompt import system_prompt, tool_response
 from cudagym.env.kernel_env import KernelEnv
 from cudagym.tasks.model import Task
 
@@ -86,7 +86,7 @@ async def run_episode(
             if step_info.get("parse_error") or not step_info.get("tool_results"):
                 messages.append({"role": "user", "content": obs})
         else:
-            messages.append({"role": "user", "content": f"<tool_response>\n{obs}\n</tool_response>"})
+            messages.append({"role": "user", "content": tool_response(obs)})
         record = {
             "type": "step", "episode_id": episode_id, "turn": turn,
             "action": reply.model_dump(mode="json"), "observation": obs, "reward": reward,

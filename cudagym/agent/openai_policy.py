@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from cudagym.agent.policy import AssistantTurn, Policy, PolicyError, TurnContext
+from cudagym.agent.prompt import tool_response
 from cudagym.env.tools import ToolCall
 
 
@@ -125,7 +126,7 @@ def _for_wire(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, An
     out = []
     for m in messages:
         if m.get("role") == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"})
+            out.append({"role": "user", "content": tool_response(m.get("content", ""))})
         elif m.get("tool_calls"):
             blocks = "".join(
                 f"\n<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': json.loads(c['function']['arguments'] or '{}')})}\n</tool_call>"

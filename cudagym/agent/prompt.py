@@ -101,6 +101,12 @@ loops, blocking/tiling for matmul) and let the compiler vectorize (-O3 is on; si
 }
 
 
+def tool_response(obs: str) -> str:
+    """A text turn's observation as the user message that carries it (the Hermes form the system
+    prompt announces)."""
+    return f"<tool_response>\n{obs}\n</tool_response>"
+
+
 def system_prompt(target: str = "cuda", mode: str = "strict", tools: list[dict[str, Any]] | None = None,
                   hermes: bool = False) -> str:
     """The system prompt for `target` ("cuda" | "cpu") and audit `mode`.

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cudagym.agent.prompt import tool_response
 from cudagym.errors import ConfigError
 
 OBSERVATION_MARGIN_TOKENS = 2  # added to the measured overhead: tokens that merge differently at a boundary
-
-
-def tool_response(obs: str) -> str:
-    """An observation as the user message carrying it."""
-    return f"<tool_response>\n{obs}\n</tool_response>"
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

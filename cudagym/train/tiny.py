@@ -52,7 +52,7 @@ def tiny_causal_lm(tok, max_positions: int = 65536, seed: int = 0, layers: int =
 def kernel_texts(task_ids: Iterable[str], target: str = "cpu", mode: str = "strict") -> list[str]:
     """Texts a tokenizer for KernelEnv episodes is trained on: the system prompt, each task's
     prompt and stored solution (`ScriptedPolicy`), a tool call and a tool response."""
-    from cudagym.agent.prompt import system_prompt
+    from cudagym.agent.prompt import system_prompt, tool_response
     from cudagym.agent.scripted import ScriptedPolicy
     from cudagym.env.prompt import task_prompt
     from cudagym.env.tools import Toolbox
@@ -61,7 +61,7 @@ def kernel_texts(task_ids: Iterable[str], target: str = "cpu", mode: str = "stri
 
     texts = [system_prompt(target, mode, Toolbox().schemas(), hermes=True),
              '<tool_call>\n{"name": "write_file", "arguments": {"path": "model_new.py"}}\n</tool_call>',
-             "<tool_response>\n[compile] Compile succeeded\n[verify] Verify PASSED\n</tool_response>"]
+             tool_response("[compile] Compile succeeded\n[verify] Verify PASSED")]
     for task_id in task_ids:
         texts.append(task_prompt(bundled_task(task_id).for_target(Target(target)), Target(target)))
         texts += ScriptedPolicy().solution_files(task_id, target).values()

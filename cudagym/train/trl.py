@@ -66,14 +66,14 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from cudagym.agent.policy import Policy, TurnContext
-from cudagym.agent.prompt import system_prompt
+from cudagym.agent.prompt import system_prompt, tool_response
 from cudagym.env.kernel_env import EnvConfig, KernelEnv, _as_tasks
 from cudagym.env.tokens import TokenizerCounter
 from cudagym.env.tools import Toolbox
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
 from cudagym.tasks.model import Target, Task
-from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_ids, observation_overhead, render, tool_response
+from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_ids, observation_overhead, render
 
 _TASK_ID = re.compile(r"^Task id: ([^;\n]+);", re.MULTILINE)  # cudagym.env.prompt.task_prompt's line
 
@@ -206,7 +206,7 @@ class KernelRollout:
         env = KernelEnv(tasks=self.tasks, evaluator=self.evaluator, config=self.env_config, token_counter=self.counter)
         obs, _ = await env.areset(options={"task": task_id})
         messages = [{"role": "system", "content": self.system}, {"role": "user", "content": obs}]
-        prompt_ids = self._render(messages, add_generation_prompt=True)
+        prompt_ids = render(self.tokenizer, messages, add_generation_prompt=True)
         caps = [c for c in (self.config.max_tokens, self.env_config.max_tokens,
                             None if completion_limit is None else len(prompt_ids) + completion_limit) if c]
         budget = min(caps) if caps else None
@@ -283,9 +283,6 @@ class KernelRollout:
             raise ConfigError("a prompt without a cudagym task line ('Task id: ...;'): build the dataset with "
                               "KernelRollout.dataset()")
         return m.group(1).strip()
-
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        return render(self.tokenizer, messages, add_generation_prompt)
 
     @staticmethod
     def _milestone(e: _Episode) -> float:

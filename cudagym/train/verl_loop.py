@@ -40,6 +40,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
+from cudagym.agent.prompt import tool_response
 from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
@@ -240,7 +241,7 @@ class KernelAgentLoop(AgentLoopBase):
                 budget_hit = True
                 break
             before = list(messages)
-            messages.append({"role": "user", "content": f"<tool_response>\n{obs}\n</tool_response>"})
+            messages.append({"role": "user", "content": tool_response(obs)})
             merged, new_mask, new_lp = await self.ct_merge_context_msg(
                 before, messages, ids, mask, logprobs if logprobs else None, tools=tools)
             ids, mask = merged.token_ids, new_mask
