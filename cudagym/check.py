@@ -13,6 +13,7 @@ from rich.table import Table
 
 from cudagym.errors import CudagymError
 from cudagym.rewards.verdict import Verdict
+from cudagym.sandbox.library import LIBRARY_TITLES
 
 
 def check(
@@ -37,9 +38,14 @@ def check(
     server_gaps: Annotated[Optional[str], typer.Option(help="Also time in server mode: each call after an idle gap "
                                                             "drawn from LOW,HIGH ms (e.g. 1,10), shown beside the "
                                                             "offline time (the reward stays offline).")] = None,
+    reward_against: Annotated[Optional[str], typer.Option(help="The baselines of the +2 and +3 milestones, A,B among "
+                                                               "eager, compiled, cublaslt, cublaslt_tuned (default "
+                                                               "eager,compiled; the cuBLASLt ones exist for GEMM tasks "
+                                                               "on a GPU, others fall back to the default).")] = None,
 ) -> None:
     """Compile, verify and profile SOLUTION for TASK, and print the milestone reward with its reasons."""
     from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+    from cudagym.rewards.milestone import RewardConfig
     from cudagym.sandbox.protocol import TimingConfig
     from cudagym.sandbox.workspace import Workspace
     from cudagym.tasks.loaders import resolve_task
@@ -59,9 +65,13 @@ def check(
         server_gap_ms = TimingConfig.parse_idle(server_gaps) if server_gaps else None
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--server-gaps") from None
+    try:
+        reward = RewardConfig(against=RewardConfig.parse_against(reward_against)) if reward_against else RewardConfig()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--reward-against") from None
     console = Console(stderr=True)
     cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline, sandbox=sandbox,
-                          server_gap_ms=server_gap_ms,
+                          server_gap_ms=server_gap_ms, reward=reward,
                           **({"cache_dir": cache_dir} if cache_dir else {}))
     try:
         t = resolve_task(task)
@@ -113,6 +123,11 @@ def _print_verdict(v: Verdict) -> None:
         table.add_row(f"server mode ({s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms gaps): ms",
                       f"{fmt(ms(s.candidate))} / {fmt(ms(s.eager))} / {fmt(ms(s.compiled))}")
         table.add_row("server mode: speedup vs eager / compile", f"{fmt(s.speedup_vs_eager)} / {fmt(s.speedup_vs_compile)}")
+    for name, lib_ms in v.library_ms.items():
+        server = "" if v.server is None or name not in v.server.library else \
+            f"; server mode {fmt(v.server.library[name].median_ms)} ms, {fmt(v.server.speedup_vs_library.get(name))}x"
+        table.add_row(f"{LIBRARY_TITLES.get(name, name)}: ms / speedup",
+                      f"{fmt(lib_ms)} / {fmt(v.speedup_vs_library.get(name))}{server}")
     console.print(table)
     for r in v.reasons:
         console.print(f"  • {r}")

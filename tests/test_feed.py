@@ -74,6 +74,11 @@ def test_a_loaded_host_slows_the_probes_as_much_as_the_calls() -> None:
 def test_reports_that_do_not_add_up_are_violations() -> None:
     feed = CallFeed(CFG, ("eager", "compiled"))
     assert "refused" in feed({"what": "call", "role": "compiled", "index": 0}, 0.0)  # eager first
+    feed = CallFeed(CFG, ("eager", "compiled", "cublaslt"))
+    drive(feed, "eager", 1.0, 2.0)
+    drive(feed, "cublaslt", 1.0, 2.0)  # a baseline that could not be measured is skipped
+    assert "refused" in feed({"what": "call", "role": "compiled", "index": 0}, 1.0)  # never after a later one
+    assert "out of order" in feed.violations[-1]
     feed = CallFeed(CFG, ("candidate",))
     assert "seed" in feed({"what": "call", "role": "candidate", "index": 0, "ops": {"aten::add": 2}}, 0.0)
     assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": 1.0, "ops": {"aten::add": 1}}, 0.0)

@@ -12,6 +12,9 @@ from typer.testing import CliRunner
 from cudagym.cli import app
 from cudagym.errors import TaskError
 from cudagym.rewards.evaluator import Evaluator
+from cudagym.rewards.milestone import RewardConfig, milestone_verdict
+from cudagym.rewards.verdict import CompileResult, ProfileResult, TimingStats, VerifyResult
+from cudagym.sandbox.library import LIBRARY_BASELINES
 from cudagym.tasks.gemm import GEMM_SOURCE, GEMM_TOLERANCE, SHAPE_CLASSES, gemm_configs, gemm_task
 from cudagym.tasks.loaders import load_tasks
 from cudagym.tasks.model import Target
@@ -93,3 +96,55 @@ def test_cli_refuses_an_unknown_dtype(tmp_path):
     result = CliRunner().invoke(app, ["tasks", "gemm", "--configs", "4", "--dtypes", "int8", "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "dtypes must be among" in result.output
+
+
+def test_library_baselines_are_reported_unavailable_on_the_cpu_and_the_reward_falls_back(tmp_path, eval_cache):
+    """A GEMM task's baseline job on the CPU target runs its eager loop, skips the cuBLASLt
+    baselines with the reason (a real worker: the skipped roles pass the call feed), and a reward
+    configured against autotuned cuBLASLt is judged against torch.compile, saying so."""
+    task = gemm_task(gemm_configs(1, seed=3)[0])
+    with Evaluator(cpu_config(eval_cache, mode="permissive")) as ev:
+        assert ev.library_baselines_for(task) == LIBRARY_BASELINES
+        task = task.for_target(ev.target)
+        ws = make_workspace(tmp_path / "ws", task, re.sub(r"\bModel\b", "ModelNew", task.code))
+        p = ev.profile(task, ws)
+        assert p.ok and p.eager is not None and p.library == {} and p.speedup_vs_library == {}, p.error
+        for title in ("cuBLASLt (heuristic)", "cuBLASLt (autotuned)"):
+            assert any(r.startswith(f"{title} baseline unavailable: cuBLASLt baselines need a CUDA GPU")
+                       for r in p.reasons), p.reasons
+    verify = VerifyResult(ok=True, correct=True, trials=6, trials_passed=6)
+    v = milestone_verdict(CompileResult(ok=True), verify, p, RewardConfig(against=("eager", "cublaslt_tuned")))
+    assert "no cuBLASLt (autotuned) baseline for this task: this milestone is against torch.compile" in v.reasons
+    assert v.library_ms == {} and v.reward >= 1
+
+
+def _profiled(**speedups: float) -> ProfileResult:
+    """A profile in which the candidate took 1 ms and each named baseline `speedup` ms."""
+    stats = lambda ms: TimingStats.from_samples([ms] * 5)  # noqa: E731
+    lib = {n: s for n, s in speedups.items() if n in LIBRARY_BASELINES}
+    return ProfileResult(ok=True, candidate=stats(1.0), eager=stats(speedups["eager"]), compiled=stats(speedups["compiled"]),
+                         speedup_vs_eager=speedups["eager"], speedup_vs_compile=speedups["compiled"],
+                         library={n: stats(s) for n, s in lib.items()}, speedup_vs_library=lib)
+
+
+@pytest.mark.parametrize("against, tuned, reward", [
+    (("eager", "compiled"), 1.5, 3.0),          # default: faster than eager and torch.compile
+    (("eager", "cublaslt_tuned"), 1.5, 3.0),    # and than autotuned cuBLASLt
+    (("eager", "cublaslt_tuned"), 1.02, 2.0),   # within the margin of autotuned cuBLASLt: +2 only
+    (("cublaslt", "cublaslt_tuned"), 0.9, 1.0),  # slower than both cuBLASLt baselines
+])
+def test_the_speed_milestones_can_be_against_any_baseline(against, tuned, reward):
+    p = _profiled(eager=2.0, compiled=1.6, cublaslt=tuned, cublaslt_tuned=tuned)
+    v = milestone_verdict(CompileResult(ok=True), VerifyResult(ok=True, correct=True, trials=6, trials_passed=6), p,
+                          RewardConfig(against=against))
+    assert v.reward == reward, v.reasons
+    assert v.speedup_vs_library == {"cublaslt": tuned, "cublaslt_tuned": tuned}
+    named = {"compiled": "torch.compile", "cublaslt_tuned": "cuBLASLt (autotuned)", "cublaslt": "cuBLASLt (heuristic)"}
+    assert any(r.startswith(f"speedup vs {named[against[1]]} ") for r in v.reasons), v.reasons
+
+
+def test_reward_against_is_checked_on_the_command_line(tmp_path):
+    result = CliRunner().invoke(app, ["check", "elementwise_relu", str(tmp_path / "x.py"), "--reward-against", "eager,cublas"])
+    assert result.exit_code == 2
+    text = " ".join(result.output.replace("│", " ").split())  # the error box wraps its lines
+    assert "takes two of eager, compiled, cublaslt, cublaslt_tuned, comma-separated" in text, result.output

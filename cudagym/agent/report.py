@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cudagym.agent.store import TrajectoryStore
+from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 
 
 class GroupStats(BaseModel):
@@ -31,6 +32,7 @@ class GroupStats(BaseModel):
     n_timed: int  # correct episodes with a speedup (the geomean's population)
     mean_reward: float
     geomean_server_vs_eager: float | None = None  # server-mode timing (when the run asked for it)
+    geomean_vs_library: dict[str, float] = {}  # library baselines (GEMM tasks): geomean over the episodes timed against each
 
 
 def _geomean(xs: list[float]) -> float | None:
@@ -54,6 +56,8 @@ def group_stats(name: str, episodes: list[dict[str, Any]]) -> GroupStats:
         n_timed=sum(1 for s in se if s is not None),
         mean_reward=sum(float(e.get("reward", 0.0)) for e in episodes) / n if n else 0.0,
         geomean_server_vs_eager=_geomean([((e["verdict"].get("server") or {}).get("speedup_vs_eager")) for e in correct]),
+        geomean_vs_library={name: g for name in LIBRARY_BASELINES if (g := _geomean(
+            [(e["verdict"].get("speedup_vs_library") or {}).get(name) for e in correct])) is not None},
     )
 
 
@@ -73,26 +77,32 @@ def render_table(rows: list[GroupStats], title: str = "cudagym results") -> Any:
 
     t = Table(title=title)
     server = any(r.geomean_server_vs_eager is not None for r in rows)
+    library = [n for n in LIBRARY_BASELINES if any(n in r.geomean_vs_library for r in rows)]
     for col in ("group", "episodes", "pass rate", "faster than eager", "faster than compile",
-                "geomean vs eager", "geomean vs compile", *(["geomean vs eager (server)"] if server else []), "mean reward"):
+                "geomean vs eager", "geomean vs compile", *(["geomean vs eager (server)"] if server else []),
+                *(f"geomean vs {LIBRARY_TITLES[n]}" for n in library), "mean reward"):
         t.add_column(col, justify="left" if col == "group" else "right")
     pct = lambda x: f"{x * 100:.1f}%"  # noqa: E731
     gm = lambda x, n: "n/a" if x is None else f"{x:.3f}x (n={n})"  # noqa: E731
     for r in rows:
         extra = ["n/a" if r.geomean_server_vs_eager is None else f"{r.geomean_server_vs_eager:.3f}x"] if server else []
+        extra += ["n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x" for n in library]
         t.add_row(r.group, str(r.episodes), pct(r.pass_rate), pct(r.faster_than_eager), pct(r.faster_than_compile),
                   gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_timed), *extra, f"{r.mean_reward:+.2f}")
     return t
 
 
 def markdown_table(rows: list[GroupStats]) -> str:
-    head = "| group | episodes | pass rate | faster than eager | faster than compile | geomean vs eager | geomean vs compile | mean reward |"
-    lines = [head, "|" + "---|" * 8]
+    library = [n for n in LIBRARY_BASELINES if any(n in r.geomean_vs_library for r in rows)]
+    head = ("| group | episodes | pass rate | faster than eager | faster than compile | geomean vs eager | geomean vs compile | "
+            + "".join(f"geomean vs {LIBRARY_TITLES[n]} | " for n in library) + "mean reward |")
+    lines = [head, "|" + "---|" * (8 + len(library))]
     for r in rows:
         gme = "n/a" if r.geomean_vs_eager is None else f"{r.geomean_vs_eager:.3f}x"
         gmc = "n/a" if r.geomean_vs_compile is None else f"{r.geomean_vs_compile:.3f}x"
+        gml = "".join(("n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x") + " | " for n in library)
         lines.append(f"| {r.group} | {r.episodes} | {r.pass_rate:.1%} | {r.faster_than_eager:.1%} | "
-                     f"{r.faster_than_compile:.1%} | {gme} | {gmc} | {r.mean_reward:+.2f} |")
+                     f"{r.faster_than_compile:.1%} | {gme} | {gmc} | {gml}{r.mean_reward:+.2f} |")
     return "\n".join(lines)
 
 

@@ -60,6 +60,7 @@ class RunConfig(BaseModel):
     require_analysis: bool = False
     analysis_reward: float = 0.0
     server_gap_ms: tuple[float, float] | None = None  # server-mode timing beside offline (CUDA-L2): idle gaps, ms
+    reward_against: tuple[str, str] | None = None  # the +2 and +3 milestones' baselines (`RewardConfig.against`)
 
 
 class RunSummary(BaseModel):
@@ -97,8 +98,10 @@ def make_evaluator(cfg: RunConfig) -> Any:
     """The run's evaluator: an `Evaluator` in this process (backend ``local``), or a client of an
     evaluation pool on Ray (backend ``ray``, `cudagym.pool`), started on ``cfg.ray_address``."""
     from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+    from cudagym.rewards.milestone import RewardConfig
 
-    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox, server_gap_ms=cfg.server_gap_ms)
+    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox, server_gap_ms=cfg.server_gap_ms,
+                             **({"reward": RewardConfig(against=cfg.reward_against)} if cfg.reward_against else {}))
     if cfg.backend == "ray":
         from cudagym.pool import EvalPool, PoolConfig
 

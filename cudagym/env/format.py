@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from cudagym.rewards.verdict import CompileResult, ProfileResult, TimingStats, Verdict, VerifyResult
+from cudagym.sandbox.library import LIBRARY_TITLES
 
 _ERROR_LINE = re.compile(
     r"(error|Error|ERROR|undefined reference|Traceback|Exception|FAILED|fatal|mismatch|"
@@ -120,6 +121,8 @@ def format_profile(r: ProfileResult, budget: int) -> str:
         f"torch.compile: {_ms(r.compiled)}",
         f"Speedup vs eager {_x(r.speedup_vs_eager)}, vs torch.compile {_x(r.speedup_vs_compile)}.",
     ]
+    for name, stats in r.library.items():
+        lines.append(f"{LIBRARY_TITLES.get(name, name) + ':':<14} {_ms(stats)} (speedup {_x(r.speedup_vs_library.get(name))})")
     if r.server is not None:
         s = r.server
         lines.append(f"Server mode (calls after {s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms idle gaps): ModelNew {_ms(s.candidate)}, "

@@ -34,9 +34,11 @@ from cudagym.sandbox.docker import DockerSandboxConfig
 from cudagym.sandbox.feed import CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
+from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
 from cudagym.sandbox.workspace import Workspace
+from cudagym.tasks.gemm import GEMM_SOURCE
 from cudagym.tasks.model import Target, Task
 
 
@@ -56,6 +58,9 @@ class EvaluatorConfig(BaseModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     compile_baseline: bool = True  # measure torch.compile (the +3 milestone needs it)
+    # measure the cuBLASLt baselines (heuristic and autotuned; `cudagym.sandbox.library`) of the
+    # GEMM family's tasks, beside eager and torch.compile
+    library_baselines: bool = True
     roofline_slack: float = 0.5  # a time below slack x the roofline floor is implausible
     spare_workers: int | None = None  # warm spare workers per device (None: 6 per GPU, 2 on the CPU)
     sandbox: Literal["local", "docker"] = "local"  # where workers run: processes here, or containers
@@ -403,12 +408,17 @@ class Evaluator:
                             error="\n".join(reasons) or None, reasons=reasons)
 
     # -- profile ----------------------------------------------------------------------------
+    def library_baselines_for(self, task: Task) -> tuple[str, ...]:
+        """The library baselines measured for `task`: cuBLASLt's for the GEMM family's tasks."""
+        return LIBRARY_BASELINES if self.config.library_baselines and task.source == GEMM_SOURCE else ()
+
     async def abaselines(self, task: Task, timing: TimingConfig | None = None) -> dict[str, Any]:
-        """Eager and torch.compile timings of the reference under `timing` (default: the
-        config's), measured once, then cached."""
+        """Eager, torch.compile and library (`library_baselines_for`) timings of the reference
+        under `timing` (default: the config's), measured once (`ameasure_baselines`), then cached."""
         task = task.for_target(self._target)
         timing = timing or self.config.timing
-        key = BaselineCache.key(task.digest, self.device_name, timing, self.config.compile_baseline)
+        library = self.library_baselines_for(task)
+        key = BaselineCache.key(task.digest, self.device_name, timing, self.config.compile_baseline, library)
         cached = self.baselines.get(key)
         if cached is not None:
             return {**cached, "cached": True}
@@ -419,25 +429,42 @@ class Evaluator:
             cached = self.baselines.get(key)
             if cached is not None:
                 return {**cached, "cached": True}
-            cache = self.config.cache_dir
-            job = self._job("baseline", task, None, with_compile_baseline=self.config.compile_baseline,
-                            writable=[str(cache / "home")], timing=timing)
-            # Only the trusted reference runs here; inductor writes large precompiled headers.
-            job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600),
-                                                       "max_file_mb": 4096, "memory_mb": max(job.limits.memory_mb, 16384)})
-            feed = CallFeed(timing, ("eager", "compiled"))
-            o = await self.sandbox.run(job, self.device, feed)
-            failure = _outcome_failure(o, "baseline")
-            if failure or feed.violations:
-                return {"error": failure[1] if failure else feed.violations[0], "cached": False}
-            f = o.final or {}
-            value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "device_name")}
-            value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
-                         eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"))
-            self.baselines.put(key, value)
+            value = await self.ameasure_baselines(task, timing)
+            if "error" not in value:
+                self.baselines.put(key, value)
             return {**value, "cached": False}
         finally:
             lock.release()
+
+    async def ameasure_baselines(self, task: Task, timing: TimingConfig | None = None) -> dict[str, Any]:
+        """One baseline job of `task` under `timing`, past the cache: each role's call times
+        (ms; ``eager_ms``, ``compile_ms``, ``library_ms`` by name), the roofline inputs, and why
+        a baseline is missing; or ``{"error": ...}``. What `abaselines` caches; a benchmark's
+        way to measure the spread of separate jobs."""
+        task = task.for_target(self._target)
+        timing = timing or self.config.timing
+        library = self.library_baselines_for(task)
+        cache = self.config.cache_dir
+        tol = task.effective_tolerance
+        job = self._job("baseline", task, None, with_compile_baseline=self.config.compile_baseline,
+                        writable=[str(cache / "home")], timing=timing, library_baselines=list(library),
+                        library_tolerance=(tol.atol, tol.rtol))
+        # Only the trusted reference runs here; inductor writes large precompiled headers.
+        job.limits = job.limits.model_copy(update={"timeout_s": max(job.limits.timeout_s, 600),
+                                                   "max_file_mb": 4096, "memory_mb": max(job.limits.memory_mb, 16384)})
+        feed = CallFeed(timing, ("eager", "compiled", *library))
+        o = await self.sandbox.run(job, self.device, feed)
+        failure = _outcome_failure(o, "baseline")
+        if failure or feed.violations:
+            return {"error": failure[1] if failure else feed.violations[0]}
+        f = o.final or {}
+        value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "device_name")}
+        value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
+                     eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"))
+        if library:
+            value.update(library_ms={n: ms for n in library if (ms := feed.times_ms(n))},
+                         library_errors=f.get("library_errors") or {})
+        return value
 
     async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
         """Time the candidate against cached baselines; re-check outputs of timed calls. With
@@ -456,7 +483,8 @@ class Evaluator:
                 why = [f"server mode ({server.idle_ms[0]:g}-{server.idle_ms[1]:g} ms gaps): {r}" for r in s.reasons]
                 return s.model_copy(update={"reasons": why or ["server mode failed"], "seconds": time.perf_counter() - t0})
             result.server = ServerTiming(gap_ms=server.idle_ms, candidate=s.candidate, eager=s.eager, compiled=s.compiled,
-                                         speedup_vs_eager=s.speedup_vs_eager, speedup_vs_compile=s.speedup_vs_compile)
+                                         speedup_vs_eager=s.speedup_vs_eager, speedup_vs_compile=s.speedup_vs_compile,
+                                         library=s.library, speedup_vs_library=s.speedup_vs_library)
             result.breakdown["server_s"] = s.seconds
         if ncu and self._target == Target.CUDA:
             from cudagym.sandbox.ncu import ncu_summary
@@ -512,16 +540,21 @@ class Evaluator:
                                  seconds=time.perf_counter() - t0)
         eager = TimingStats.from_samples(base["eager_ms"]) if base.get("eager_ms") else None
         comp = TimingStats.from_samples(base["compile_ms"]) if base.get("compile_ms") else None
+        library = {n: TimingStats.from_samples(ms) for n, ms in (base.get("library_ms") or {}).items() if ms}
         bw, flops = peaks_for(self.device_name if self._target == Target.CUDA else "cpu")
         floor_ms = max((base.get("bytes") or 0) / bw, (base.get("flops") or 0) / flops) * 1e3
         reasons: list[str] = []
         if base.get("compile_error"):
             reasons.append(f"torch.compile baseline unavailable: {base['compile_error'][:200]}")
+        for name, why in (base.get("library_errors") or {}).items():
+            reasons.append(f"{LIBRARY_TITLES.get(name, name)} baseline unavailable: {why[:300]}")
         diag = final.get("diagnostics") or {}
         result = ProfileResult(
             ok=True, candidate=cand, eager=eager, compiled=comp,
             speedup_vs_eager=eager.median_ms / cand.median_ms if eager and cand.median_ms > 0 else None,
             speedup_vs_compile=comp.median_ms / cand.median_ms if comp and cand.median_ms > 0 else None,
+            library=library, speedup_vs_library={n: s.median_ms / cand.median_ms for n, s in library.items()
+                                                 if cand.median_ms > 0},
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             harness_overhead_ns=diag.get("harness_overhead_ns"), close_timeouts=diag.get("candidate_close_timeouts") or 0,

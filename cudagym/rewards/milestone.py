@@ -1,10 +1,24 @@
-"""The milestone reward: -1 failed, +1 correct, +2 faster than eager, +3 faster than both."""
+"""The milestone reward: -1 failed, +1 correct, +2 faster than eager, +3 faster than both.
+
+The two speed milestones are measured against eager and torch.compile by default; `against`
+names other baselines for them (the library baselines of GEMM tasks, `cudagym.sandbox.library`):
+e.g. ("eager", "cublaslt_tuned") gives +3 only to a kernel faster than eager and than autotuned
+cuBLASLt. A task without the named baseline (not a GEMM task, or the library unavailable) is
+judged against the default one instead, and the verdict's reasons say so.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel
 
 from cudagym.rewards.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
+from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
+
+BaselineName = Literal["eager", "compiled", "cublaslt", "cublaslt_tuned"]
+BASELINES: tuple[str, ...] = ("eager", "compiled", *LIBRARY_BASELINES)
+BASELINE_TITLES = {"eager": "eager", "compiled": "torch.compile", **LIBRARY_TITLES}
 
 
 class RewardConfig(BaseModel):
@@ -16,6 +30,25 @@ class RewardConfig(BaseModel):
     faster_than_compile: float = 3.0
     eager_margin: float = 0.05
     compile_margin: float = 0.05
+    # the baselines of the +2 and the +3 milestone (see the module's text)
+    against: tuple[BaselineName, BaselineName] = ("eager", "compiled")
+
+    @staticmethod
+    def parse_against(text: str) -> tuple[str, str]:
+        """'A,B' (a command line's --reward-against) as `against`; ValueError if not."""
+        names = tuple(x.strip() for x in text.split(","))
+        if len(names) != 2 or any(n not in BASELINES for n in names):
+            raise ValueError(f"--reward-against takes two of {', '.join(BASELINES)}, comma-separated "
+                             f"(the +2 and the +3 milestone's baselines), not {text!r}")
+        return names  # type: ignore[return-value]
+
+
+def _speedup(p: ProfileResult, name: str) -> float | None:
+    if name == "eager":
+        return p.speedup_vs_eager
+    if name == "compiled":
+        return p.speedup_vs_compile
+    return p.speedup_vs_library.get(name)
 
 
 def milestone_verdict(
@@ -61,11 +94,18 @@ def milestone_verdict(
         speedup_vs_compile=p.speedup_vs_compile,
         server=p.server,
     )
-    beats_eager = p.speedup_vs_eager is not None and p.speedup_vs_eager > 1 + cfg.eager_margin
-    beats_compile = p.speedup_vs_compile is not None and p.speedup_vs_compile > 1 + cfg.compile_margin
+    timing.update(library_ms={n: s.median_ms for n, s in p.library.items()}, speedup_vs_library=p.speedup_vs_library)
     fmt = lambda s: "n/a" if s is None else f"{s:.3f}x"  # noqa: E731
-    reasons.append(f"speedup vs eager {fmt(p.speedup_vs_eager)} (needs > {1 + cfg.eager_margin:.2f}x)")
-    reasons.append(f"speedup vs torch.compile {fmt(p.speedup_vs_compile)} (needs > {1 + cfg.compile_margin:.2f}x)")
+    beats = []
+    for name, default, margin in zip(cfg.against, ("eager", "compiled"), (cfg.eager_margin, cfg.compile_margin)):
+        if name != default and _speedup(p, name) is None:
+            reasons.append(f"no {BASELINE_TITLES[name]} baseline for this task: this milestone is against "
+                           f"{BASELINE_TITLES[default]}")
+            name = default
+        s = _speedup(p, name)
+        beats.append(s is not None and s > 1 + margin)
+        reasons.append(f"speedup vs {BASELINE_TITLES[name]} {fmt(s)} (needs > {1 + margin:.2f}x)")
+    beats_eager, beats_compile = beats
     if beats_eager and beats_compile:
         return Verdict(reward=cfg.faster_than_compile, milestone="faster_than_compile", compiled=True, correct=True,
                        reasons=reasons, **timing, **base)

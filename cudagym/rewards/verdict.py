@@ -114,6 +114,8 @@ class ServerTiming(BaseModel):
     compiled: TimingStats | None = None
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
+    library: dict[str, TimingStats] = Field(default_factory=dict)
+    speedup_vs_library: dict[str, float] = Field(default_factory=dict)
 
 
 class ProfileResult(BaseModel):
@@ -121,6 +123,10 @@ class ProfileResult(BaseModel):
     candidate: TimingStats | None = None
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline
+    # library baselines by name (`cudagym.sandbox.library`: cuBLASLt's, for GEMM tasks) and the
+    # candidate's speedup over each
+    library: dict[str, TimingStats] = Field(default_factory=dict)
+    speedup_vs_library: dict[str, float] = Field(default_factory=dict)
     harness_overhead_ns: int | None = None  # diagnostic: the timer's own overhead, left out of every GPU call
     close_timeouts: int = 0  # GPU calls whose SMs were still busy a second after the caller's stream ended
     # the parent's clock less the reported times, beyond the overhead its probes measured (median, ms
@@ -157,6 +163,8 @@ class Verdict(BaseModel):
     candidate_ms: float | None = None
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
+    library_ms: dict[str, float] = Field(default_factory=dict)  # library baselines' medians (GEMM tasks)
+    speedup_vs_library: dict[str, float] = Field(default_factory=dict)
     server: ServerTiming | None = None  # server-mode times beside these (when asked for); not rewarded
     reasons: list[str] = Field(default_factory=list)
     error: str | None = None
@@ -181,6 +189,8 @@ class Verdict(BaseModel):
             "candidate_ms": self.candidate_ms,
             "speedup_vs_eager": self.speedup_vs_eager,
             "speedup_vs_compile": self.speedup_vs_compile,
+            "library_ms": self.library_ms,
+            "speedup_vs_library": self.speedup_vs_library,
             "reasons": self.reasons,
             "error": self.error,
             "error_kind": self.error_kind.value if self.error_kind else None,

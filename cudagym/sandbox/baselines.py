@@ -1,6 +1,7 @@
-"""On-disk cache of baseline timings (eager and torch.compile) and roofline inputs.
+"""On-disk cache of baseline timings (eager, torch.compile and library baselines) and roofline inputs.
 
-Keyed by (task code digest, device model, torch version, timing settings and protocol version):
+Keyed by (task code digest, device model, torch version, timing settings, the baselines measured
+and protocol version):
 an episode pays for the first `torch.compile` of a reference once per task and device, not once
 per profile.
 """
@@ -26,9 +27,10 @@ class BaselineCache:
         self.root.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
-    def key(task_digest: str, device_name: str, timing: TimingConfig, with_compile: bool) -> str:
+    def key(task_digest: str, device_name: str, timing: TimingConfig, with_compile: bool,
+            library: tuple[str, ...] = ()) -> str:
         blob = json.dumps([task_digest, device_name, torch.__version__, timing.model_dump(), with_compile,
-                           PROTOCOL_VERSION], sort_keys=True)
+                           PROTOCOL_VERSION, *([list(library)] if library else [])], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
     def get(self, key: str) -> dict[str, Any] | None:

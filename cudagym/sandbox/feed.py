@@ -92,7 +92,8 @@ class _Role:
 class CallFeed:
     """Plans and records the calls of a job's timed loops, one role after another.
 
-    `roles` are the roles the job runs, in order. Each role's model calls: warm-up until
+    `roles` are the roles the job runs, in order (the first one first; a later one may be skipped,
+    a baseline that could not be measured, but none may come back or come early). Each role's model calls: warm-up until
     `cfg.warmup_calls` calls and `cfg.warmup_ms` of the parent's clock have passed, then
     `cfg.target_ms` over the warm-up's median wall time per call (second half), within
     [`cfg.min_calls`, `cfg.max_calls`], fixed before the first timed call. Probes are
@@ -111,11 +112,12 @@ class CallFeed:
         if request.get("what") != "call" or role_name not in self.roles:
             return _violation(self.violations, f"an unexpected request {request.get('what')!r} "
                               f"for role {role_name!r}")
-        expected = self.roles[len(self._roles) - 1] if self._roles else self.roles[0]
+        last = next(reversed(self._roles), None)  # the role begun last (a role may be skipped, not reordered)
         if role_name not in self._roles:
-            if self._roles and not self._roles[expected].stopped:
-                return _violation(self.violations, f"calls of {role_name!r} began before {expected!r} ended")
-            if list(self.roles).index(role_name) != len(self._roles):
+            if last is not None and not self._roles[last].stopped:
+                return _violation(self.violations, f"calls of {role_name!r} began before {last!r} ended")
+            if self.roles.index(role_name) < (self.roles.index(last) if last is not None else 0) or (
+                    last is None and role_name != self.roles[0]):
                 return _violation(self.violations, f"calls of {role_name!r} out of order")
             gaps = None if self.cfg.idle_ms is None else random.Random(f"{self.cfg.idle_seed}:{role_name}")
             self._roles[role_name] = _Role(gaps=gaps)

@@ -918,8 +918,37 @@ def run_baseline(job: Job, ch: Channel) -> None:
             body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         else:
             _timing_run(p, compiled, job, ch, "compiled", ph, timer)
+    if job.library_baselines:
+        body["library_errors"] = _library_runs(p, job, ch, ph, timer)
     body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
     ch.final({**body, "phases": ph.times, "diagnostics": ph.extra})
+
+
+def _library_runs(p: Problem, job: Job, ch: Channel, ph: Phases, timer: DeviceTimer) -> dict[str, str]:
+    """The timed loops of the job's library baselines (`cudagym.sandbox.library`), each planned,
+    then checked against the reference on one input set; why each one that was not timed was not."""
+    from cudagym.sandbox.library import LibraryUnavailable, library_matmul
+
+    errors: dict[str, str] = {}
+    atol, rtol = job.library_tolerance
+    for name in job.library_baselines:
+        args = p.inputs(secrets.randbits(62))
+        try:
+            fn = library_matmul(name, args)
+            with torch.no_grad():
+                want, got = p.ref(*args), fn(*args)
+            if not isinstance(want, torch.Tensor) or want.shape != got.shape or not torch.allclose(
+                    got.float(), want.float(), atol=atol, rtol=rtol):
+                worst = (got.float() - want.float()).abs().max().item() if isinstance(want, torch.Tensor) \
+                    and want.shape == got.shape else float("nan")
+                raise LibraryUnavailable(f"its result does not match the reference (max abs error {worst:.3g}, "
+                                         f"atol {atol:g}, rtol {rtol:g})")
+        except LibraryUnavailable as e:
+            errors[name] = str(e)
+            continue
+        ph.mark(f"{name}_plan")
+        _timing_run(p, fn, job, ch, name, ph, timer)
+    return errors
 
 
 def run_compile_inline(job: Job, ch: Channel) -> None:

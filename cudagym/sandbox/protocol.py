@@ -118,6 +118,10 @@ class Job(BaseModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     writable: list[str] = Field(default_factory=list)  # extra writable dirs (baseline: compiler caches)
     with_compile_baseline: bool = True
+    # baseline: library baselines to time after eager and torch.compile (`cudagym.sandbox.library`),
+    # each first checked against the reference at (atol, rtol)
+    library_baselines: list[str] = Field(default_factory=list)
+    library_tolerance: tuple[float, float] = (1e-2, 1e-2)
     probe: str | None = None  # probe jobs: python source run as the candidate (tests of the sandbox)
 
 
