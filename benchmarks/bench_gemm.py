@@ -88,6 +88,7 @@ async def measure_config(ev: Evaluator, c: GemmConfig, jobs: int, server: Timing
                 out["errors"].append(f"{mode}: {base['error'][:300]}")
                 continue
             out[mode].append(job_medians(base))
+            out.setdefault("breakdown", []).append({k: round(v, 3) for k, v in (base.get("breakdown") or {}).items()})
             out["errors"].extend(f"{mode}: {n}: {why}" for n, why in (base.get("library_errors") or {}).items())
             out["errors"].extend([f"{mode}: torch.compile: {base['compile_error'][:200]}"] if base.get("compile_error") else [])
     return out
@@ -107,6 +108,14 @@ async def evaluate_wmma(ev: Evaluator, c: GemmConfig, root: Path) -> dict[str, A
                                      "compiled": s.compiled.median_ms if s.compiled else None,
                                      **{n: t.median_ms for n, t in s.library.items()}}
     return row
+
+
+def where_time_went(jobs: list[dict[str, float]]) -> str:
+    """A configuration's jobs' mean seconds per phase (waiting for a worker, in it, and its
+    phases), largest first: where a configuration's time goes."""
+    keys = {k for j in jobs for k in j}
+    mean = {k.removeprefix("baseline.").removesuffix("_s"): statistics.fmean(j.get(k, 0.0) for j in jobs) for k in keys}
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(mean.items(), key=lambda kv: -kv[1]))
 
 
 def us(ms: float | None) -> str:
@@ -219,7 +228,8 @@ async def amain(args: argparse.Namespace) -> None:
             report["configs"][c.id] = await measure_config(ev, c, args.jobs, server)
             took.append(time.perf_counter() - s)
             save(args.out, report)
-            progress(f"[{i + 1}/{len(configs)}] {c.id} ({c.shape_class}): {took[-1]:.1f} s"
+            progress(f"[{i + 1}/{len(configs)}] {c.id} ({c.shape_class}): {took[-1]:.1f} s; per job: "
+                     + where_time_went(report["configs"][c.id].get("breakdown") or [])
                      + "".join(f"\n  ! {e}" for e in report["configs"][c.id]["errors"][:2]))
         for c in configs[:2 * args.wmma:2]:  # every class, aligned and not, fp16 then bf16
             if c.id in report["wmma"]:

@@ -460,7 +460,8 @@ class Evaluator:
         f = o.final or {}
         value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "device_name")}
         value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
-                     eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"))
+                     eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"),
+                     breakdown=_job_breakdown("baseline", o))
         if library:
             value.update(library_ms={n: ms for n in library if (ms := feed.times_ms(n))},
                          library_errors=f.get("library_errors") or {})

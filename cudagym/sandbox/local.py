@@ -165,14 +165,11 @@ class LocalSandbox(SpareWorkerSandbox):
             asyncio.ensure_future(self._replenish(device))
         return w
 
-    def _freeze_starting(self, device: str) -> list[_Worker]:
-        """Pause the spares of `device` that are still starting (importing torch, creating a
-        CUDA context): they would compete with a timing job for the CPU and the GPU."""
-        if not self.config.freeze_starting_spares:
-            return []
-        starting = [s for s in self._spares.get(device, []) if not s.frames.ready.done() and s.proc.returncode is None]
-        self._signal(starting, signal.SIGSTOP)
-        return starting
+    def _pause(self, workers: list[_Worker], pause: bool) -> None:
+        self._signal(workers, signal.SIGSTOP if pause else signal.SIGCONT)
+
+    def _is_starting(self, worker: _Worker) -> bool:
+        return not worker.frames.ready.done() and worker.proc.returncode is None
 
     @staticmethod
     def _signal(workers: list[_Worker], sig: int) -> None:
@@ -208,7 +205,7 @@ class LocalSandbox(SpareWorkerSandbox):
         killed then) and a future that resolves once the worker has exited and been cleaned up."""
         timing = job.kind in TIMING_KINDS
         t_take = time.perf_counter()
-        w = await self._take(device, replenish=not timing)
+        w = await self._take(device)  # spares start now; a timing job pauses them in its quiet windows
         limits = job.limits
         frames = w.frames
         outcome = JobOutcome(final=None)
@@ -235,7 +232,8 @@ class LocalSandbox(SpareWorkerSandbox):
                                memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
             for p in self._tree(w.proc.pid):
                 cgroup.add(p.pid)
-        frames.responder, frames.answer_fd = responder, w.stdin_fd
+        quiet = self._quiet_windows(device) if timing else None
+        frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
         try:  # a large job line would block on the pipe until the worker reads it
             await asyncio.to_thread(write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
         except OSError:  # the worker is gone: its outcome says how
@@ -274,7 +272,6 @@ class LocalSandbox(SpareWorkerSandbox):
 
         dog = asyncio.ensure_future(watchdog())
         out_task = asyncio.ensure_future(collect_output())
-        frozen = self._freeze_starting(device) if timing else []
         result_in = False
         try:
             done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
@@ -287,7 +284,8 @@ class LocalSandbox(SpareWorkerSandbox):
         except asyncio.TimeoutError:
             outcome.timed_out = not outcome.memory_exceeded and not outcome.process_limited
         finally:
-            self._signal(frozen, signal.SIGCONT)
+            if quiet is not None:
+                self._quiet_over(device, quiet)
             dog.cancel()
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover

@@ -85,6 +85,58 @@ class JobScheduler:
             return (await run_on(job, device, responder))[0]
 
 
+class QuietWindows:
+    """When a timing job wants the machine quiet: the spares still starting (importing torch,
+    creating a CUDA context) are paused from the job's start (its timer's calibration, then its
+    first timed loop) until that loop ends, and again during each later timed loop, from a
+    role's first call request to the "stop" answer that ends it. Between loops (torch.compile,
+    a library's plan) they go on starting, so that back-to-back timing jobs do not drain the
+    pool of ready spares. A spare started during a window is paused at once.
+
+    `pause(workers, on)` pauses (on) or resumes workers; `starting()` lists a device's spares
+    still starting. The responder runs on the frame reader's thread, the rest on the loop."""
+
+    def __init__(self, pause: Callable[[list[Any], bool], None], starting: Callable[[], list[Any]]):
+        self._pause, self._starting = pause, starting
+        self._lock = threading.Lock()
+        self._paused: list[Any] | None = None  # None: no window open
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._paused is None:
+                self._paused = self._starting()
+                self._pause(self._paused, True)
+
+    def end(self) -> None:
+        with self._lock:
+            if self._paused is not None:
+                self._pause(self._paused, False)
+                self._paused = None
+
+    def started(self, worker: Any) -> None:
+        """A spare that began starting now: paused if a window is open."""
+        with self._lock:
+            if self._paused is not None and worker not in self._paused:  # (begin may have found it)
+                self._pause([worker], True)
+                self._paused.append(worker)
+
+    def responder(self, inner: Responder | None) -> Responder | None:
+        """`inner`, opening a window at each call request and closing it when a loop stops
+        (or a request is refused: the job is over)."""
+        if inner is None:
+            return None
+
+        def answer(request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+            if request.get("what") == "call":
+                self.begin()
+            reply = inner(request, arrived_s)
+            if reply.get("stop") or "refused" in reply:
+                self.end()
+            return reply
+
+        return answer
+
+
 class SpareWorkerSandbox(Sandbox):
     """A sandbox whose workers are started ahead of need and used for one job each, driven from
     one private event-loop thread (so callers on any loop, or none, can use it). Backends
@@ -100,6 +152,7 @@ class SpareWorkerSandbox(Sandbox):
         self._closed = False
         self._scheduler = JobScheduler()
         self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
+        self._quiet: dict[str, QuietWindows] = {}  # the running timing job's, per device
 
     @abc.abstractmethod
     async def _run_on(self, job: Job, device: str,
@@ -125,7 +178,34 @@ class SpareWorkerSandbox(Sandbox):
     async def _start_spare(self, device: str) -> None:
         # The spare joins the pool in the same task that starts it: `close` waits for these tasks,
         # then stops the pool's spares, so none is left running
-        self._spares.setdefault(device, []).append(await self._spawn(device))
+        worker = await self._spawn(device)
+        self._spares.setdefault(device, []).append(worker)
+        if device in self._quiet:
+            self._quiet[device].started(worker)
+
+    @abc.abstractmethod
+    def _pause(self, workers: list[Any], pause: bool) -> None:
+        """Pause (or resume) these spares."""
+
+    @abc.abstractmethod
+    def _is_starting(self, worker: Any) -> bool:
+        """Whether this spare is still starting (alive, not yet ready)."""
+
+    def _quiet_windows(self, device: str) -> QuietWindows:
+        """The quiet windows of the timing job starting now on `device` (timing jobs have a device
+        alone, so one at a time), the first one open; `_quiet_over` closes them."""
+        def starting() -> list[Any]:
+            return [w for w in self._spares.get(device, []) if self._is_starting(w)]
+
+        pause = self._pause if self.config.freeze_starting_spares else lambda _workers, _on: None
+        q = self._quiet[device] = QuietWindows(pause, starting)
+        q.begin()
+        return q
+
+    def _quiet_over(self, device: str, q: QuietWindows) -> None:
+        q.end()
+        if self._quiet.get(device) is q:
+            del self._quiet[device]
 
     async def _shutdown(self) -> None:
         while starting := [t for tasks in self._starting.values() for t in tasks]:
