@@ -25,7 +25,7 @@ gets every job's medians, rewritten after every configuration. A run resumes fro
 calls: the run stops between configurations once the next would likely pass it.
 
 Usage: python benchmarks/bench_gemm.py [--configs 50] [--seed 0] [--jobs 3] [--server-gaps 0.5,5]
-           [--wmma 10] [--budget-s 540] [--out FILE.json] [--only-wmma] [--cache-dir DIR]
+           [--wmma 10] [--budget-s 540] [--out FILE.json] [--only-wmma] [--cache-dir DIR] [--report-only]
 GPU (the cuBLASLt baselines need nvmath-python: pip install 'cudagym[gemm]'). CPU smoke run:
 python benchmarks/bench_gemm.py --target cpu --configs 2 --jobs 2 --wmma 0
 """
@@ -211,6 +211,11 @@ async def amain(args: argparse.Namespace) -> None:
     server = cfg.server_timing()
     assert server is not None
     configs = gemm_configs(args.configs, seed=args.seed)
+    if args.report_only:
+        if not report["configs"] and not report["wmma"]:
+            sys.exit(f"--report-only: nothing measured in {args.out}")
+        print_report(report, configs)
+        return
     with Evaluator(cfg) as ev, tempfile.TemporaryDirectory(prefix="cudagym-gemm-") as tmp:
         report["device"] = ev.device_name
         report["settings"] = {"jobs": args.jobs, "server_gaps_ms": server.idle_ms, "target_ms": args.target_ms,
@@ -241,6 +246,10 @@ async def amain(args: argparse.Namespace) -> None:
             report["wmma"][c.id] = await evaluate_wmma(ev, c, Path(tmp))
             save(args.out, report)
             progress(f"[wmma] {c.id}: reward {report['wmma'][c.id]['reward']:+g}, {time.perf_counter() - s:.1f} s")
+    print_report(report, configs)
+
+
+def print_report(report: dict[str, Any], configs: list[GemmConfig]) -> None:
     console = Console(width=250)
     rows = [report["configs"][c.id] for c in configs if c.id in report["configs"]]
     console.print(f"device: {report.get('device')}; {len(rows)} of {len(configs)} configurations; settings {report.get('settings')}")
@@ -270,7 +279,11 @@ def main() -> None:
     ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a smoke run of the script (CPU sizes; no cuBLASLt, no WMMA)")
     ap.add_argument("--out", type=Path, default=None, help="every job's medians as JSON; resumed from if it exists")
-    asyncio.run(amain(ap.parse_args()))
+    ap.add_argument("--report-only", action="store_true", help="print the tables of --out's measurements; measure nothing")
+    args = ap.parse_args()
+    if args.report_only and not (args.out and args.out.exists()):
+        ap.error("--report-only needs --out FILE, an earlier run's measurements")
+    asyncio.run(amain(args))
 
 
 if __name__ == "__main__":
