@@ -88,6 +88,7 @@ async def measure_config(ev: Evaluator, c: GemmConfig, jobs: int, server: Timing
                 out["errors"].append(f"{mode}: {base['error'][:300]}")
                 continue
             out[mode].append(job_medians(base))
+            out.setdefault("overhead_ns", []).append(base.get("harness_overhead_ns"))  # the job's calibration
             out.setdefault("breakdown", []).append({k: round(v, 3) for k, v in (base.get("breakdown") or {}).items()})
             out["errors"].extend(f"{mode}: {n}: {why}" for n, why in (base.get("library_errors") or {}).items())
             out["errors"].extend([f"{mode}: torch.compile: {base['compile_error'][:200]}"] if base.get("compile_error") else [])

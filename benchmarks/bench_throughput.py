@@ -555,7 +555,7 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
             report["spread"]["loaded"] = r.pop("spread")
         save()
 
-    with Evaluator(EvaluatorConfig(**base_cfg)) as ev:
+    with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=args.spare_workers)) as ev:
         report["device"] = ev.device_name
         warm = [t for t in tasks if t.id in used]
         progress(f"[warm-up] {len(warm)} tasks on {ev.device_name}: build their stored solutions, measure baselines")
@@ -602,6 +602,8 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=3.0, help="idle seconds before each row (spares finish starting)")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="skip a row predicted to end past this many seconds from the start (default 450)")
+    ap.add_argument("--spare-workers", type=int, default=None,
+                    help="spare workers per device of the shared Evaluator (default: its own, 6 per GPU)")
     ap.add_argument("--compile-baseline", action="store_true", help="measure torch.compile baselines in the warm-up")
     ap.add_argument("--cache-dir", type=Path, default=None, help="the evaluator's cache (default: a fresh temp dir)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the think times")

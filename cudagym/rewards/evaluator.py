@@ -197,7 +197,7 @@ def _release_later(*outcomes: JobOutcome) -> None:
 
 def _job_breakdown(role: str, o: JobOutcome) -> dict[str, float]:
     """Seconds spent waiting for a ready worker, in the worker, and in each of its phases."""
-    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.worker_s": o.seconds,
+    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.wait_device_s": o.lease_wait_s, f"{role}.worker_s": o.seconds,
             **{f"{role}.{k}_s": v for k, v in o.phases.items()}}
 
 
@@ -461,7 +461,8 @@ class Evaluator:
         value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "device_name")}
         value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
                      eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"),
-                     breakdown=_job_breakdown("baseline", o))
+                     breakdown=_job_breakdown("baseline", o),
+                     harness_overhead_ns=(f.get("diagnostics") or {}).get("harness_overhead_ns"))
         if library:
             value.update(library_ms={n: ms for n in library if (ms := feed.times_ms(n))},
                          library_errors=f.get("library_errors") or {})

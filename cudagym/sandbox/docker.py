@@ -440,23 +440,29 @@ class DockerSandbox(SpareWorkerSandbox):
                                       "inline_build_root": inside(job.inline_build_root),
                                       "artifact_dir": inside(job.artifact_dir)})
 
-    async def _run_on(self, job: Job, device: str,
-                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]:
-        timing = job.kind in TIMING_KINDS
-        t_take = time.perf_counter()
+    async def _ready(self, device: str) -> _Container:
+        """A spare container of `device` that is ready; SandboxError (with its logs) if none starts."""
         c = await self._take(device)  # spares start now; a timing job pauses them in its quiet windows
-        frames, outcome = c.frames, JobOutcome(final=None)
         try:
-            await asyncio.wait([asyncio.shield(frames.ready), asyncio.shield(c.exited)],
+            await asyncio.wait([asyncio.shield(c.frames.ready), asyncio.shield(c.exited)],
                                timeout=self.config.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready = frames.ready.done() and frames.ready.result()
-        if not ready:
+        except asyncio.CancelledError:
+            self._unused(c)
+            raise
+        if not (c.frames.ready.done() and c.frames.ready.result()):
             logs = await asyncio.to_thread(self._logs, c)
             await self._remove(c)
             raise SandboxError(f"a sandbox container failed to start (image {self.config.image}):\n{logs[-2000:]}")
+        return c
+
+    def _unused(self, c: _Container) -> None:
+        self._spares.setdefault(c.device, []).insert(0, c)
+
+    async def _run_on(self, job: Job, device: str, responder: Responder | None,
+                      c: _Container) -> tuple[JobOutcome, asyncio.Future[None]]:
+        timing = job.kind in TIMING_KINDS
+        frames, outcome = c.frames, JobOutcome(final=None)
         t_ready = time.perf_counter()
-        outcome.wait_s = t_ready - t_take
         try:
             inner = await asyncio.to_thread(self._stage, c, job)
             await asyncio.to_thread(self._apply_limits, c, job.limits, job.device)

@@ -199,27 +199,37 @@ class LocalSandbox(SpareWorkerSandbox):
         except psutil.Error:
             return []
 
-    async def _run_on(self, job: Job, device: str,
-                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]:
-        """Run `job` in a spare; returns the outcome as soon as the result is in (the worker is
-        killed then) and a future that resolves once the worker has exited and been cleaned up."""
-        timing = job.kind in TIMING_KINDS
-        t_take = time.perf_counter()
-        w = await self._take(device)  # spares start now; a timing job pauses them in its quiet windows
-        limits = job.limits
-        frames = w.frames
-        outcome = JobOutcome(final=None)
-        try:  # a spare may still be starting: its start-up does not count against the job
-            ready = await asyncio.wait_for(asyncio.shield(frames.ready), timeout=self.config.start_timeout_s)
+    async def _ready(self, device: str) -> _Worker:
+        """A spare of `device` that is ready (started spares start its replacement now; a
+        timing job pauses them in its quiet windows); SandboxError if none starts."""
+        w = await self._take(device)
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(w.frames.ready), timeout=self.config.start_timeout_s)
         except asyncio.TimeoutError:
             ready = False
+        except asyncio.CancelledError:
+            self._spares.setdefault(device, []).insert(0, w)  # not used: it stays a spare
+            raise
         if not ready:
             self._kill(w)
             w.release()
             await w.proc.wait()
             raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
+        return w
+
+    def _unused(self, w: _Worker) -> None:
+        self._spares.setdefault(w.device, []).insert(0, w)
+
+    async def _run_on(self, job: Job, device: str, responder: Responder | None,
+                      w: _Worker) -> tuple[JobOutcome, asyncio.Future[None]]:
+        """Run `job` in the ready worker `w`; returns the outcome as soon as the result is in (the
+        worker is killed then) and a future that resolves once the worker has exited and been
+        cleaned up."""
+        timing = job.kind in TIMING_KINDS
+        limits = job.limits
+        frames = w.frames
+        outcome = JobOutcome(final=None)
         t_ready = time.perf_counter()
-        outcome.wait_s = t_ready - t_take
         if self.config.spare_nice:
             try:  # every thread of the worker's process group back to normal priority
                 os.setpriority(os.PRIO_PGRP, w.proc.pid, 0)
