@@ -152,3 +152,12 @@ def test_report_command_and_help(tmp_path):
     for opt in ("--tasks", "--policy", "--episodes", "--concurrency", "--target", "--out", "--max-turns", "--mode",
                 "--backend", "--ray-address"):
         assert opt in out
+
+
+def test_spare_workers_reach_the_run_evaluator(tmp_path):
+    from cudagym.agent.runner import make_evaluator
+
+    with make_evaluator(RunConfig(target="cpu", spare_workers=1, out=tmp_path)) as ev:
+        assert ev.sandbox.config.spare_workers == 1
+    with pytest.raises(ValueError):
+        RunConfig(target="cpu", spare_workers=-1)

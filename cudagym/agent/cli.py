@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("local", "--backend", help="Where checks run: 'local' (an evaluator in this process, this host's GPUs) or 'ray' (an evaluation pool on a Ray cluster: an actor per GPU, compile actors; needs cudagym[ray])."),
         server_gaps: Optional[str] = typer.Option(None, "--server-gaps", help="Also time every profile in server mode (CUDA-L2): each call after an idle gap drawn from LOW,HIGH ms (e.g. 1,10), reported beside the offline time; the reward stays offline."),
         reward_against: Optional[str] = typer.Option(None, "--reward-against", help="The baselines of the +2 and +3 milestones, A,B among eager, compiled, cublaslt, cublaslt_tuned (default eager,compiled; the cuBLASLt ones exist for GEMM tasks on a GPU, other tasks fall back to the default)."),
+        spare_workers: Optional[int] = typer.Option(None, "--spare-workers", min=0, help="Warm worker processes kept per device (default 6 per GPU, 2 on the CPU). Each check takes one; with many episodes at once, more spares keep checks from waiting for workers to start, at the cost of a CUDA context and host memory for each."),
         ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to run the pool on (e.g. 'auto' or 'HOST:6379'); default: a local Ray instance started for this run."),
     ) -> None:
         """Run a policy over a task set and print the results table."""
@@ -60,7 +61,8 @@ def register(app: typer.Typer) -> None:
                             analysis_reward=analysis_reward, backend=backend, ray_address=ray_address,
                             sandbox=sandbox,
                             server_gap_ms=TimingConfig.parse_idle(server_gaps) if server_gaps else None,
-                            reward_against=RewardConfig.parse_against(reward_against) if reward_against else None)
+                            reward_against=RewardConfig.parse_against(reward_against) if reward_against else None,
+                            spare_workers=spare_workers)
             summary = run(cfg, console)
         except (CudagymError, ValueError, ImportError) as e:
             console.print(f"[red]error:[/] {e}")

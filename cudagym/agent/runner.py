@@ -61,6 +61,7 @@ class RunConfig(BaseModel):
     analysis_reward: float = 0.0
     server_gap_ms: tuple[float, float] | None = None  # server-mode timing beside offline (CUDA-L2): idle gaps, ms
     reward_against: tuple[str, str] | None = None  # the +2 and +3 milestones' baselines (`RewardConfig.against`)
+    spare_workers: int | None = Field(default=None, ge=0)  # warm workers per device (None: the evaluator's 6 per GPU)
 
 
 class RunSummary(BaseModel):
@@ -101,6 +102,7 @@ def make_evaluator(cfg: RunConfig) -> Any:
     from cudagym.rewards.milestone import RewardConfig
 
     config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox, server_gap_ms=cfg.server_gap_ms,
+                             spare_workers=cfg.spare_workers,
                              **({"reward": RewardConfig(against=cfg.reward_against)} if cfg.reward_against else {}))
     if cfg.backend == "ray":
         from cudagym.pool import EvalPool, PoolConfig
