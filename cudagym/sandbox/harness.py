@@ -774,11 +774,11 @@ def job_timer(p: Problem, job: Job) -> DeviceTimer:
     """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
     with the spares that are still starting paused) on a separate timer without the flush
     (`harness_overhead_ns`). Measured once per process while a spare waits, it read up to the
-    20 us cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
+    cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
     shorter than it then read 0. Measured on the job's own timer (its flush, gate and window) it
-    read 1-1.5 us more on an H100, whether the output it samples was cold or hot in the L2, and
-    put small kernels further from Nsight Compute (a 1 us relu read 0; softmax's spread over 10
-    jobs was 5.6% and 4.0% against 3.2%: `benchmarks/bench_baselines.py`, branch `selfcal`)."""
+    read 3 us more on an H100 and put small kernels further from Nsight Compute (relu 16x16384:
+    1.0-1.5 us against ncu's 3.3; softmax 6.2-6.6 against 8.6; on a separate timer 4.1-4.7 and
+    9.3-9.7: `benchmarks/probe_stamps.py`)."""
     overhead = harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
     return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=overhead)
 
@@ -797,7 +797,10 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     timeouts = timer.close_timeouts()  # a baseline job's roles share one timer
     overhead = timer.overhead_ns
-    sets = [p.inputs(rng.getrandbits(62)) for _ in range(job.timing.input_sets)]
+    sets = [p.inputs(rng.getrandbits(62))]
+    set_bytes = sum(a.nbytes for a in sets[0] if isinstance(a, torch.Tensor))
+    n_sets = max(min(job.timing.input_sets, 4), min(job.timing.input_sets, job.timing.input_set_bytes // max(set_bytes, 1)))
+    sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
     watch = op_watch()
     watch.reset()  # the role's counts start here; the parent sees them only grow
     changes = _OPWATCH_CHANGES[0]()  # then one arm and one disarm per call

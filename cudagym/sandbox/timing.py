@@ -80,10 +80,17 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-PROTOCOL_VERSION = "gated-events-7"  # 7: outputs sampled by the close kernel (6: a 1 ms window)
+# 9: the overhead measured with a self-stamping probe, more input sets, placements rotated (7:
+# outputs sampled by the close kernel; 6: a 1 ms window)
+PROTOCOL_VERSION = "gated-events-9"
 
-CALIBRATION_CALLS = 50  # calls of a tiny kernel that measure the harness's overhead
-MAX_OVERHEAD_NS = 20_000  # the most overhead a timer leaves out: a measurement above it is capped
+CALIBRATION_CALLS = 100  # calls of a tiny kernel that measure the harness's overhead
+# Sizes of the allocation held across each GPU call in turn (`drive_calls`), so that what a call
+# allocates (its output) lands at other addresses from one call to the next: a one-op call of a few
+# microseconds reads 0.3-0.7 us more or less from one process to the next with its placement
+# (H100, `benchmarks/probe_stamps.py`), and a job's median should not hang on one placement.
+PLACEMENT_BYTES = (0, 2**18, 2**19, 3 * 2**18, 2**20, 3 * 2**19, 5 * 2**19, 2**22)
+MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 17-19 us)
 CLOSE_TIMEOUT_NS = 1_000_000_000  # the close kernel gives up after this long
 TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
 GATE_THREADS = 256
@@ -102,7 +109,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
 // gate[3]: blocks of the close kernel that read their share of the samples
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns,
-                  const long long* copies, int n_copies) {
+                  const long long* copies, int n_copies, unsigned long long* stamps) {
     unsigned long long t0 = now_ns();
     if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = gate[3] = 0u;
     while (now_ns() - t0 < window_ns) {}
@@ -124,6 +131,17 @@ cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned 
     unsigned long long acc = 0ull;
     for (unsigned long long i = tid; i < words; i += stride) acc ^= p[i];
     if (acc == 0x9e3779b97f4a7c15ull) gate[1] = 1u;  // the buffer is zeros: never, but the reads stay
+    __syncthreads();
+    if (threadIdx.x == 0) atomicMax(stamps, now_ns());  // stamps[0]: the gate's last block ends
+}
+// The calibration's call (`DeviceTimer.calibrate`): one kernel that stamps its own start and end
+// (stamps[4], stamps[5]), so that its own time is known without events on the caller's stream.
+extern "C" __global__ void cudagym_gate_probe(unsigned long long* stamps) {
+    if (threadIdx.x == 0) {
+        unsigned long long t0 = now_ns();
+        stamps[4] = t0;
+        stamps[5] = now_ns();
+    }
 }
 // A call's sampled outputs, read by the close kernel (`DeviceTimer.read_at_end`): `count`
 // elements of `src` (`numel` elements of `elem_size` bytes, `ndim` sizes and strides, in
@@ -145,11 +163,14 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
     return z ^ (z >> 31);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns, const Samples samples) {
+cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns, unsigned long long* stamps,
+                   const Samples samples) {
     __shared__ int gave_up;
     if (threadIdx.x == 0) {
         gave_up = 0;
         unsigned long long t0 = now_ns();
+        atomicMax(stamps + 1, ~t0);  // stamps[1]: ~ the first block's arrival; stamps[2]: the last's
+        atomicMax(stamps + 2, t0);
         atomicAdd(gate, 1u);
         volatile unsigned int* arrived = gate;
         while (*arrived < blocks) {
@@ -157,7 +178,10 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
         }
     }
     __syncthreads();
-    if (samples.n == 0) return;
+    if (samples.n == 0) {
+        if (threadIdx.x == 0) atomicMax(stamps + 3, now_ns());
+        return;
+    }
     // Every block is resident: no other kernel holds an SM, and none can start before the last
     // block below has read its share. What the call left unwritten now stays unwritten here.
     const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
@@ -188,6 +212,7 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
         while (!gave_up && *read < blocks) {
             if (now_ns() - t0 > timeout_ns) break;
         }
+        atomicMax(stamps + 3, now_ns());  // stamps[3]: the last block leaves
     }
     __syncthreads();
 }
@@ -220,6 +245,7 @@ class Gate(NamedTuple):
 
     open: Any  # torch's NVRTC kernel handles
     close: Any
+    probe: Any  # the calibration's call: one block that stamps its own start and end
     blocks: int  # the whole grid, resident at once
     holds_every_sm: bool  # False: a GPU where the blocks cannot fill every SM's thread slots
 
@@ -233,14 +259,15 @@ def gate_kernels(index: int) -> Gate:
     per_sm = max(1, props.max_threads_per_multi_processor // GATE_THREADS)
     with torch.cuda.device(index):
         ptx, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open")
-        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
+        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close", "cudagym_gate_probe"])
         resident = ctypes.c_int(0)
         libcuda = _get_gpu_runtime_library()
-        for k in kernels.values():
+        for k in (kernels["cudagym_gate_open"], kernels["cudagym_gate_close"]):
             libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(resident), k.func, GATE_THREADS, 0)
             per_sm = min(per_sm, resident.value)
     per_sm = max(per_sm, 1)
-    return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], per_sm * props.multi_processor_count,
+    return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], kernels["cudagym_gate_probe"],
+                per_sm * props.multi_processor_count,
                 per_sm * GATE_THREADS >= props.max_threads_per_multi_processor)
 
 
@@ -295,10 +322,12 @@ class DeviceTimer:
             self._cudart = _cudart()
             self._stream = torch.cuda.Stream(device)
             gate = gate_kernels(device.index if device.index is not None else torch.cuda.current_device())
-            self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
+            self._open, self._close, self._probe, self._blocks = gate.open, gate.close, gate.probe, gate.blocks
             self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
             self.holds_every_sm = gate.holds_every_sm
             self._gate = torch.zeros(4, dtype=torch.int32, device=device)
+            # the gate kernels' %globaltimer stamps of the last call (ns; see the source)
+            self._stamps = torch.zeros(6, dtype=torch.int64, device=device)
             self._libcuda = _cuda_driver()
             self._window_ns = int(launch_window_us * 1e3)
             if overhead_ns is None:
@@ -356,7 +385,10 @@ class DeviceTimer:
         if self._cudart is not None:
             self._cudart.cudaCtxResetPersistingL2Cache()
         plan, n_copies = (copies, copies.numel() // 3) if copies is not None else (self._gate, 0)
-        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies], stream=timer)
+        with torch.cuda.stream(timer):
+            self._stamps.zero_()
+        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps],
+                   stream=timer)
         opened = self._perf()
         marks[0].record(timer)
         caller.wait_stream(timer)
@@ -378,6 +410,14 @@ class DeviceTimer:
         marks[2].record(timer)
         marks[2].synchronize()
         return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]), self.overhead_ns)
+
+    @property
+    def stamps_ns(self) -> tuple[int, ...]:
+        """The last call's device-clock stamps (ns; GPU): the open gate's end, the close gate's
+        first and last block arriving and its last block leaving; the calibration probe's start
+        and end (`calibrate`)."""
+        s = self._stamps.tolist()
+        return (s[0], ~s[1] & (2**64 - 1), s[2], s[3], s[4], s[5])
 
     def read_at_end(self, t: torch.Tensor, count: int = SAMPLE_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`count` values of `t` at secret random flat (row-major) positions, and the positions;
@@ -417,7 +457,7 @@ class DeviceTimer:
         """The close kernel on the timer's stream (launched here: torch's kernel handles pass
         no structs by value)."""
         params = (ctypes.c_void_p(self._gate.data_ptr()), ctypes.c_uint(self._blocks), ctypes.c_uint(CLOSE_TIMEOUT_NS),
-                  samples)
+                  ctypes.c_void_p(self._stamps.data_ptr()), samples)
         pointers = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params))
         err = self._libcuda.cuLaunchKernel(self._close.func, self._blocks, 1, 1, GATE_THREADS, 1, 1, 0,
                                            self._stream._as_parameter_, pointers, None)
@@ -427,39 +467,38 @@ class DeviceTimer:
     def calibrate(self, calls: int | None = None) -> int:
         """Measure this timer's overhead and leave it out of its calls from now on; returns it (ns).
 
-        The median over `calls` (default `CALIBRATION_CALLS`) calls of a 4-byte fill kernel of
-        the call's time less the fill's own (events around it on the caller's stream), its output
-        read at the call's end as a call's is, through this timer's own gate, flush and window:
-        capped at `MAX_OVERHEAD_NS`. Run it before any candidate code loads. The CPU target has
-        none: 0. (Jobs calibrate a separate timer without the flush: `harness.job_timer` says why.)"""
+        The median over `calls` (default `CALIBRATION_CALLS`) calls of the probe kernel (one block
+        that stamps its own start and end with the device clock) of the call's time less the
+        probe's own, an output read at the call's end as a call's is, through this timer's gate,
+        flush and window: capped at `MAX_OVERHEAD_NS`. Run it before any candidate code loads. The
+        CPU target has none: 0.
+
+        The probe's own time comes from its stamps, not from events around it on the caller's
+        stream: on an H100 two such events added 4.8 us and varied by 1 us from one process to the
+        next, more than a real call's interval did (0.2 us), and the overhead measured with them
+        reached the cap in half the processes (`benchmarks/probe_stamps.py`)."""
         if not self.cuda:
             self.overhead_ns = 0
             return 0
-        probe = torch.empty(1, dtype=torch.int32, device=self.device)
         output = torch.zeros(1 << 18, device=self.device)  # read at each call's end as a call's output is
-        own: list[tuple[Any, Any]] = []
 
-        def fill() -> None:
-            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            marks[0].record()
-            probe.zero_()
-            marks[1].record()
-            own.append(marks)
+        def probe() -> None:
+            self._probe((1, 1, 1), (32, 1, 1), [self._stamps], stream=torch.cuda.current_stream(self.device))
 
         def read(_: Any) -> None:
             self.read_at_end(output)
 
         self.overhead_ns = 0
         for _ in range(5):
-            self.call(fill, [], read)
-        own.clear()
+            self.call(probe, [], read)
         timed = []
         for _ in range(CALIBRATION_CALLS if calls is None else calls):
-            timed.append((self.call(fill, [], read)[1], self.host_ms or 0.0))
+            ms = self.call(probe, [], read)[1]
+            stamps = self.stamps_ns
+            timed.append((ms - (stamps[5] - stamps[4]) / 1e6, self.host_ms or 0.0))
         # a call the host launched after the window's end holds that lateness: not the timer's own
-        on_time = [(t, marks) for (t, host), marks in zip(timed, own) if host <= self.window_ms] or list(zip(
-            (t for t, _ in timed), own))
-        measured = int(statistics.median((t - s.elapsed_time(e)) * 1e6 for t, (s, e) in on_time))
+        on_time = [t for t, host in timed if host <= self.window_ms] or [t for t, _ in timed]
+        measured = int(statistics.median(on_time) * 1e6)
         self.overhead_ns = min(max(measured, 0), MAX_OVERHEAD_NS)
         return self.overhead_ns
 
@@ -508,7 +547,9 @@ def drive_calls(
     server mode), or None to stop. Call i's buffers
     `input_sets[i % k]` are refilled with `inputs_for(seed)`: before the call on the CPU target;
     on a GPU, by the open gate at the end of the launch window, from a staging copy (a buffer it
-    cannot copy, a non-contiguous one, is refilled before the call). `after(i, out)` runs once call
+    cannot copy, a non-contiguous one, is refilled before the call). On a GPU an allocation of
+    `PLACEMENT_BYTES[(i // k) % 8]` is held across call i, so that the call's own allocations
+    land elsewhere from one round of input sets to the next. `after(i, out)` runs once call
     i has returned (`DeviceTimer.call`'s `after`: it reads outputs with `read_at_end`) and returns
     what to report about it. The garbage collector is paused so that a collection does not land
     inside a call.
@@ -534,7 +575,10 @@ def drive_calls(
             refill_([s if s is not None else a for s, a in zip(stage, args)], inputs_for(seed))
             seen: dict[str, Any] = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
+            spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8, device=timer.device)
+                      if timer.cuda else None)
             _, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k])
+            del spacer
             report = {"ms": ms, "host_ms": timer.host_ms, **seen}
             i += 1
         return i
