@@ -38,7 +38,7 @@ from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
-from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels
+from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -771,15 +771,16 @@ def _probe_fn(p: Problem) -> Any:
 
 
 def job_timer(p: Problem, job: Job) -> DeviceTimer:
-    """The job's timer, its overhead measured for this job (GPU; before any candidate code loads)
-    on the timer itself: its flush, gate and window, a probe whose output is hot in the L2 when
-    the close kernel reads it, as a call's is (`DeviceTimer.calibrate`). On an H200 that put all
-    14 single-kernel problems of `benchmarks/bench_baselines.py` within max(10%, 2 us) of Nsight
-    Compute; measured on a separate timer without the flush, as before, the overhead read 2.7 us
-    less and small kernels read 2-3 us above Nsight Compute (12 of 14 within)."""
-    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=0)
-    timer.calibrate()
-    return timer
+    """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
+    with the spares that are still starting paused) on a separate timer without the flush
+    (`harness_overhead_ns`). Measured once per process while a spare waits, it read up to the
+    cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
+    shorter than it then read 0. Measured on the job's own timer (its flush, gate and window) it
+    read 3 us more on an H100 and put small kernels further from Nsight Compute (relu 16x16384:
+    1.0-1.5 us against ncu's 3.3; softmax 6.2-6.6 against 8.6; on a separate timer 4.1-4.7 and
+    9.3-9.7: `benchmarks/probe_stamps.py`)."""
+    overhead = harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
+    return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=overhead)
 
 
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer) -> int:
