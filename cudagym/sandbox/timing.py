@@ -34,11 +34,11 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
 5. synchronize the device, then a last event on the timer's stream; the call's time is read.
 
 A call's time is end event less start event, less the harness's overhead: that interval for a
-call of one 4-byte fill kernel less the fill's own time (events around it on the caller's
-stream), the median of `CALIBRATION_CALLS` calls launched within the window, measured by each
-timing job before any candidate code is loaded (`harness.job_timer`), at most
-`MAX_OVERHEAD_NS`. So an honest call
-reads what events right around it on its own stream read.
+call of the probe kernel less the probe's own time (its own device-clock stamps), the median
+of `CALIBRATION_CALLS` calls launched within the window, measured by each timing job before any
+candidate code is loaded (`harness.job_timer`), at most `MAX_OVERHEAD_NS`. The gate kernels
+also stamp the open gate's end and the close gate's arrivals (`DeviceTimer.stamps_ns`, a
+diagnostic: `benchmarks/probe_stamps.py` splits the interval with them).
 
 What the SMs do not show is work on a stream the caller's stream never waits for that is not
 running when the close kernel's blocks all become resident: a copy engine's copy, or a kernel
