@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cudagym.agent.report import results_table, write_report
+from cudagym.agent.report import render_table, results_table, write_report
 from cudagym.agent.runner import RunConfig, arun
 from cudagym.agent.store import TrajectoryStore
 from cudagym.errors import ConfigError
@@ -132,8 +132,24 @@ def test_results_table_metrics(tmp_path):
         w.write({"type": "step", "episode_id": e["episode_id"], "turn": 0})
         w.commit({k: v for k, v in e.items() if k != "type"})
     rows2, md, png = write_report(tmp_path)
-    assert rows2[0] == o and "| overall | 4 | 75.0% | 50.0% | 25.0% | 2.000x | 0.630x | +1.25 |" in md.read_text()
+    assert rows2[0] == o and "| overall | 4 | 75.0% | 50.0% | 25.0% | 2.000x | 0.630x (n=3) | +1.25 |" in md.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_geomean_names_its_own_population():
+    """An episode without a torch.compile baseline (its compile failed) counts in the geomean
+    against eager, not in the one against torch.compile, and the table says how many each has."""
+    eps = [_ep("a", 1, "bundled", True, 2.0, 19.5, 3.0), _ep("b", 2, "bundled", True, 4.0, None, 2.0),
+           _ep("c", 3, "bundled", True, 8.0, None, 2.0)]
+    o = results_table(eps)[0]
+    assert (o.n_timed, o.n_vs_compile) == (3, 1)
+    assert o.geomean_vs_eager == pytest.approx(4.0) and o.geomean_vs_compile == pytest.approx(19.5)
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(render_table([o]))
+    text = console.export_text()
+    assert "4.000x (n=3)" in text and "19.500x (n=1)" in text
 
 
 def test_report_command_and_help(tmp_path):

@@ -29,10 +29,13 @@ class GroupStats(BaseModel):
     faster_than_compile: float
     geomean_vs_eager: float | None
     geomean_vs_compile: float | None
-    n_timed: int  # correct episodes with a speedup (the geomean's population)
+    n_timed: int  # correct episodes with a speedup against eager (that geomean's population)
     mean_reward: float
     geomean_server_vs_eager: float | None = None  # server-mode timing (when the run asked for it)
     geomean_vs_library: dict[str, float] = {}  # library baselines (GEMM tasks): geomean over the episodes timed against each
+    # correct episodes with a speedup against torch.compile (that geomean's population: a task
+    # whose torch.compile baseline failed, as some do on the CPU target, has none)
+    n_vs_compile: int = 0
 
 
 def _geomean(xs: list[float]) -> float | None:
@@ -54,6 +57,7 @@ def group_stats(name: str, episodes: list[dict[str, Any]]) -> GroupStats:
         geomean_vs_eager=_geomean([s for s in se if s is not None]),
         geomean_vs_compile=_geomean([s for s in sc if s is not None]),
         n_timed=sum(1 for s in se if s is not None),
+        n_vs_compile=sum(1 for s in sc if s is not None and s > 0),
         mean_reward=sum(float(e.get("reward", 0.0)) for e in episodes) / n if n else 0.0,
         geomean_server_vs_eager=_geomean([((e["verdict"].get("server") or {}).get("speedup_vs_eager")) for e in correct]),
         geomean_vs_library={name: g for name in LIBRARY_BASELINES if (g := _geomean(
@@ -88,7 +92,7 @@ def render_table(rows: list[GroupStats], title: str = "cudagym results") -> Any:
         extra = ["n/a" if r.geomean_server_vs_eager is None else f"{r.geomean_server_vs_eager:.3f}x"] if server else []
         extra += ["n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x" for n in library]
         t.add_row(r.group, str(r.episodes), pct(r.pass_rate), pct(r.faster_than_eager), pct(r.faster_than_compile),
-                  gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_timed), *extra, f"{r.mean_reward:+.2f}")
+                  gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_vs_compile), *extra, f"{r.mean_reward:+.2f}")
     return t
 
 
@@ -99,7 +103,7 @@ def markdown_table(rows: list[GroupStats]) -> str:
     lines = [head, "|" + "---|" * (8 + len(library))]
     for r in rows:
         gme = "n/a" if r.geomean_vs_eager is None else f"{r.geomean_vs_eager:.3f}x"
-        gmc = "n/a" if r.geomean_vs_compile is None else f"{r.geomean_vs_compile:.3f}x"
+        gmc = "n/a" if r.geomean_vs_compile is None else f"{r.geomean_vs_compile:.3f}x (n={r.n_vs_compile})"
         gml = "".join(("n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x") + " | " for n in library)
         lines.append(f"| {r.group} | {r.episodes} | {r.pass_rate:.1%} | {r.faster_than_eager:.1%} | "
                      f"{r.faster_than_compile:.1%} | {gme} | {gmc} | {gml}{r.mean_reward:+.2f} |")
