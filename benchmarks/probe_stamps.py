@@ -16,7 +16,11 @@ by events around it (the calibration then) varied 1 µs and read 4.8-6.5 µs for
 the stamped probe's calibration varied 0.11-0.19 µs. Softmax 16x16384 less the separate timer's
 overhead: CV 3.5% with 4 input sets, 3.4% with 8 placements, 3.4% with 16 sets, 2.5% with both.
 On an H200 a probe whose output is hot at the close read 2.8 µs more overhead on the job's own
-timer than on a separate one without the flush.
+timer than on a separate one without the flush. The overheads printed: `separate` (the
+harness's: a separate timer without the flush), `own` (the timer that times the calls, its
+flush included), `empty` and `empty_read` (the timer's interval around a call that launches
+nothing, without and with a cold output read at the close: candidates for an overhead that
+leaves a kernel's own launch on the GPU in its time, as Nsight Compute does).
 
 Usage: python benchmarks/probe_stamps.py [--problems softmax_16x16384,...] [--processes 10] [--calls 200]
 """
@@ -61,6 +65,14 @@ def child(names: list[str], calls: int, n_sets: int, spacers: int) -> None:
     timer = DeviceTimer(torch.device("cuda"), overhead_ns=0)
     own_ns = timer.calibrate()
     timer.overhead_ns = 0
+    cold = torch.zeros(2048, device="cuda")  # never written by a call: cold after the flush
+
+    def empty_call_us(read_cold: bool) -> float:
+        """The timer's interval around a call that launches nothing (µs, median of 100)."""
+        after = (lambda _: timer.read_at_end(cold)) if read_cold else None
+        return statistics.median(timer.call(lambda: None, [], after)[1] for _ in range(100)) * 1e3
+
+    empty_us, empty_read_us = empty_call_us(False), empty_call_us(True)
     probe_buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     own: list[float] = []
 
@@ -76,7 +88,8 @@ def child(names: list[str], calls: int, n_sets: int, spacers: int) -> None:
         for o in out if isinstance(out, (list, tuple)) else [out]:
             timer.read_at_end(o)
 
-    result = {"separate_overhead_us": separate_ns / 1e3, "own_overhead_us": own_ns / 1e3, "problems": {}}
+    result = {"separate_overhead_us": separate_ns / 1e3, "own_overhead_us": own_ns / 1e3,
+              "empty_overhead_us": empty_us, "empty_read_overhead_us": empty_read_us, "problems": {}}
     steps: set[int] = set()
     for problem in problems_by_name(names):
         scope: dict = {}
@@ -137,7 +150,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(runs, indent=1))
     cv = lambda xs: statistics.pstdev(xs) / statistics.fmean(xs) if statistics.fmean(xs) else float("nan")  # noqa: E731
     print("overheads µs, separate timer:", " ".join(f"{r['separate_overhead_us']:.2f}" for r in runs))
-    print("overheads µs, own timer:     ", " ".join(f"{r['own_overhead_us']:.2f}" for r in runs))
+    for key in ("own_overhead_us", "empty_overhead_us", "empty_read_overhead_us"):
+        print(f"overheads µs, {key[:-12]}:".ljust(30), " ".join(f"{r[key]:.2f}" for r in runs))
     print(f"{'problem':<24} {'interval':<22} {'raw µs':>8} {'raw CV':>7} {'probe µs':>9} {'probe sd':>8} "
           f"{'net µs':>8} {'net CV':>7} {'net sd µs':>9}")
     for name in names:
@@ -149,7 +163,7 @@ def main() -> None:
             print(f"{name:<24} {interval:<22} {statistics.median(raw):8.3f} {cv(raw):7.2%} {statistics.median(probe):9.3f} "
                   f"{statistics.pstdev(probe):8.3f} {statistics.median(net):8.3f} {cv(net):7.2%} {statistics.pstdev(net):9.3f}")
         expected = problems_by_name([name])[0].expected_us
-        for key in ("separate_overhead_us", "own_overhead_us"):
+        for key in ("separate_overhead_us", "own_overhead_us", "empty_overhead_us", "empty_read_overhead_us"):
             net = [r["real"][0] - runs[i][key] for i, r in enumerate(rows)]
             cal = [run[key] for run in runs]
             print(f"{name:<24} {'events-' + key[:-12]:<22} {'':>8} {'':>7} {statistics.median(cal):9.3f} "
