@@ -128,3 +128,15 @@ def test_a_worker_that_skips_its_idle_gap_is_a_violation() -> None:
 def test_server_gaps_out_of_bounds_are_refused(gap: tuple[float, float]) -> None:
     with pytest.raises(ValueError, match="idle_ms"):
         TimingConfig(idle_ms=gap)
+
+
+def test_rechecks_are_drawn_where_an_input_buffer_comes_back() -> None:
+    """Call i uses input set i mod the worker's sets: a result replayed by buffer can only come
+    back from call `input_sets` on, so the re-checked calls are drawn there when enough are."""
+    cfg = TimingConfig(warmup_calls=2, warmup_ms=0.0, min_calls=20, max_calls=20, target_ms=1e6, input_sets=8)
+    feed = CallFeed(cfg, ("candidate",))
+    drive(feed, "candidate", ms=1.0, wall_ms=1.0)
+    for _ in range(20):
+        picks = feed.recheck_sample("candidate", 6)
+        assert len(picks) == 6 and all(i >= cfg.input_sets for i, _ in picks)
+    assert len(feed.recheck_sample("candidate", 1000)) == len(feed.timed("candidate"))  # too few: from all

@@ -214,10 +214,18 @@ class CallFeed:
         return None if probes is None or own is None else own - probes
 
     def recheck_sample(self, role: str, k: int) -> list[tuple[int, int]]:
-        """`k` of the role's timed calls drawn at random by the parent: (call index, seed)."""
+        """`k` of the role's timed calls drawn at random by the parent: (call index, seed).
+
+        Drawn from the calls whose input buffers an earlier call already used (call i uses set
+        i mod the worker's sets, at most `cfg.input_sets`), where there are k of them: a result
+        replayed by buffer can only come back there, and with 16 sets a slow call's loop may
+        have few such calls (the CPU target: a replay keyed on the input pointers escaped 6
+        draws from all the calls)."""
         r = self._roles.get(role)
         if r is None or r.timed_from is None or not r.stopped:
             return []
         model = [i for i in range(r.timed_from, len(r.calls)) if not r.calls[i].probe]
+        reused = [i for i in model if i >= self.cfg.input_sets]
+        model = reused if len(reused) >= k else model
         picked = secrets.SystemRandom().sample(model, min(k, len(model)))
         return sorted((i, r.calls[i].seed) for i in picked)

@@ -43,13 +43,13 @@ class TimingConfig(BaseModel):
     max_calls: int = 500
     target_ms: float = 300.0  # wall-clock budget of the timed calls (sets their number after warm-up)
     # rotating input buffers, refilled with fresh values before every call: up to input_sets of
-    # them within input_set_bytes (at least 4). A one-op call of a few microseconds reads a few
-    # percent more or less with where its buffers lie; 16 sets instead of 4 (and the placements
-    # `drive_calls` rotates) took an 8 us softmax's spread over 10 processes from 3.5% to 2.5% on an
-    # H100 (`benchmarks/probe_stamps.py`)
+    # them within input_set_bytes and max_calls / 8 (at least 4). A one-op call of a few
+    # microseconds reads a few percent more or less with where its buffers lie; 16 sets instead of
+    # 4 (and the placements `drive_calls` rotates) took an 8 us softmax's spread over 10 processes
+    # from 3.5% to 2.5% on an H100 (`benchmarks/probe_stamps.py`)
     input_sets: int = 16
     input_set_bytes: int = 512 * 2**20
-    recheck_calls: int = 6  # timed calls, drawn by the parent from all of them, whose samples are re-checked
+    recheck_calls: int = 6  # timed calls, drawn by the parent (`CallFeed.recheck_sample`), whose samples are re-checked
     flush_l2: bool = True
     # GPU: every SM is held this long while each call is launched, so that the host's work of
     # launching it is not timed (host work beyond it is); the call's inputs take their values at
