@@ -798,12 +798,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     timeouts = timer.close_timeouts()  # a baseline job's roles share one timer
     overhead = timer.overhead_ns
     sets = [p.inputs(rng.getrandbits(62))]
-    set_bytes = sum(a.nbytes for a in sets[0] if isinstance(a, torch.Tensor))
-    # as many sets as fit input_set_bytes and a full loop uses 8 times each (at least 4): a set that
-    # never comes back cannot show a result replayed by buffer (the parent re-checks calls whose
-    # buffers came back, `CallFeed.recheck_sample`)
-    t = job.timing
-    n_sets = max(min(t.input_sets, 4), min(t.input_sets, t.input_set_bytes // max(set_bytes, 1), t.max_calls // 8))
+    n_sets = job.timing.input_sets_for(sum(a.nbytes for a in sets[0] if isinstance(a, torch.Tensor)))
     sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
     watch = op_watch()
     watch.reset()  # the role's counts start here; the parent sees them only grow

@@ -69,6 +69,14 @@ class TimingConfig(BaseModel):
     idle_ms: tuple[float, float] | None = None
     idle_seed: int = 0
 
+    def input_sets_for(self, set_bytes: int) -> int:
+        """How many input sets a loop rotates when one takes `set_bytes`: as many as fit
+        input_set_bytes and a full loop uses 8 times each, at most input_sets, at least 4. A set
+        that never comes back cannot show a result replayed by buffer (the parent re-checks calls
+        whose buffers came back, `CallFeed.recheck_sample`)."""
+        fits = min(self.input_sets, self.input_set_bytes // max(set_bytes, 1), self.max_calls // 8)
+        return max(min(self.input_sets, 4), fits)
+
     @staticmethod
     def parse_idle(text: str) -> tuple[float, float]:
         """'LOW,HIGH' in ms (a command line's server-mode gaps) as `idle_ms`; ValueError if not."""
