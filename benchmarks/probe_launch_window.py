@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cudagym.sandbox.opwatch import OpWatch
-from cudagym.sandbox.timing import DeviceTimer, harness_overhead_ns
+from cudagym.sandbox.timing import DeviceTimer, harness_calibration
 from timing_problems import problems_by_name  # this folder's module
 
 DEFAULT = "relu_16x16384,add_relu_scale_16x1024,mlp_tiny_b8,softmax_16x16384"
@@ -56,7 +56,7 @@ ECHO = "import sys\nfor line in sys.stdin.buffer:\n    sys.stdout.buffer.write(l
 
 def run(model: torch.nn.Module, inputs: list[torch.Tensor], calls: int, window_us: float,
         watch: OpWatch | None, between: Echo | None = None) -> list[tuple[float, float]]:
-    timer = DeviceTimer(torch.device("cuda"), launch_window_us=window_us, overhead_ns=harness_overhead_ns())
+    timer = DeviceTimer(torch.device("cuda"), launch_window_us=window_us, calibration=harness_calibration())
 
     def fn(*args: torch.Tensor) -> torch.Tensor:
         if watch is not None:

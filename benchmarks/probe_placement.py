@@ -32,7 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cudagym.sandbox.timing import CALIBRATION_CALLS, DeviceTimer, harness_overhead_ns
+from cudagym.sandbox.timing import CALIBRATION_CALLS, Calibration, DeviceTimer, harness_calibration
 from timing_problems import problems_by_name  # this folder's module
 
 HERE = Path(__file__).resolve().parent
@@ -43,18 +43,18 @@ def child(name: str, buffers: int, rounds: int, flush: str, calibration: int) ->
     the harness's overhead (ns; `calibration` calls each): on the timer that times the calls, as
     a job does (`DeviceTimer.calibrate`), and on a separate timer without the flush, as jobs did
     before, as JSON on stdout."""
-    separate = harness_overhead_ns.__wrapped__()
+    separate = harness_calibration.__wrapped__().overhead_ns
     problem = problems_by_name([name])[0]
     scope: dict = {}
     exec(problem.source, scope)  # noqa: S102 - the benchmark's own problems
     model = scope["Model"](*scope["get_init_inputs"]()).cuda().eval()
     sets = [[x.cuda() for x in scope["get_inputs"]()] for _ in range(buffers)]
-    timer = DeviceTimer(torch.device("cuda"), flush_l2=flush != "none", overhead_ns=0)
+    timer = DeviceTimer(torch.device("cuda"), flush_l2=flush != "none", calibration=Calibration(0, 0))
     flush_x = 0.0 if flush == "none" else float(flush)
     if flush_x:  # the open gate reads this buffer: `flush_x` times the L2's size
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
         timer._flush_buf = torch.zeros(int(flush_x * l2) // 8, dtype=torch.int64, device="cuda")
-    overheads = [timer.calibrate(calibration), separate]
+    overheads = [timer.calibrate(calibration).overhead_ns, separate]
     times: list[list[float]] = [[] for _ in sets]
     with torch.no_grad():
         for r in range(rounds + 1):

@@ -823,6 +823,13 @@ TIMING_PATCHES = {
         if isinstance(o, _t.DeviceTimer):
             o._perf = lambda: time.perf_counter() / 10
     """,
+    "the timer object's calibration (more left out of every call)": """\
+    import gc
+    import cudagym.sandbox.timing as _t
+    for o in gc.get_objects():
+        if isinstance(o, _t.DeviceTimer):
+            o.calibration = _t.Calibration(_t.MAX_OVERHEAD_NS, 10**9)
+    """,
     "torch.manual_seed (to see a timed call's inputs early)": """\
     _seed = torch.manual_seed
     def _spy(s):

@@ -13,7 +13,8 @@ import subprocess
 import pytest
 import torch
 
-from cudagym.sandbox.timing import MAX_OVERHEAD_NS, TAIL_ALLOWANCE_MS, DeviceTimer, call_ms, drive_calls, gate_source
+from cudagym.sandbox.timing import (MAX_OVERHEAD_NS, READ_SLACK_NS, TAIL_ALLOWANCE_MS, Calibration, DeviceTimer, call_ms,
+                                    drive_calls, gate_source)
 
 
 def test_the_loop_makes_the_calls_the_parent_asks_for_with_each_calls_inputs() -> None:
@@ -46,9 +47,15 @@ def test_a_gpu_call_runs_to_its_end_event_less_the_harness_overhead() -> None:
     assert call_ms(0.001, 0.010, 3_000) == 0.0  # never negative
 
 
-def test_the_overhead_a_timer_leaves_out_is_capped() -> None:
-    assert DeviceTimer(torch.device("cpu"), flush_l2=False, overhead_ns=10**9).overhead_ns == MAX_OVERHEAD_NS
-    assert DeviceTimer(torch.device("cpu"), flush_l2=False, overhead_ns=-5).overhead_ns == 0
+def test_what_a_timer_leaves_out_is_capped() -> None:
+    assert Calibration.measured(10**9, 10_000).overhead_ns == MAX_OVERHEAD_NS
+    assert Calibration.measured(-5, 10_000).overhead_ns == 0
+    cal = Calibration.measured(4_000, 10_000)
+    assert cal.left_out_ns(9_000) == 4_000 + 9_000  # a call's own read phase is left out
+    # a read phase longer than the calibration's (many outputs; or its stamps forged) only up to the slack
+    assert cal.left_out_ns(10**9) == 4_000 + 10_000 + READ_SLACK_NS
+    assert cal.left_out_ns(-10**9) == 4_000
+    assert DeviceTimer(torch.device("cpu"), flush_l2=False).calibrate() == Calibration(0, 0)
 
 
 def test_the_cpu_call_runs_the_after_hook_outside_the_timed_interval() -> None:
@@ -72,5 +79,5 @@ def test_the_gate_kernels_compile_within_the_register_budget_that_fills_every_sm
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     used = [int(n) for n in re.findall(r"Used (\d+) registers", r.stderr)]
-    assert len(used) == 3, r.stderr  # open, close and the calibration probe
+    assert len(used) == 2, r.stderr  # open and close
     assert max(used) <= 65536 // (256 * per_sm), r.stderr

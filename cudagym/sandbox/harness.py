@@ -38,7 +38,7 @@ from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
-from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_overhead_ns
+from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_calibration
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -773,14 +773,12 @@ def _probe_fn(p: Problem) -> Any:
 def job_timer(p: Problem, job: Job) -> DeviceTimer:
     """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
     with the spares that are still starting paused) on a separate timer without the flush
-    (`harness_overhead_ns`). Measured once per process while a spare waits, it read up to the
+    (`harness_calibration`). Measured once per process while a spare waits, it read up to the
     cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
-    shorter than it then read 0. Measured on the job's own timer (its flush, gate and window) it
-    read 3 us more on an H100 and put small kernels further from Nsight Compute (relu 16x16384:
-    1.0-1.5 us against ncu's 3.3; softmax 6.2-6.6 against 8.6; on a separate timer 4.1-4.7 and
-    9.3-9.7: `benchmarks/probe_stamps.py`)."""
-    overhead = harness_overhead_ns.__wrapped__() if p.device.type == "cuda" else None
-    return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, overhead_ns=overhead)
+    shorter than it then read 0. Without the flush the output the close reads is hot, as a
+    call's is."""
+    calibration = harness_calibration.__wrapped__() if p.device.type == "cuda" else None
+    return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, calibration=calibration)
 
 
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer) -> int:
@@ -796,7 +794,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     rng = secrets.SystemRandom()
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     timeouts = timer.close_timeouts()  # a baseline job's roles share one timer
-    overhead = timer.overhead_ns
+    calibration = timer.calibration
     sets = [p.inputs(rng.getrandbits(62))]
     n_sets = job.timing.input_sets_for(sum(a.nbytes for a in sets[0] if isinstance(a, torch.Tensor)))
     sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
@@ -860,12 +858,13 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
-        ph.extra["harness_overhead_ns"] = overhead
+        ph.extra["harness_overhead_ns"] = calibration.overhead_ns
+        ph.extra["read_cap_ns"] = calibration.read_cap_ns
         ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts() - timeouts
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     check_tamper()
     p.intact()
-    if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.overhead_ns != overhead:
+    if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.calibration is not calibration:
         raise CandidateError("tamper", "the harness's timer was modified by the candidate")
     return n
 

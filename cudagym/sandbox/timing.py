@@ -9,15 +9,14 @@ contents, so neither pointer- nor content-keyed result caches can replay. Each c
 computed as soon as the call is over and goes to the parent with the next request; no record of
 past calls stays in the worker.
 
-CUDA: CUDA events on the timer's private stream, no profiler. Per call:
+CUDA: CUDA events on the caller's stream, no profiler. Per call:
 1. synchronize the device: the GPU is idle;
-2. on the timer's stream: reset persisting L2 lines, then the *open gate* kernel. It runs as
+2. on the caller's stream: reset persisting L2 lines, then the *open gate* kernel. It runs as
    many 256-thread blocks as the GPU keeps resident at once (every SM full: no other kernel's
    block can run beside them). Its blocks hold their SMs for the launch window
    (`TimingConfig.launch_window_us`), then copy this call's input values from a staging copy
    into the call's input buffers, then flush the L2 cache by reading a buffer twice its size (a
-   read leaves clean lines: the call pays for no write-backs). Then the start event; the
-   caller's stream waits for it;
+   read leaves clean lines: the call pays for no write-backs). Then the start event;
 3. call. The call is launched while the window runs, so the host's work of getting its
    launches to the GPU is hidden up to the window (as launch latency is in Triton's
    `do_bench`, where the flush alone does it). None of its kernels, on any stream, can start
@@ -25,20 +24,32 @@ CUDA: CUDA events on the timer's private stream, no profiler. Per call:
    earlier call's values, so host work there cannot compute this call's answer (say on the
    CPU, copied in by a copy engine, which the gate does not hold): only work ordered after
    the start event sees the inputs;
-4. the timer's stream waits for the caller's stream, then runs the *close gate* kernel: the
-   same blocks, which go on only once all of them have been resident at once, so once no
+4. the *close gate* kernel, on the same stream (the stream the call started on, even if the
+   call changed the current stream): the same blocks, which go on only once all of them have been resident at once, so once no
    kernel of the call, on any stream, still holds an SM. While they all still hold the SMs they
    read the call's output samples (`DeviceTimer.read_at_end`: secret positions from a seed drawn
    after the call returned), then exit. Then the end event. The close kernel is issued after the
    call returned on the host, so host work that ends after the window is timed;
-5. synchronize the device, then a last event on the timer's stream; the call's time is read.
+5. synchronize the device, then a last event; the call's time is read.
 
-A call's time is end event less start event, less the harness's overhead: that interval for a
-call of the probe kernel less the probe's own time (its own device-clock stamps), the median
-of `CALIBRATION_CALLS` calls launched within the window, measured by each timing job before any
-candidate code is loaded (`harness.job_timer`), at most `MAX_OVERHEAD_NS`. The gate kernels
-also stamp the open gate's end and the close gate's arrivals (`DeviceTimer.stamps_ns`, a
-diagnostic: `benchmarks/probe_stamps.py` splits the interval with them).
+A call's time is end event less start event, less the close's *read phase* (from its last block's
+arrival to its last block's exit, on the device clock: `DeviceTimer.stamps_ns`; at most
+`READ_SLACK_NS` more than the calibration's), less the harness's overhead: that same
+interval for a call that launches nothing (its output read by the close as a call's is), the
+median of `CALIBRATION_CALLS` calls, measured by each timing job before any candidate code is
+loaded (`harness.job_timer`), at most `MAX_OVERHEAD_NS`. So a call that launches nothing reads
+0, and a kernel's time holds its own launch on the GPU, as Nsight Compute counts it. Why each
+part (H100, 10 fresh processes, `benchmarks/probe_stamps.py`):
+- one stream: with the gates on a stream of their own, the two hand-overs between it and the
+  caller's stream added 1-2.5 us to a one-kernel call, a different amount for each kernel
+  (relu 16x16384 read 4.3 us against Nsight Compute's 3.3, a 32 MB relu 22.2 against 20.2);
+- the read phase: it took 9.5-11.2 us, with the outputs' number, size and place (a sum's 16
+  values against softmax's 2048 samples), and was the rest of the kernel-to-kernel variation;
+  left out, five one-op problems of 2.8-20 us read within 0.2 us of Nsight Compute;
+- a call that launches nothing: a probe kernel's interval less its stamped own time left out
+  the probe's launch, which Nsight Compute counts as a kernel's: a 4 KB relu read 0.4-0.9 us
+  against 2.8.
+The read phase's cap bounds what a forged stamp could take off a call.
 
 What the SMs do not show is work on a stream the caller's stream never waits for that is not
 running when the close kernel's blocks all become resident: a copy engine's copy, or a kernel
@@ -80,17 +91,20 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-# 9: the overhead measured with a self-stamping probe, more input sets, placements rotated (7:
-# outputs sampled by the close kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-9"
+# 10: one stream, the close's read phase left out, the overhead of a call that launches nothing
+# (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
+# kernel; 6: a 1 ms window)
+PROTOCOL_VERSION = "gated-events-10"
 
-CALIBRATION_CALLS = 100  # calls of a tiny kernel that measure the harness's overhead
+CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 # Sizes of the allocation held across each GPU call in turn (`drive_calls`), so that what a call
 # allocates (its output) lands at other addresses from one call to the next: a one-op call of a few
 # microseconds reads 0.3-0.7 us more or less from one process to the next with its placement
 # (H100, `benchmarks/probe_stamps.py`), and a job's median should not hang on one placement.
 PLACEMENT_BYTES = (0, 2**18, 2**19, 3 * 2**18, 2**20, 3 * 2**19, 5 * 2**19, 2**22)
-MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 17-19 us)
+MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 4.3 us)
+# A call's read phase is left out up to the calibration's plus this (H100: 9.5-11.2 us, calibration 10.6)
+READ_SLACK_NS = 2_000
 CLOSE_TIMEOUT_NS = 1_000_000_000  # the close kernel gives up after this long
 TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
 GATE_THREADS = 256
@@ -133,15 +147,6 @@ cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned 
     if (acc == 0x9e3779b97f4a7c15ull) gate[1] = 1u;  // the buffer is zeros: never, but the reads stay
     __syncthreads();
     if (threadIdx.x == 0) atomicMax(stamps, now_ns());  // stamps[0]: the gate's last block ends
-}
-// The calibration's call (`DeviceTimer.calibrate`): one kernel that stamps its own start and end
-// (stamps[4], stamps[5]), so that its own time is known without events on the caller's stream.
-extern "C" __global__ void cudagym_gate_probe(unsigned long long* stamps) {
-    if (threadIdx.x == 0) {
-        unsigned long long t0 = now_ns();
-        stamps[4] = t0;
-        stamps[5] = now_ns();
-    }
 }
 // A call's sampled outputs, read by the close kernel (`DeviceTimer.read_at_end`): `count`
 // elements of `src` (`numel` elements of `elem_size` bytes, `ndim` sizes and strides, in
@@ -245,7 +250,6 @@ class Gate(NamedTuple):
 
     open: Any  # torch's NVRTC kernel handles
     close: Any
-    probe: Any  # the calibration's call: one block that stamps its own start and end
     blocks: int  # the whole grid, resident at once
     holds_every_sm: bool  # False: a GPU where the blocks cannot fill every SM's thread slots
 
@@ -259,15 +263,14 @@ def gate_kernels(index: int) -> Gate:
     per_sm = max(1, props.max_threads_per_multi_processor // GATE_THREADS)
     with torch.cuda.device(index):
         ptx, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open")
-        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close", "cudagym_gate_probe"])
+        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
         resident = ctypes.c_int(0)
         libcuda = _get_gpu_runtime_library()
         for k in (kernels["cudagym_gate_open"], kernels["cudagym_gate_close"]):
             libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(resident), k.func, GATE_THREADS, 0)
             per_sm = min(per_sm, resident.value)
     per_sm = max(per_sm, 1)
-    return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], kernels["cudagym_gate_probe"],
-                per_sm * props.multi_processor_count,
+    return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], per_sm * props.multi_processor_count,
                 per_sm * GATE_THREADS >= props.max_threads_per_multi_processor)
 
 
@@ -302,16 +305,33 @@ def _cudart() -> Any | None:
     return None
 
 
+class Calibration(NamedTuple):
+    """What a timer leaves out of each GPU call (`DeviceTimer.calibrate`)."""
+
+    overhead_ns: int  # the interval of a call that launches nothing, less its read phase
+    read_cap_ns: int  # the most of a call's own read phase left out of it (0: none is)
+
+    @classmethod
+    def measured(cls, overhead_ns: float, read_ns: float) -> Calibration:
+        """From a calibration's medians: the overhead, at most `MAX_OVERHEAD_NS`; the read
+        phase, plus `READ_SLACK_NS`, as the cap."""
+        return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS)
+
+    def left_out_ns(self, read_ns: int) -> int:
+        """What is left out of a call whose close took `read_ns` to read its outputs."""
+        return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns)
+
+
 class DeviceTimer:
     """Times calls on `device` (cuda:N or cpu) under the protocol above.
 
-    `call(fn, args)` makes one call and returns its output and its time in ms. `overhead_ns` is
-    left out of every CUDA call (None: `harness_overhead_ns()`). `close_timeouts()` counts the
+    `call(fn, args)` makes one call and returns its output and its time in ms. `calibration`
+    is left out of every CUDA call (None: `harness_calibration()`). `close_timeouts()` counts the
     calls so far whose close kernel gave up.
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
-                 overhead_ns: int | None = None):
+                 calibration: Calibration | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
@@ -320,22 +340,21 @@ class DeviceTimer:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             flush_bytes = max(2 * l2, 64 * 2**20)
             self._cudart = _cudart()
-            self._stream = torch.cuda.Stream(device)
             gate = gate_kernels(device.index if device.index is not None else torch.cuda.current_device())
-            self._open, self._close, self._probe, self._blocks = gate.open, gate.close, gate.probe, gate.blocks
+            self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
             self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
             self.holds_every_sm = gate.holds_every_sm
             self._gate = torch.zeros(4, dtype=torch.int32, device=device)
             # the gate kernels' %globaltimer stamps of the last call (ns; see the source)
-            self._stamps = torch.zeros(6, dtype=torch.int64, device=device)
+            self._stamps = torch.zeros(4, dtype=torch.int64, device=device)
             self._libcuda = _cuda_driver()
             self._window_ns = int(launch_window_us * 1e3)
-            if overhead_ns is None:
-                overhead_ns = harness_overhead_ns()
+            if calibration is None:
+                calibration = harness_calibration()
         else:
             flush_bytes = 64 * 2**20
             self._cudart = None
-        self.overhead_ns = min(max(int(overhead_ns or 0), 0), MAX_OVERHEAD_NS)
+        self.calibration = calibration or Calibration(0, 0)
         self.window_ms = launch_window_us / 1e3 if self.cuda else 0.0
         # the host's time from the open kernel's launch to the close kernel's (the CPU target: the
         # call's): past `window_ms`, the call's time holds host work (diagnostic, last call only)
@@ -378,46 +397,51 @@ class DeviceTimer:
             if after is not None:
                 after(out)
             return out, ms
-        caller, timer = torch.cuda.current_stream(self.device), self._stream
+        # one stream for the gates, the events and the call (see the module's text): the caller's
+        stream = torch.cuda.current_stream(self.device)
         marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         flush, words = (self._flush_buf, self._flush_buf.numel()) if self._flush_buf is not None else (self._gate, 0)
         self._sync()
         if self._cudart is not None:
             self._cudart.cudaCtxResetPersistingL2Cache()
         plan, n_copies = (copies, copies.numel() // 3) if copies is not None else (self._gate, 0)
-        with torch.cuda.stream(timer):
-            self._stamps.zero_()
+        self._stamps.zero_()
         self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps],
-                   stream=timer)
+                   stream=stream)
         opened = self._perf()
-        marks[0].record(timer)
-        caller.wait_stream(timer)
+        marks[0].record(stream)
         out = fn(*args)
-        timer.wait_stream(caller)
         samples, kept = _Samples(seed=secrets.randbits(64)), []  # the seed is drawn after the call returned
-        if after is not None:
-            self._reading = samples, kept
-            try:
-                with torch.cuda.stream(timer):
+        with torch.cuda.stream(stream):  # the call may have left another stream current
+            if after is not None:
+                self._reading = samples, kept
+                try:
                     after(out)
-            finally:
-                self._reading = None
-        self._launch_close(samples)
-        self.host_ms = (self._perf() - opened) * 1e3
-        marks[1].record(timer)
+                finally:
+                    self._reading = None
+            self._launch_close(samples, stream)
+            self.host_ms = (self._perf() - opened) * 1e3
+            marks[1].record(stream)
         self._sync()
         kept.clear()
-        marks[2].record(timer)
+        marks[2].record(stream)
         marks[2].synchronize()
-        return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]), self.overhead_ns)
+        read_ns = self.read_phase_ns if self.calibration.read_cap_ns else 0
+        return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]),
+                            self.calibration.left_out_ns(read_ns))
 
     @property
-    def stamps_ns(self) -> tuple[int, ...]:
+    def stamps_ns(self) -> tuple[int, int, int, int]:
         """The last call's device-clock stamps (ns; GPU): the open gate's end, the close gate's
-        first and last block arriving and its last block leaving; the calibration probe's start
-        and end (`calibrate`)."""
+        first and last block arriving and its last block leaving."""
         s = self._stamps.tolist()
-        return (s[0], ~s[1] & (2**64 - 1), s[2], s[3], s[4], s[5])
+        return (s[0], ~s[1] & (2**64 - 1), s[2], s[3])
+
+    @property
+    def read_phase_ns(self) -> int:
+        """The last call's read phase: the close gate's last block's exit less its last arrival (ns; GPU)."""
+        _, _, last, leave = self.stamps_ns
+        return max(leave - last, 0)
 
     def read_at_end(self, t: torch.Tensor, count: int = SAMPLE_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`count` values of `t` at secret random flat (row-major) positions, and the positions;
@@ -453,73 +477,65 @@ class DeviceTimer:
         kept.append(t)  # alive until the close kernel has read it
         return (values.view(t.shape) if everything else values), positions
 
-    def _launch_close(self, samples: _Samples) -> None:
-        """The close kernel on the timer's stream (launched here: torch's kernel handles pass
-        no structs by value)."""
+    def _launch_close(self, samples: _Samples, stream: torch.cuda.Stream) -> None:
+        """The close kernel on `stream` (launched here: torch's kernel handles pass no structs
+        by value)."""
         params = (ctypes.c_void_p(self._gate.data_ptr()), ctypes.c_uint(self._blocks), ctypes.c_uint(CLOSE_TIMEOUT_NS),
                   ctypes.c_void_p(self._stamps.data_ptr()), samples)
         pointers = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params))
         err = self._libcuda.cuLaunchKernel(self._close.func, self._blocks, 1, 1, GATE_THREADS, 1, 1, 0,
-                                           self._stream._as_parameter_, pointers, None)
+                                           stream._as_parameter_, pointers, None)
         if err:
             raise RuntimeError(f"the timer's close kernel failed to launch: CUDA driver error {err}")
 
-    def calibrate(self, calls: int | None = None) -> int:
-        """Measure this timer's overhead and leave it out of its calls from now on; returns it (ns).
+    def calibrate(self, calls: int | None = None) -> Calibration:
+        """Measure this timer's overhead and leave it out of its calls from now on; returns it.
 
-        The median over `calls` (default `CALIBRATION_CALLS`) calls of the probe kernel (one block
-        that stamps its own start and end with the device clock) of the call's time less the
-        probe's own, an output read at the call's end as a call's is, through this timer's gate,
-        flush and window: capped at `MAX_OVERHEAD_NS`. Run it before any candidate code loads. The
-        CPU target has none: 0.
-
-        The probe's own time comes from its stamps, not from events around it on the caller's
-        stream: on an H100 two such events added 4.8 us and varied by 1 us from one process to the
-        next, more than a real call's interval did (0.2 us), and the overhead measured with them
-        reached the cap in half the processes (`benchmarks/probe_stamps.py`)."""
+        The median over `calls` (default `CALIBRATION_CALLS`) calls that launch nothing, an output
+        read at the call's end as a call's is, through this timer's gate, flush and window, of the
+        call's interval less its read phase: capped at `MAX_OVERHEAD_NS`; the read phase's median
+        plus `READ_SLACK_NS` caps what is left out of a call for its own. Run it before any
+        candidate code loads. The CPU target has none."""
         if not self.cuda:
-            self.overhead_ns = 0
-            return 0
+            self.calibration = Calibration(0, 0)
+            return self.calibration
         output = torch.zeros(1 << 18, device=self.device)  # read at each call's end as a call's output is
-
-        def probe() -> None:
-            self._probe((1, 1, 1), (32, 1, 1), [self._stamps], stream=torch.cuda.current_stream(self.device))
 
         def read(_: Any) -> None:
             self.read_at_end(output)
 
-        self.overhead_ns = 0
+        self.calibration = Calibration(0, 0)
         for _ in range(5):
-            self.call(probe, [], read)
+            self.call(lambda: None, [], read)
         timed = []
         for _ in range(CALIBRATION_CALLS if calls is None else calls):
-            ms = self.call(probe, [], read)[1]
-            stamps = self.stamps_ns
-            timed.append((ms - (stamps[5] - stamps[4]) / 1e6, self.host_ms or 0.0))
+            ms = self.call(lambda: None, [], read)[1]
+            read_ns = self.read_phase_ns
+            timed.append((ms * 1e6 - read_ns, read_ns, self.host_ms or 0.0))
         # a call the host launched after the window's end holds that lateness: not the timer's own
-        on_time = [t for t, host in timed if host <= self.window_ms] or [t for t, _ in timed]
-        measured = int(statistics.median(on_time) * 1e6)
-        self.overhead_ns = min(max(measured, 0), MAX_OVERHEAD_NS)
-        return self.overhead_ns
+        on_time = [t for t in timed if t[2] <= self.window_ms] or timed
+        self.calibration = Calibration.measured(statistics.median(t[0] for t in on_time),
+                                                statistics.median(t[1] for t in on_time))
+        return self.calibration
 
     def close_timeouts(self) -> int:
         """Calls so far whose close kernel gave up (timed to the device-wide synchronize)."""
         return int(self._gate[2].item()) if self.cuda else 0
 
 
-def call_ms(end_ms: float, last_ms: float, overhead_ns: int) -> float:
+def call_ms(end_ms: float, last_ms: float, left_out_ns: int) -> float:
     """A GPU call's time from its events (ms after the start event): to the end event, or to
     the last event less the host's allowance if that is later (the close kernel gave up), less
-    the harness's overhead."""
-    return max(max(end_ms, last_ms - TAIL_ALLOWANCE_MS) - overhead_ns / 1e6, 0.0)
+    what the timer leaves out (its overhead and the call's read phase)."""
+    return max(max(end_ms, last_ms - TAIL_ALLOWANCE_MS) - left_out_ns / 1e6, 0.0)
 
 
 @functools.cache
-def harness_overhead_ns() -> int:
+def harness_calibration() -> Calibration:
     """The harness's overhead on this process's GPU, measured on a timer of its own without the
     L2 flush (`DeviceTimer.calibrate`); measured once per process (a timing job measures it
     again, `harness.job_timer`)."""
-    return DeviceTimer(torch.device("cuda"), flush_l2=False, overhead_ns=0).calibrate()
+    return DeviceTimer(torch.device("cuda"), flush_l2=False, calibration=Calibration(0, 0)).calibrate()
 
 
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
