@@ -17,8 +17,10 @@ harness's reading); the span from the open gate's end to the close's last arriva
 Measured (10 processes, 2026-11-25, H100, 16 sets, 8 placements): with the gates on a stream of
 their own, relu 1x1024 / relu 16x16384 / softmax / sum / relu 512x16384 read 2.5 / 4.3 / 9.3 /
 6.7 / 22.2 us against Nsight Compute's 2.8 / 3.3 / 8.6 / 7.3 / 20.2 (overhead: a probe kernel's
-interval less its stamped own time); on the caller's stream, `events-rp` with `empty_hot_sep`
-read 2.78 / 3.18 / 8.45 / 7.10 / 20.20, CV 2.7 / 2.5 / 0.9 / 1.0 / 0.4%.
+interval less its stamped own time); with the gates moved onto the caller's stream by hand,
+`events-rp` with `empty_hot_sep` read 2.78 / 3.18 / 8.45 / 7.10 / 20.20, CV 2.7 / 2.5 / 0.9 / 1.0 /
+0.4%; with the timer as it is now (6 processes, another H100 machine) 3.46 / 3.90 / 9.17 / 7.80 /
+20.97, CV 2.0 / 0.7 / 0.5 / 0.6 / 0.3%.
 
 Usage: python benchmarks/probe_stamps.py [--problems softmax_16x16384,...] [--processes 10] [--calls 200]
 """
