@@ -197,7 +197,7 @@ def _release_later(*outcomes: JobOutcome) -> None:
 
 def _job_breakdown(role: str, o: JobOutcome) -> dict[str, float]:
     """Seconds spent waiting for a ready worker, in the worker, and in each of its phases."""
-    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.worker_s": o.seconds,
+    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.wait_device_s": o.lease_wait_s, f"{role}.worker_s": o.seconds,
             **{f"{role}.{k}_s": v for k, v in o.phases.items()}}
 
 

@@ -25,6 +25,7 @@ class JobOutcome:
     output: str = ""  # the worker's stdout+stderr (the candidate's prints), trimmed
     seconds: float = 0.0  # from the worker's ready frame to its exit
     wait_s: float = 0.0  # waiting for a spare worker to be ready (start-up not yet done)
+    lease_wait_s: float = 0.0  # then waiting for the device (a GPU's lease, the CPU's slots)
     phases: dict[str, float] = field(default_factory=dict)  # the worker's own time per phase (s)
 
 

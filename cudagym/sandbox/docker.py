@@ -397,17 +397,15 @@ class DockerSandbox(SpareWorkerSandbox):
             pass
         shutil.rmtree(c.slot, ignore_errors=True)
 
-    def _pause_starting(self, device: str, pause: bool, which: list[_Container] | None = None) -> list[_Container]:
-        if not self.config.freeze_starting_spares:
-            return []
-        starting = which if which is not None else [
-            c for c in self._spares.get(device, []) if not c.frames.ready.done() and not c.exited.done()]
-        for c in starting:
+    def _pause(self, workers: list[_Container], pause: bool) -> None:
+        for c in workers:
             try:
                 (c.container.pause if pause else c.container.unpause)()
             except Exception:  # noqa: BLE001 - it may have exited meanwhile
                 pass
-        return starting
+
+    def _is_starting(self, worker: _Container) -> bool:
+        return not worker.frames.ready.done() and not worker.exited.done()
 
     # -- one job ----------------------------------------------------------------------------
     def _stage(self, c: _Container, job: Job) -> Job:
@@ -442,23 +440,29 @@ class DockerSandbox(SpareWorkerSandbox):
                                       "inline_build_root": inside(job.inline_build_root),
                                       "artifact_dir": inside(job.artifact_dir)})
 
-    async def _run_on(self, job: Job, device: str,
-                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]:
-        timing = job.kind in TIMING_KINDS
-        t_take = time.perf_counter()
-        c = await self._take(device, replenish=not timing)
-        frames, outcome = c.frames, JobOutcome(final=None)
+    async def _ready(self, device: str) -> _Container:
+        """A spare container of `device` that is ready; SandboxError (with its logs) if none starts."""
+        c = await self._take(device)  # spares start now; a timing job pauses them in its quiet windows
         try:
-            await asyncio.wait([asyncio.shield(frames.ready), asyncio.shield(c.exited)],
+            await asyncio.wait([asyncio.shield(c.frames.ready), asyncio.shield(c.exited)],
                                timeout=self.config.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready = frames.ready.done() and frames.ready.result()
-        if not ready:
+        except asyncio.CancelledError:
+            self._unused(c)
+            raise
+        if not (c.frames.ready.done() and c.frames.ready.result()):
             logs = await asyncio.to_thread(self._logs, c)
             await self._remove(c)
             raise SandboxError(f"a sandbox container failed to start (image {self.config.image}):\n{logs[-2000:]}")
+        return c
+
+    def _unused(self, c: _Container) -> None:
+        self._spares.setdefault(c.device, []).insert(0, c)
+
+    async def _run_on(self, job: Job, device: str, responder: Responder | None,
+                      c: _Container) -> tuple[JobOutcome, asyncio.Future[None]]:
+        timing = job.kind in TIMING_KINDS
+        frames, outcome = c.frames, JobOutcome(final=None)
         t_ready = time.perf_counter()
-        outcome.wait_s = t_ready - t_take
         try:
             inner = await asyncio.to_thread(self._stage, c, job)
             await asyncio.to_thread(self._apply_limits, c, job.limits, job.device)
@@ -467,12 +471,12 @@ class DockerSandbox(SpareWorkerSandbox):
         except Exception:
             await self._remove(c)
             raise
-        frames.responder, frames.answer_fd = responder, c.stdin_fd
+        quiet = self._quiet_windows(device) if timing else None
+        frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, c.stdin_fd
         try:
             await asyncio.to_thread(write_all, c.stdin_fd, (inner.model_dump_json() + "\n").encode())
         except OSError:  # the worker is gone: its outcome says how
             pass
-        frozen = self._pause_starting(device, True) if timing else []
         result_in = False
         try:
             done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
@@ -485,7 +489,8 @@ class DockerSandbox(SpareWorkerSandbox):
         except asyncio.TimeoutError:
             pass
         finally:
-            self._pause_starting(device, False, frozen)
+            if quiet is not None:
+                self._quiet_over(device, quiet)
             outcome.process_limited = _pids_events_max(c.container.id) > 0  # read before the cgroup goes
             dead = await self._kill(c)  # the result is in (or the job is over): nothing runs after this
             frames.stop()

@@ -471,8 +471,11 @@ def profiler_available() -> bool:
 
 def prewarm() -> None:
     """Pay for lazy initialization while idle: dynamo (via the dispatch mode), psutil, the
-    profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML."""
+    profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML, and
+    torch.compile's compiler (inductor's imports: 2-3 s of a baseline job's torch.compile on an
+    H100 machine otherwise)."""
     import psutil  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
 

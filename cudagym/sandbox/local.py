@@ -165,14 +165,11 @@ class LocalSandbox(SpareWorkerSandbox):
             asyncio.ensure_future(self._replenish(device))
         return w
 
-    def _freeze_starting(self, device: str) -> list[_Worker]:
-        """Pause the spares of `device` that are still starting (importing torch, creating a
-        CUDA context): they would compete with a timing job for the CPU and the GPU."""
-        if not self.config.freeze_starting_spares:
-            return []
-        starting = [s for s in self._spares.get(device, []) if not s.frames.ready.done() and s.proc.returncode is None]
-        self._signal(starting, signal.SIGSTOP)
-        return starting
+    def _pause(self, workers: list[_Worker], pause: bool) -> None:
+        self._signal(workers, signal.SIGSTOP if pause else signal.SIGCONT)
+
+    def _is_starting(self, worker: _Worker) -> bool:
+        return not worker.frames.ready.done() and worker.proc.returncode is None
 
     @staticmethod
     def _signal(workers: list[_Worker], sig: int) -> None:
@@ -202,27 +199,37 @@ class LocalSandbox(SpareWorkerSandbox):
         except psutil.Error:
             return []
 
-    async def _run_on(self, job: Job, device: str,
-                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]:
-        """Run `job` in a spare; returns the outcome as soon as the result is in (the worker is
-        killed then) and a future that resolves once the worker has exited and been cleaned up."""
-        timing = job.kind in TIMING_KINDS
-        t_take = time.perf_counter()
-        w = await self._take(device, replenish=not timing)
-        limits = job.limits
-        frames = w.frames
-        outcome = JobOutcome(final=None)
-        try:  # a spare may still be starting: its start-up does not count against the job
-            ready = await asyncio.wait_for(asyncio.shield(frames.ready), timeout=self.config.start_timeout_s)
+    async def _ready(self, device: str) -> _Worker:
+        """A spare of `device` that is ready (started spares start its replacement now; a
+        timing job pauses them in its quiet windows); SandboxError if none starts."""
+        w = await self._take(device)
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(w.frames.ready), timeout=self.config.start_timeout_s)
         except asyncio.TimeoutError:
             ready = False
+        except asyncio.CancelledError:
+            self._spares.setdefault(device, []).insert(0, w)  # not used: it stays a spare
+            raise
         if not ready:
             self._kill(w)
             w.release()
             await w.proc.wait()
             raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
+        return w
+
+    def _unused(self, w: _Worker) -> None:
+        self._spares.setdefault(w.device, []).insert(0, w)
+
+    async def _run_on(self, job: Job, device: str, responder: Responder | None,
+                      w: _Worker) -> tuple[JobOutcome, asyncio.Future[None]]:
+        """Run `job` in the ready worker `w`; returns the outcome as soon as the result is in (the
+        worker is killed then) and a future that resolves once the worker has exited and been
+        cleaned up."""
+        timing = job.kind in TIMING_KINDS
+        limits = job.limits
+        frames = w.frames
+        outcome = JobOutcome(final=None)
         t_ready = time.perf_counter()
-        outcome.wait_s = t_ready - t_take
         if self.config.spare_nice:
             try:  # every thread of the worker's process group back to normal priority
                 os.setpriority(os.PRIO_PGRP, w.proc.pid, 0)
@@ -235,7 +242,8 @@ class LocalSandbox(SpareWorkerSandbox):
                                memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
             for p in self._tree(w.proc.pid):
                 cgroup.add(p.pid)
-        frames.responder, frames.answer_fd = responder, w.stdin_fd
+        quiet = self._quiet_windows(device) if timing else None
+        frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
         try:  # a large job line would block on the pipe until the worker reads it
             await asyncio.to_thread(write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
         except OSError:  # the worker is gone: its outcome says how
@@ -274,7 +282,6 @@ class LocalSandbox(SpareWorkerSandbox):
 
         dog = asyncio.ensure_future(watchdog())
         out_task = asyncio.ensure_future(collect_output())
-        frozen = self._freeze_starting(device) if timing else []
         result_in = False
         try:
             done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
@@ -287,7 +294,8 @@ class LocalSandbox(SpareWorkerSandbox):
         except asyncio.TimeoutError:
             outcome.timed_out = not outcome.memory_exceeded and not outcome.process_limited
         finally:
-            self._signal(frozen, signal.SIGCONT)
+            if quiet is not None:
+                self._quiet_over(device, quiet)
             dog.cancel()
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover

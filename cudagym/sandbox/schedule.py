@@ -10,7 +10,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+import itertools
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,19 +20,37 @@ from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.protocol import TIMING_KINDS, Job
 
-RunOn = Callable[[Job, str, "Responder | None"], Awaitable[tuple[JobOutcome, "asyncio.Future[None]"]]]
+Ready = Callable[[str], Awaitable[Any]]  # a ready worker of the device
+RunOn = Callable[[Job, str, "Responder | None", Any], Awaitable[tuple[JobOutcome, "asyncio.Future[None]"]]]
+Unused = Callable[[Any], None]  # a ready worker that got no job goes back to the spares
 
 
 class _GpuLease:
-    """Timing jobs have a GPU to themselves; checks share it (a readers-writer lease)."""
+    """Timing jobs have a GPU to themselves; checks share it (a readers-writer lease), granted in
+    the order the jobs asked for it: a check waits behind a timing job that asked first, so a
+    stream of checks cannot hold a timing job off, and a timing job waits for those ahead of it.
+    A job asks once its worker is ready (a job waiting for its worker to start holds nothing)."""
 
     def __init__(self) -> None:
         self.shared = 0
         self.exclusive = False
+        self._tickets = itertools.count()
+        self.waiting: dict[int, bool] = {}  # ticket -> exclusive, in the order they asked
 
-    def try_acquire(self, exclusive: bool) -> bool:
-        if self.exclusive or (exclusive and self.shared):
+    def ask(self, exclusive: bool) -> int:
+        ticket = next(self._tickets)
+        self.waiting[ticket] = exclusive
+        return ticket
+
+    def withdraw(self, ticket: int) -> None:
+        self.waiting.pop(ticket, None)
+
+    def try_acquire(self, ticket: int) -> bool:
+        exclusive = self.waiting[ticket]
+        ahead = [e for t, e in self.waiting.items() if t < ticket]
+        if self.exclusive or any(ahead) or (exclusive and (self.shared or ahead)):
             return False
+        del self.waiting[ticket]
         if exclusive:
             self.exclusive = True
         else:
@@ -43,6 +63,10 @@ class _GpuLease:
         else:
             self.shared -= 1
 
+    @property
+    def load(self) -> int:
+        return self.shared + self.exclusive + len(self.waiting)
+
 
 class JobScheduler:
     """Leases of the GPUs and slots of the CPU, created on the loop of the first job."""
@@ -52,43 +76,122 @@ class JobScheduler:
         self._cpu_slots: asyncio.Semaphore | None = None
         self._cpu_timing: asyncio.Lock | None = None
 
-    async def run(self, job: Job, device: str, responder: Responder | None, run_on: RunOn) -> JobOutcome:
-        """Run `job` through `run_on(job, device, responder)` (a backend's: it returns the outcome
-        and a future that resolves once the worker is gone) when its device can take it; "cuda"
-        picks the first GPU free for it and passes "cuda:N"."""
+    async def run(self, job: Job, device: str, responder: Responder | None, ready: Ready, run_on: RunOn,
+                  unused: Unused) -> JobOutcome:
+        """Run `job` through `run_on(job, device, responder, worker)` (a backend's: it returns the
+        outcome and a future that resolves once the worker is gone) on a worker from
+        `ready(device)`, once its device can take it. The worker is made ready first: a job
+        waiting for one holds no lease. "cuda" picks the GPU free for it now, or else the least
+        loaded one, and passes "cuda:N"."""
+        exclusive = job.kind in TIMING_KINDS
+        t0 = time.perf_counter()
         if device == "cuda":
             if self._gpu_leases is None:
                 self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
-            exclusive = job.kind in TIMING_KINDS
-            while True:  # the first GPU that can take this job now
-                for i, lease in enumerate(self._gpu_leases):
-                    if lease.try_acquire(exclusive):
-                        gone: asyncio.Future[None] | None = None
-                        try:
-                            outcome, gone = await run_on(job, f"cuda:{i}", responder)
-                            return outcome
-                        finally:  # the GPU is free once the worker (and its CUDA context) is gone
-                            if gone is None:
-                                lease.release(exclusive)
-                            else:
-                                gone.add_done_callback(lambda _f, lease=lease: lease.release(exclusive))
-                await asyncio.sleep(0.005)
+            i = min(range(len(self._gpu_leases)), key=lambda n: self._gpu_leases[n].load)  # type: ignore[index]
+            lease, device = self._gpu_leases[i], f"cuda:{i}"
+            worker = await ready(device)
+            t_ready = time.perf_counter()
+            ticket = lease.ask(exclusive)
+            try:
+                while not lease.try_acquire(ticket):
+                    await asyncio.sleep(0.005)
+            except BaseException:
+                lease.withdraw(ticket)
+                unused(worker)
+                raise
+            t_leased = time.perf_counter()
+            gone: asyncio.Future[None] | None = None
+            try:
+                outcome, gone = await run_on(job, device, responder, worker)
+            finally:  # the GPU is free once the worker (and its CUDA context) is gone
+                if gone is None:
+                    lease.release(exclusive)
+                else:
+                    gone.add_done_callback(lambda _f: lease.release(exclusive))
+            return _waits(outcome, t0, t_ready, t_leased)
         if self._cpu_slots is None:
             self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
             self._cpu_timing = asyncio.Lock()
-        if job.kind in TIMING_KINDS:
-            async with self._cpu_timing:
-                outcome, gone = await run_on(job, device, responder)
+        worker = await ready(device)
+        t_ready = time.perf_counter()
+        hold = self._cpu_timing if exclusive else self._cpu_slots
+        try:
+            await hold.acquire()  # type: ignore[union-attr]
+        except BaseException:
+            unused(worker)
+            raise
+        t_leased = time.perf_counter()
+        try:
+            outcome, gone = await run_on(job, device, responder, worker)
+            if exclusive:
                 await gone
-                return outcome
-        async with self._cpu_slots:
-            return (await run_on(job, device, responder))[0]
+        finally:
+            hold.release()  # type: ignore[union-attr]
+        return _waits(outcome, t0, t_ready, t_leased)
+
+
+def _waits(outcome: JobOutcome, t0: float, t_ready: float, t_leased: float) -> JobOutcome:
+    outcome.wait_s, outcome.lease_wait_s = t_ready - t0, t_leased - t_ready
+    return outcome
+
+
+class QuietWindows:
+    """When a timing job wants the machine quiet: the spares still starting (importing torch,
+    creating a CUDA context) are paused from the job's start (its timer's calibration, then its
+    first timed loop) until that loop ends, and again during each later timed loop, from a
+    role's first call request to the "stop" answer that ends it. Between loops (torch.compile,
+    a library's plan) they go on starting, so that back-to-back timing jobs do not drain the
+    pool of ready spares. A spare started during a window is paused at once.
+
+    `pause(workers, on)` pauses (on) or resumes workers; `starting()` lists a device's spares
+    still starting. The responder runs on the frame reader's thread, the rest on the loop."""
+
+    def __init__(self, pause: Callable[[list[Any], bool], None], starting: Callable[[], list[Any]]):
+        self._pause, self._starting = pause, starting
+        self._lock = threading.Lock()
+        self._paused: list[Any] | None = None  # None: no window open
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._paused is None:
+                self._paused = self._starting()
+                self._pause(self._paused, True)
+
+    def end(self) -> None:
+        with self._lock:
+            if self._paused is not None:
+                self._pause(self._paused, False)
+                self._paused = None
+
+    def started(self, worker: Any) -> None:
+        """A spare that began starting now: paused if a window is open."""
+        with self._lock:
+            if self._paused is not None and worker not in self._paused:  # (begin may have found it)
+                self._pause([worker], True)
+                self._paused.append(worker)
+
+    def responder(self, inner: Responder | None) -> Responder | None:
+        """`inner`, opening a window at each call request and closing it when a loop stops
+        (or a request is refused: the job is over)."""
+        if inner is None:
+            return None
+
+        def answer(request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+            if request.get("what") == "call":
+                self.begin()
+            reply = inner(request, arrived_s)
+            if reply.get("stop") or "refused" in reply:
+                self.end()
+            return reply
+
+        return answer
 
 
 class SpareWorkerSandbox(Sandbox):
     """A sandbox whose workers are started ahead of need and used for one job each, driven from
     one private event-loop thread (so callers on any loop, or none, can use it). Backends
-    provide `_run_on` (one job in a spare, see `RunOn`), `_replenish` (start spares for a device)
+    provide `_ready` (a ready spare), `_run_on` (one job in it, see `RunOn`), `_unused`, `_spawn`
     and `_stop_spares` (stop them at `close`)."""
 
     _stop_timeout_s = 10.0
@@ -100,10 +203,19 @@ class SpareWorkerSandbox(Sandbox):
         self._closed = False
         self._scheduler = JobScheduler()
         self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
+        self._quiet: dict[str, QuietWindows] = {}  # the running timing job's, per device
 
     @abc.abstractmethod
-    async def _run_on(self, job: Job, device: str,
-                      responder: Responder | None) -> tuple[JobOutcome, asyncio.Future[None]]: ...
+    async def _ready(self, device: str) -> Any:
+        """A spare of `device` that is ready for a job (SandboxError if none starts)."""
+
+    @abc.abstractmethod
+    def _unused(self, worker: Any) -> None:
+        """A ready spare that got no job (its job was cancelled): back to the pool."""
+
+    @abc.abstractmethod
+    async def _run_on(self, job: Job, device: str, responder: Responder | None,
+                      worker: Any) -> tuple[JobOutcome, asyncio.Future[None]]: ...
 
     @abc.abstractmethod
     async def _spawn(self, device: str) -> Any: ...
@@ -125,7 +237,34 @@ class SpareWorkerSandbox(Sandbox):
     async def _start_spare(self, device: str) -> None:
         # The spare joins the pool in the same task that starts it: `close` waits for these tasks,
         # then stops the pool's spares, so none is left running
-        self._spares.setdefault(device, []).append(await self._spawn(device))
+        worker = await self._spawn(device)
+        self._spares.setdefault(device, []).append(worker)
+        if device in self._quiet:
+            self._quiet[device].started(worker)
+
+    @abc.abstractmethod
+    def _pause(self, workers: list[Any], pause: bool) -> None:
+        """Pause (or resume) these spares."""
+
+    @abc.abstractmethod
+    def _is_starting(self, worker: Any) -> bool:
+        """Whether this spare is still starting (alive, not yet ready)."""
+
+    def _quiet_windows(self, device: str) -> QuietWindows:
+        """The quiet windows of the timing job starting now on `device` (timing jobs have a device
+        alone, so one at a time), the first one open; `_quiet_over` closes them."""
+        def starting() -> list[Any]:
+            return [w for w in self._spares.get(device, []) if self._is_starting(w)]
+
+        pause = self._pause if self.config.freeze_starting_spares else lambda _workers, _on: None
+        q = self._quiet[device] = QuietWindows(pause, starting)
+        q.begin()
+        return q
+
+    def _quiet_over(self, device: str, q: QuietWindows) -> None:
+        q.end()
+        if self._quiet.get(device) is q:
+            del self._quiet[device]
 
     async def _shutdown(self) -> None:
         while starting := [t for tasks in self._starting.values() for t in tasks]:
@@ -136,11 +275,11 @@ class SpareWorkerSandbox(Sandbox):
     async def _stop_spares(self) -> None: ...
 
     async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        fut = asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused), self._loop)
         return await asyncio.wrap_future(fut)
 
     def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._run_on),
+        return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused),
                                                 self._loop).result()
 
     def warm(self, device: str) -> None:
