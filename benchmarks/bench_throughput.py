@@ -50,7 +50,9 @@ Protocol (one process; every row replays the same trace):
    another (they queue for the GPU), whichever is longer. (Predicted at the K = 1 row's rate,
    K = 16 read 316 s on an H100 after a K = 1 row of 59 s for 3 episodes.)
 
-Printed (stdout): the rows table, the spread table, and the goal of issue 13: at K = 16, GPU busy
+Printed (stdout): the rows table; the workers' start-up per row (spawn to ready, and each step
+on the worker's own clock: importing torch, the CUDA context, importing the harness, `prewarm`,
+mapping the result memory), where the worker wait comes from; the spread table, and the goal of issue 13: at K = 16, GPU busy
 >= 80% and p95 verify+profile < 10 s, and the spread of the loaded jobs' candidate medians within
 the timing protocol's target (CV < 1% from 50 us of kernel, < 3% below), each PASS or FAIL.
 Progress goes to stderr; `--out` gets every raw number (each call's latency, each NVML sample,
@@ -427,6 +429,31 @@ def rows_table(rows: list[dict[str, Any]], device: str) -> Table:
     return t
 
 
+def startup_table(rows: list[dict[str, Any]]) -> Table:
+    """Per row, the workers its checks ran in: spawn to ready (wall, which holds the time a spare
+    waited paused or at low priority) and each start-up step on the worker's own clock, p50 / p95 s."""
+    t = Table(title="worker start-up of the checks' workers (spawn to ready; steps on the worker's clock), p50 / p95 s")
+    per_row: list[tuple[dict[str, Any], dict[str, list[float]]]] = []
+    for r in rows:
+        steps: dict[str, list[float]] = {}
+        for c in r.get("calls") or []:
+            for key, v in (c.get("breakdown") or {}).items():
+                role_step = key.rsplit(".", 1)[-1]
+                if role_step.startswith("startup_") and role_step.endswith("_s"):
+                    steps.setdefault(role_step[len("startup_"):-2], []).append(v)
+        per_row.append((r, steps))
+    names = sorted({n for _, steps in per_row for n in steps}, key=lambda n: (n != "wall", n))
+    for c in ("harness", "K", "workers", *names):
+        t.add_column(c, overflow="fold")
+    for r, steps in per_row:
+        if r.get("skipped"):
+            continue
+        t.add_row(r["label"], str(r["k"]), str(len(steps.get("wall", []))),
+                  *(f"{fmt_s(percentile(steps[n], 50))} / {fmt_s(percentile(steps[n], 95))}" if steps.get(n) else "-"
+                    for n in names))
+    return t
+
+
 def spread_table(idle: dict[str, Any] | None, loaded: dict[str, Any] | None, cuda: bool, k: int) -> Table:
     t = Table(title="timing spread: candidate medians of separate profile jobs of one stored solution")
     for c in ("condition", "task", "jobs ok", "under load", "median of medians ms", "min ms", "max ms", "CV",
@@ -649,6 +676,7 @@ def main() -> None:
                   f"{report.get('warmup_s', 0):.0f} s; {report['seconds']:.0f} s in all"
                   + ("; INTERRUPTED" if report.get("interrupted") else ""))
     console.print(rows_table(report["rows"], report.get("device", "-")))
+    console.print(startup_table(report["rows"]))
     console.print(spread_table(report["spread"].get("idle"), report["spread"].get("loaded"), cuda,
                                report.get("spread_k", args.spread_k)))
     console.print(goal_table(report["goal"]))

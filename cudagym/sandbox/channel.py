@@ -27,6 +27,8 @@ class FrameReader:
     Frames are small (tensor bytes go through the worker's result memory); a payload that does
     come on the pipe is read straight into its own buffer.
     `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
+    `startup_s` then holds the seconds of each of the worker's start-up steps (its own clocks) and
+    `wall`, from this reader's start (the worker's spawn) to the ready frame.
     Request frames are answered here, as they arrive, by the job's responder (see
     `Sandbox.run`), on the worker's stdin (`answer_fd`); `requests` counts them.
     """
@@ -41,6 +43,8 @@ class FrameReader:
         self.responder: Responder | None = None  # set when the job starts
         self.answer_fd: int | None = None
         self.requests = 0
+        self.startup_s: dict[str, float] = {}
+        self._started = time.perf_counter()
         self._stop = threading.Event()
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -89,7 +93,12 @@ class FrameReader:
     def _run(self) -> None:
         try:
             first = read_frame(self._read_into, 0)
-            ok = first is not None and first[0] == {"type": "ready"}
+            ok = first is not None and first[0].get("type") == "ready"
+            if ok:
+                steps = first[0].get("startup_s")
+                self.startup_s = {str(k): float(v) for k, v in (steps if isinstance(steps, dict) else {}).items()
+                                  if isinstance(v, (int, float))}
+                self.startup_s["wall"] = time.perf_counter() - self._started
             self._resolve(self.ready, ok)
             while ok:
                 frame = read_frame(self._read_into, self._budget)
@@ -190,3 +199,4 @@ def collect_outcome(frames: FrameReader, shm_fd: int, nonce: str, outcome: JobOu
             phases = finals[0].get("phases")
             outcome.phases = {str(k): float(v) for k, v in (phases if isinstance(phases, dict) else {}).items()
                               if isinstance(v, (int, float))}
+    outcome.phases.update({f"startup_{k}": v for k, v in frames.startup_s.items()})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -67,18 +68,31 @@ def main() -> None:
         fd = int(sys.argv[1])
         shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     _pin(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
+    startup: dict[str, float] = {}  # seconds of each start-up step, sent with the ready frame
+    t = time.perf_counter()
+
+    def step(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        startup[name], t = now - t, now
+
     import torch
 
+    step("import_torch")
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         torch.empty(1, device="cuda")  # create the CUDA context while idle
+        step("cuda_context")
     from cudagym.sandbox import harness
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
     from cudagym.sandbox.protocol import Job, encode_frame
 
+    step("import_harness")
     harness.prewarm()
+    step("prewarm")
     if shm_fd is not None:
         harness.premap_results(shm_fd, int(os.environ.get("CUDAGYM_PREMAP_MB", "0") or 0))
-    os.write(fd, encode_frame({"type": "ready"}))  # the parent starts the job's clock now
+        step("premap")
+    os.write(fd, encode_frame({"type": "ready", "startup_s": startup}))  # the parent starts the job's clock now
 
     line = harness.STDIN.readline()  # the parent's later answers arrive on the same stdin
     if not line:
