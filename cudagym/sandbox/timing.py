@@ -25,8 +25,8 @@ CUDA: CUDA events on the caller's stream, no profiler. Per call:
    CPU, copied in by a copy engine, which the gate does not hold): only work ordered after
    the start event sees the inputs;
 4. the *close gate* kernel, on the same stream (the stream the call started on, even if the
-   call changed the current stream): the same blocks, which go on only once all of them have been resident at once, so once no
-   kernel of the call, on any stream, still holds an SM. While they all still hold the SMs they
+   call changed the current stream): the same blocks, which go on only once all of them have
+   been resident at once, so once no kernel of the call, on any stream, still holds an SM. While they all still hold the SMs they
    read the call's output samples (`DeviceTimer.read_at_end`: secret positions from a seed drawn
    after the call returned), then exit. Then the end event. The close kernel is issued after the
    call returned on the host, so host work that ends after the window is timed;
