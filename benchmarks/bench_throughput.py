@@ -50,6 +50,10 @@ Protocol (one process; every row replays the same trace):
    another (they queue for the GPU), whichever is longer. (Predicted at the K = 1 row's rate,
    K = 16 read 316 s on an H100 after a K = 1 row of 59 s for 3 episodes.)
 
+`--spare-workers`, `--spare-nice` and `--no-freeze` set the local sandbox's spares (how many, their
+CPU priority while they start, whether timed loops pause them), to find what the worker wait at
+K = 16 comes from.
+
 Printed (stdout): the rows table; the workers' start-up per row (spawn to ready, and each step
 on the worker's own clock: importing torch, the CUDA context, importing the harness, `prewarm`,
 mapping the result memory), where the worker wait comes from; the spread table, and the goal of issue 13: at K = 16, GPU busy
@@ -97,6 +101,7 @@ from cudagym.agent.scripted import ScriptedPolicy
 from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig, resolve_target
 from cudagym.sandbox.gpu import _nvml, gpu_count
+from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_tasks
 from cudagym.tasks.model import Target, Task
@@ -582,7 +587,10 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
             report["spread"]["loaded"] = r.pop("spread")
         save()
 
-    with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=args.spare_workers)) as ev:
+    spares = LocalSandboxConfig(spare_workers=args.spare_workers, freeze_starting_spares=not args.no_freeze,
+                                **({} if args.spare_nice is None else {"spare_nice": args.spare_nice}))
+    with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=args.spare_workers),
+                   sandbox=LocalSandbox(spares, home=Path(cache) / "home")) as ev:
         report["device"] = ev.device_name
         warm = [t for t in tasks if t.id in used]
         progress(f"[warm-up] {len(warm)} tasks on {ev.device_name}: build their stored solutions, measure baselines")
@@ -631,6 +639,10 @@ def main() -> None:
                     help="skip a row predicted to end past this many seconds from the start (default 450)")
     ap.add_argument("--spare-workers", type=int, default=None,
                     help="spare workers per device of the shared Evaluator (default: its own, 6 per GPU)")
+    ap.add_argument("--spare-nice", type=int, default=None,
+                    help="CPU niceness of spares until they take a job (default: the sandbox's, 10; 0: off)")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="do not pause starting spares during timed loops (the quiet windows)")
     ap.add_argument("--compile-baseline", action="store_true", help="measure torch.compile baselines in the warm-up")
     ap.add_argument("--cache-dir", type=Path, default=None, help="the evaluator's cache (default: a fresh temp dir)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the think times")
