@@ -471,11 +471,13 @@ def profiler_available() -> bool:
 
 def prewarm() -> None:
     """Pay for lazy initialization while idle: dynamo (via the dispatch mode), psutil, the
-    profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML, and
-    torch.compile's compiler (inductor's imports: 2-3 s of a baseline job's torch.compile on an
-    H100 machine otherwise)."""
+    profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML.
+
+    Not inductor: importing it fixes its cache paths (under /tmp) before a baseline job points
+    them into its scratch directory, the only place the job may write, and every torch.compile
+    then failed with a PermissionError (`tests/test_compile_baseline.py`); it would also add
+    about 1.5 s to every worker's start for the baseline jobs' sake, which are cached."""
     import psutil  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
 
