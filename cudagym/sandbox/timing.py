@@ -24,12 +24,13 @@ CUDA: CUDA events on the caller's stream, no profiler. Per call:
    earlier call's values, so host work there cannot compute this call's answer (say on the
    CPU, copied in by a copy engine, which the gate does not hold): only work ordered after
    the start event sees the inputs;
-4. the *close gate* kernel, on the same stream (the stream the call started on, even if the
-   call changed the current stream): the same blocks, which go on only once all of them have
-   been resident at once, so once no kernel of the call, on any stream, still holds an SM. While they all still hold the SMs they
-   read the call's output samples (`DeviceTimer.read_at_end`: secret positions from a seed drawn
-   after the call returned), then exit. Then the end event. The close kernel is issued after the
-   call returned on the host, so host work that ends after the window is timed;
+4. the *close gate* kernel, on the same stream (the stream the call started on, even if the call
+   changed the current stream): the same blocks, which go on only once all of them have been
+   resident at once, so once no kernel of the call, on any stream, still holds an SM. While they
+   all still hold the SMs they read the call's output samples (`DeviceTimer.read_at_end`: secret
+   positions from a seed drawn after the call returned), then exit. Then the end event. The close
+   kernel is issued after the call returned on the host, so host work that ends after the window
+   is timed;
 5. synchronize the device, then a last event; the call's time is read.
 
 A call's time is end event less start event, less the close's *read phase* (from its last block's
@@ -443,7 +444,7 @@ class DeviceTimer:
     def read_phase_ns(self) -> int:
         """The last call's read phase: the close gate's last block's exit less its last arrival (ns; GPU)."""
         _, _, last, leave = self.stamps_ns
-        return max(leave - last, 0)
+        return leave - last  # (`Calibration.left_out_ns` bounds it)
 
     def read_at_end(self, t: torch.Tensor, count: int = SAMPLE_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`count` values of `t` at secret random flat (row-major) positions, and the positions;
