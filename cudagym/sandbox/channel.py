@@ -28,12 +28,12 @@ class FrameReader:
     come on the pipe is read straight into its own buffer.
     `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
     `startup_s` then holds the seconds of each of the worker's start-up steps (its own clocks) and
-    `wall`, from this reader's start (the worker's spawn) to the ready frame.
+    `wall`, from `started` (when the worker was asked for; default: now) to the ready frame.
     Request frames are answered here, as they arrive, by the job's responder (see
     `Sandbox.run`), on the worker's stdin (`answer_fd`); `requests` counts them.
     """
 
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int):
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int, started: float | None = None):
         self._fd, self._loop, self._budget = fd, loop, max_bytes
         self.ready: asyncio.Future[bool] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
@@ -44,7 +44,7 @@ class FrameReader:
         self.answer_fd: int | None = None
         self.requests = 0
         self.startup_s: dict[str, float] = {}
-        self._started = time.perf_counter()
+        self._started = time.perf_counter() if started is None else started
         self._stop = threading.Event()
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)

@@ -442,7 +442,7 @@ def _map_shared(fd: int, size: int, offset: int = 0) -> mmap.mmap:
                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
 
 
-_PREMAPPED: list[mmap.mmap] = []  # the start of the result memory, mapped by `prewarm`
+_PREMAPPED: list[mmap.mmap] = []  # the start of the result memory, mapped by `premap_results`
 
 
 def premap_results(shm_fd: int, mb: int) -> None:
@@ -460,7 +460,7 @@ def premap_results(shm_fd: int, mb: int) -> None:
     _PREMAPPED.append(mm)
 
 
-_OPWATCH: list[Any] = []  # the op counter, loaded by `prewarm` (built by the parent beforehand)
+_OPWATCH: list[Any] = []  # the op counter, loaded by `prewarm_host` (built by the parent beforehand)
 _OPWATCH_CHANGES: list[Any] = []  # its C library's count of arms, disarms and resets
 
 
@@ -469,36 +469,51 @@ def profiler_available() -> bool:
     return not os.environ.get("CUDAGYM_UNDER_NCU")
 
 
-def prewarm() -> None:
-    """Pay for lazy initialization while idle: dynamo (via the dispatch mode), psutil, the
-    profiler's first sessions (over a second on their own; on a GPU, CUPTI's too), NVML.
+def prewarm_host() -> None:
+    """The part of the prewarm that touches no GPU driver, so a fork server can run it once
+    for all its workers: psutil, dynamo (via the dispatch mode), the op counter, and the identity
+    snapshot of the watched functions.
 
-    Not inductor: importing it fixes its cache paths (under /tmp) before a baseline job points
-    them into its scratch directory, the only place the job may write, and every torch.compile
-    then failed with a PermissionError (`tests/test_compile_baseline.py`); it would also add
-    about 1.5 s to every worker's start for the baseline jobs' sake, which are cached."""
+    Not the profiler (`prewarm_device`): its first session, even a CPU-only one, initializes the
+    CUDA driver, and the driver cannot be used in a process forked after that. Not inductor:
+    importing it fixes its cache paths (under /tmp) before a baseline job points them into its
+    scratch directory, the only place the job may write, and every torch.compile then failed
+    with a PermissionError (`tests/test_compile_baseline.py`); it would also add about 1.5 s to
+    every worker's start for the baseline jobs' sake, which are cached."""
     import psutil  # noqa: F401
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # noqa: F401
     from torch.utils.flop_counter import FlopCounterMode  # noqa: F401
 
-    if not profiler_available():  # Nsight Compute owns CUPTI in this process
-        with OpRecorder():
-            torch.ones(2) + 1
-    else:
+    with OpRecorder():
+        torch.ones(2) + 1
+    _live_helpers()
+    _OPWATCH.append(OpWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home())))
+    _OPWATCH_CHANGES.append(_OPWATCH[0]._lib.opwatch_state_changes)  # bound before any candidate code
+    _snapshot_originals()
+
+
+def prewarm_device() -> None:
+    """The rest of the prewarm, in the worker itself: the profiler's first session (over a
+    second on its own; on a GPU, CUPTI's too), the timer's gate kernels (NVRTC) and NVML."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if profiler_available():  # not under Nsight Compute, which owns CUPTI in this process
         cuda = os.environ.get("CUDAGYM_DEVICE") == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with OpRecorder(), profile(activities=activities) as prof:
             torch.ones(2, device="cuda" if cuda else "cpu") + 1
         prof.events()
-        if cuda:  # the timer's gate kernels (NVRTC); its overhead is measured by each timing job
+        if cuda:  # the timer's gate kernels; its overhead is measured by each timing job
             gate_kernels(torch.cuda.current_device())
-    _live_helpers()
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         _nvml_handle()
-    _OPWATCH.append(OpWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home())))
-    _OPWATCH_CHANGES.append(_OPWATCH[0]._lib.opwatch_state_changes)  # bound before any candidate code
-    # torch rebinds some functions when dynamo loads (torch.manual_seed, for one): the identity
-    # snapshot is retaken here, still before any candidate code runs
+    _snapshot_originals()
+
+
+def _snapshot_originals() -> None:
+    """Torch rebinds some functions as it loads parts of itself (dynamo rebinds
+    torch.manual_seed, for one): the identity snapshot is retaken after each prewarm step, still
+    before any candidate code runs."""
     _ORIGINALS.update({name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()})
 
 
@@ -747,9 +762,9 @@ def _telemetry() -> dict[str, Any]:
 
 
 def op_watch() -> Any:
-    """The process's op counter (`cudagym.sandbox.opwatch`), loaded by `prewarm`."""
+    """The process's op counter (`cudagym.sandbox.opwatch`), loaded by `prewarm_host`."""
     if not _OPWATCH:
-        raise RuntimeError("the op counter was not loaded (prewarm)")
+        raise RuntimeError("the op counter was not loaded (prewarm_host)")
     return _OPWATCH[0]
 
 

@@ -3,6 +3,9 @@
 Starting Python, importing torch and creating a CUDA context costs seconds, so the sandbox
 keeps spare workers that have already paid for it and wait for one job each; after the job the
 worker exits and a new spare takes its place. Each job therefore still gets a fresh process.
+Workers are forked from a warm fork server per device (`cudagym.sandbox.forkserver`), which
+has paid for Python, torch and the harness once; where it cannot start, or could not keep
+CUDA usable across a fork, each worker is spawned instead.
 
 Subprocesses live on one private event-loop thread, so callers on any loop (or none) can use
 the sandbox.
@@ -11,6 +14,7 @@ the sandbox.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -27,12 +31,14 @@ import cudagym
 from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder
 from cudagym.sandbox.channel import FrameReader, collect_outcome, result_memory, write_all
+from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import TIMING_KINDS, Job
 from cudagym.sandbox.schedule import SpareWorkerSandbox
 
+log = logging.getLogger(__name__)
 _OUTPUT_LIMIT = 20_000
 _NICE = shutil.which("nice")
 
@@ -50,15 +56,24 @@ class LocalSandboxConfig(BaseModel):
     spare_nice: int = 10  # CPU niceness of spares until they take a job (0: off)
     premap_result_mb: int | None = None  # result memory a spare populates (and page-locks) ahead;
     # None: 512 MB per GPU worker (six trials of 64 MB outputs fit), 0 on the CPU
+    fork_server: bool = True  # fork workers from a warm server per device (False: spawn each one)
 
 
 @dataclass
 class _Worker:
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedWorker
     frames: FrameReader  # reading the result pipe since the worker started
     shm_fd: int  # the worker's result memory (a sealed memfd), mapped once the worker is gone
     device: str
     stdin_fd: int  # the job line, then the answers to the worker's requests
+    waiter: bool = False  # `proc` only waits for the worker, its child (a forked worker's PID namespace)
+
+    def close_pipes(self) -> None:
+        """Release the worker's stdout pipe, on the sandbox's loop (once it has exited)."""
+        if isinstance(self.proc, ForkedWorker):
+            self.proc.close()
+        else:
+            self.proc._transport.close()  # type: ignore[attr-defined]
 
     def release(self) -> None:
         self.frames.stop()
@@ -79,6 +94,8 @@ class LocalSandbox(SpareWorkerSandbox):
         build_library(self.opwatch_dir)
         self._prefix = namespace_prefix() if self.config.isolate else ()
         self._spares: dict[str, list[_Worker]] = {}
+        self._fork_servers: dict[str, ForkServer | None] = {}  # None: spawn (it could not start)
+        self._fork_server_lock: asyncio.Lock | None = None
         self._start_loop("cudagym-sandbox")
 
     @property
@@ -94,9 +111,13 @@ class LocalSandbox(SpareWorkerSandbox):
             for w in workers:
                 self._kill(w)
                 await w.proc.wait()
-                w.proc._transport.close()  # type: ignore[attr-defined] - before the loop closes
+                w.close_pipes()  # before the loop closes
                 w.release()
         self._spares.clear()
+        for server in self._fork_servers.values():
+            if server is not None:
+                await server.close()
+        self._fork_servers.clear()
 
     # -- workers ----------------------------------------------------------------------------
     def _env(self, device: str) -> dict[str, str]:
@@ -127,27 +148,71 @@ class LocalSandbox(SpareWorkerSandbox):
                 env["CUDAGYM_CPUS"] = ",".join(map(str, cpus))
         return env
 
+    async def _fork_server(self, device: str) -> ForkServer | None:
+        """The device's fork server, started on first use; None where workers are spawned."""
+        if not self.config.fork_server:
+            return None
+        if self._fork_server_lock is None:
+            self._fork_server_lock = asyncio.Lock()
+        async with self._fork_server_lock:
+            server = self._fork_servers.get(device)
+            if server is not None and not server.alive:  # it died: start another
+                await server.close()
+                del self._fork_servers[device]
+            if device not in self._fork_servers:
+                server = ForkServer(self.config.python, self._env(device))
+                try:
+                    await server.start(self.config.start_timeout_s)
+                except SandboxError as e:
+                    log.warning("%s; spawning each worker instead", e)
+                    server = None
+                else:
+                    if not server.fork_ok:
+                        log.warning("the fork server's forks could not use CUDA; spawning each worker instead")
+                        await server.close()
+                        server = None
+                self._fork_servers[device] = server
+            return self._fork_servers[device]
+
     async def _spawn(self, device: str) -> _Worker:
+        asked = time.perf_counter()
         r, w = os.pipe()
         job_r, job_w = os.pipe()  # the worker's stdin: written from the frame reader's thread too
         shm = result_memory(self.config.max_result_mb << 20)
-        # Spares start at a low CPU priority, so that starting them does not slow the jobs and
-        # comparisons running meanwhile; a worker gets normal priority when it takes a job.
-        nice = [_NICE, "-n", str(self.config.spare_nice)] if _NICE and self.config.spare_nice else []
-        cmd = [*nice, *self._prefix, self.config.python, "-m", "cudagym.sandbox.worker", str(w), str(shm)]
+        server = await self._fork_server(device)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=job_r, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm), env=self._env(device), start_new_session=True,
-            )
-        except OSError as e:
+            if server is not None:
+                out_r, out_w = os.pipe()
+                try:
+                    proc: asyncio.subprocess.Process | ForkedWorker = await server.fork(
+                        job_r, out_w, w, shm, out_r, self.config.spare_nice, unshare_flags(self._prefix))
+                except BaseException:
+                    os.close(out_r)
+                    raise
+                finally:
+                    os.close(out_w)
+            else:
+                proc = await self._spawn_process(device, job_r, w, shm)
+        except (OSError, SandboxError) as e:
             for fd in (r, w, shm, job_r, job_w):
                 os.close(fd)
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
         os.close(job_r)
-        frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20)
-        return _Worker(proc, frames, shm, device, job_w)
+        frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20, started=asked)
+        return _Worker(proc, frames, shm, device, job_w,
+                       waiter=isinstance(proc, ForkedWorker) and "pid" in unshare_flags(self._prefix))
+
+    async def _spawn_process(self, device: str, job_r: int, w: int, shm: int) -> asyncio.subprocess.Process:
+        """A worker started as its own process (`python -m cudagym.sandbox.worker`)."""
+        # Spares start at a low CPU priority, so that starting them does not slow the jobs and
+        # comparisons running meanwhile; a worker gets normal priority when it takes a job.
+        nice = [_NICE, "-n", str(self.config.spare_nice)] if _NICE and self.config.spare_nice else []
+        cmd = [*nice, *self._prefix, self.config.python, "-m", "cudagym.sandbox.worker", str(w), str(shm)]
+        return await asyncio.create_subprocess_exec(
+            *cmd, stdin=job_r, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm), env=self._env(device), start_new_session=True,
+        )
 
     async def _take(self, device: str, replenish: bool = True) -> _Worker:
         """A spare worker; new spares start now, or after the job when it is a timing job
@@ -256,7 +321,7 @@ class LocalSandbox(SpareWorkerSandbox):
                 rss = cgroup.memory_bytes() if cgroup is not None else None
                 if rss is None:  # no memory cgroup: resident sizes (forks' shared pages count twice)
                     rss = 0
-                    for p in tree:
+                    for p in tree[1:] if w.waiter else tree:  # not the waiter's pages, shared with its server
                         try:
                             rss += p.memory_info().rss
                         except psutil.Error:
@@ -326,7 +391,7 @@ class LocalSandbox(SpareWorkerSandbox):
             await asyncio.wait_for(out_task, timeout=5)
         except asyncio.TimeoutError:
             out_task.cancel()
-        w.proc._transport.close()  # type: ignore[attr-defined] - release pipes on this loop
+        w.close_pipes()
         if cgroup is not None:
             cgroup.remove()
         if replenish is not None:

@@ -1,8 +1,10 @@
 """Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`, or
 `python -m cudagym.sandbox.worker --channel DIR` where descriptors cannot be inherited (a container).
 
-A worker is started ahead of need (a spare): it imports torch and, on a GPU, creates its CUDA
-context, then blocks until the parent writes one `Job` line on stdin. It applies the job's
+A worker is started ahead of need (a spare): it imports torch and the harness (`warm_host`) and,
+on a GPU, creates its CUDA context (`serve`), then blocks until the parent writes one `Job`
+line on stdin. A fork server (`cudagym.sandbox.forkserver`) runs `warm_host` once and forks
+workers that go on from `serve`. It applies the job's
 limits (writes confined to the workspace, file size, address space), runs the job, writes
 frames on RESULT_FD (tensor bytes into the memfd SHM_FD) and exits. One job per process: nothing survives into the next job.
 """
@@ -68,31 +70,54 @@ def main() -> None:
         fd = int(sys.argv[1])
         shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     _pin(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
-    startup: dict[str, float] = {}  # seconds of each start-up step, sent with the ready frame
-    t = time.perf_counter()
+    clock = StartupClock()
+    warm_host(clock)
+    serve(fd, shm_fd, clock)
 
-    def step(name: str) -> None:
-        nonlocal t
+
+class StartupClock:
+    """Seconds of each start-up step, on the worker's own clock (sent with the ready frame)."""
+
+    def __init__(self, steps: dict[str, float] | None = None):
+        self.steps: dict[str, float] = dict(steps or {})
+        self._t = time.perf_counter()
+
+    def step(self, name: str) -> None:
         now = time.perf_counter()
-        startup[name], t = now - t, now
+        self.steps[name], self._t = now - self._t, now
 
+
+def warm_host(clock: StartupClock) -> None:
+    """The start-up that touches no GPU driver: import torch and the harness, and the harness's
+    host-side prewarm. A fork server does this once and forks its workers after it."""
+    import torch  # noqa: F401
+
+    clock.step("import_torch")
+    from cudagym.sandbox import harness
+
+    clock.step("import_harness")
+    harness.prewarm_host()
+    clock.step("prewarm")
+
+
+def serve(fd: int, shm_fd: int | None, clock: StartupClock) -> None:
+    """The rest of a worker's life: its device's start-up (the CUDA context, the profiler, the
+    result memory), the ready frame, then one job; never returns."""
     import torch
 
-    step("import_torch")
-    if os.environ.get("CUDAGYM_DEVICE") == "cuda":
-        torch.empty(1, device="cuda")  # create the CUDA context while idle
-        step("cuda_context")
     from cudagym.sandbox import harness
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
     from cudagym.sandbox.protocol import Job, encode_frame
 
-    step("import_harness")
-    harness.prewarm()
-    step("prewarm")
+    if os.environ.get("CUDAGYM_DEVICE") == "cuda":
+        torch.empty(1, device="cuda")  # create the CUDA context while idle
+        clock.step("cuda_context")
+    harness.prewarm_device()
+    clock.step("prewarm_device")
     if shm_fd is not None:
         harness.premap_results(shm_fd, int(os.environ.get("CUDAGYM_PREMAP_MB", "0") or 0))
-        step("premap")
-    os.write(fd, encode_frame({"type": "ready", "startup_s": startup}))  # the parent starts the job's clock now
+        clock.step("premap")
+    os.write(fd, encode_frame({"type": "ready", "startup_s": clock.steps}))  # the parent starts the job's clock now
 
     line = harness.STDIN.readline()  # the parent's later answers arrive on the same stdin
     if not line:
