@@ -52,7 +52,9 @@ Protocol (one process; every row replays the same trace):
 
 `--spare-workers`, `--spare-nice` and `--no-freeze` set the local sandbox's spares (how many, their
 CPU priority while they start, whether timed loops pause them), to find what the worker wait at
-K = 16 comes from.
+K = 16 comes from; `--no-fork-server` spawns each worker, `--release-at-result` ends a job's GPU
+lease when its result is in. Per row, a table of the GPU leases: the share of the row a timing
+job held the GPU alone, each timing job's hold and the part of it after its result, the waits.
 
 Printed (stdout): the rows table; the workers' start-up per row (spawn to ready, and each step
 on the worker's own clock: importing torch, the CUDA context, importing the harness, `prewarm`,
@@ -396,9 +398,48 @@ async def measure_row(ev: Evaluator, plan: list[tuple[Task, str]], policy: Trace
            "nvml_samples": sampler.samples if sampler else []}
     if loaded_spread is not None:
         row["spread"] = loaded_spread
+    row["leases"] = lease_stats([h for h in getattr(ev.sandbox, "lease_holds", []) if t0 <= h.acquired_s <= t0 + wall],
+                                wall)
     progress(f"[{label}] {completed}/{len(plan)} episodes in {wall:.1f} s; p95 verify+profile "
              f"{fmt_s(row['latency_s']['verify+profile']['p95'])} s; GPU busy {fmt_pct(row['gpu_busy'])}")
     return row
+
+
+def lease_stats(holds: list[Any], wall_s: float) -> dict[str, Any]:
+    """Where the GPU's time went in a row, from the scheduler's leases (`LeaseHold`): how much of
+    the row a timing job held the GPU alone, and per timing job its hold, the part of it after
+    its result was in (its worker going away), and its wait for the lease; the urgent
+    (reference) and other checks' waits."""
+    excl = [h for h in holds if h.exclusive and h.released_s is not None]
+    refs = [h for h in holds if not h.exclusive and h.kind == "reference"]
+    others = [h for h in holds if not h.exclusive and h.kind != "reference"]
+
+    def p(xs: list[float], q: float) -> float | None:
+        return percentile(xs, q)
+
+    held = [h.released_s - h.acquired_s for h in excl]
+    tail = [h.released_s - h.result_s for h in excl if h.result_s is not None]
+    return {"timing_jobs": len(excl), "exclusive_share": sum(held) / wall_s if wall_s > 0 else None,
+            "hold_p50_s": p(held, 50), "after_result_p50_s": p(tail, 50),
+            "timing_wait_p50_s": p([h.acquired_s - h.asked_s for h in excl], 50),
+            "timing_wait_p95_s": p([h.acquired_s - h.asked_s for h in excl], 95),
+            "reference_wait_p95_s": p([h.acquired_s - h.asked_s for h in refs], 95),
+            "check_wait_p95_s": p([h.acquired_s - h.asked_s for h in others], 95)}
+
+
+def lease_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="GPU leases per row: timing jobs hold the GPU alone; checks share it (seconds)")
+    cols = ("timing_jobs", "exclusive_share", "hold_p50_s", "after_result_p50_s", "timing_wait_p50_s",
+            "timing_wait_p95_s", "reference_wait_p95_s", "check_wait_p95_s")
+    for c in ("harness", "K", *cols):
+        t.add_column(c.replace("_", " "), overflow="fold")
+    for r in rows:
+        if r.get("skipped") or "leases" not in r:
+            continue
+        v = r["leases"]
+        t.add_row(r["label"], str(r["k"]), *(fmt_pct(v[c]) if c == "exclusive_share" else
+                                             str(v[c]) if c == "timing_jobs" else fmt_s(v[c]) for c in cols))
+    return t
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -588,6 +629,7 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
         save()
 
     spares = LocalSandboxConfig(spare_workers=args.spare_workers, freeze_starting_spares=not args.no_freeze,
+                                release_gpu_at_result=args.release_at_result, fork_server=not args.no_fork_server,
                                 **({} if args.spare_nice is None else {"spare_nice": args.spare_nice}))
     with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=args.spare_workers),
                    sandbox=LocalSandbox(spares, home=Path(cache) / "home")) as ev:
@@ -643,6 +685,9 @@ def main() -> None:
                     help="CPU niceness of spares until they take a job (default: the sandbox's, 10; 0: off)")
     ap.add_argument("--no-freeze", action="store_true",
                     help="do not pause starting spares during timed loops (the quiet windows)")
+    ap.add_argument("--release-at-result", action="store_true",
+                    help="a job's GPU lease ends when its result is in, not once its worker is gone")
+    ap.add_argument("--no-fork-server", action="store_true", help="spawn each worker (no fork server)")
     ap.add_argument("--compile-baseline", action="store_true", help="measure torch.compile baselines in the warm-up")
     ap.add_argument("--cache-dir", type=Path, default=None, help="the evaluator's cache (default: a fresh temp dir)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the think times")
@@ -689,6 +734,7 @@ def main() -> None:
                   + ("; INTERRUPTED" if report.get("interrupted") else ""))
     console.print(rows_table(report["rows"], report.get("device", "-")))
     console.print(startup_table(report["rows"]))
+    console.print(lease_table(report["rows"]))
     console.print(spread_table(report["spread"].get("idle"), report["spread"].get("loaded"), cuda,
                                report.get("spread_k", args.spread_k)))
     console.print(goal_table(report["goal"]))

@@ -99,3 +99,55 @@ def test_a_cancelled_job_returns_its_ready_worker():
         return returned
 
     assert asyncio.run(main()) == ["worker"]
+
+
+def test_a_reference_job_goes_ahead_of_waiting_timing_jobs_but_never_beside_one():
+    """A reference-only job (what a finished profile's re-check or a verify waits on) does not
+    queue behind timing jobs that are only waiting, and still never shares the GPU with one."""
+    lease = _GpuLease()
+    check = lease.ask(False)
+    assert lease.try_acquire(check)
+    timing = lease.ask(True)
+    reference = lease.ask(False, urgent=True)
+    assert lease.try_acquire(reference), "an urgent check passes a timing job that only waits"
+    lease.release(False)
+    lease.release(False)
+    assert lease.try_acquire(timing)
+    during = lease.ask(False, urgent=True)
+    assert not lease.try_acquire(during), "nothing shares the GPU with a timing job"
+    lease.release(True)
+    assert lease.try_acquire(during)
+
+
+def test_leases_are_logged_and_end_at_the_result_when_asked():
+    """`holds` records each GPU lease; with `release_at_result` a timing job's lease ends when
+    its result is in, before its worker is gone."""
+
+    async def main(release_at_result: bool) -> tuple[list, bool]:
+        worker_gone = asyncio.Event()
+
+        async def ready(device: str) -> str:
+            return "worker"
+
+        async def run_on(job: Job, device: str, responder, worker):  # noqa: ANN001
+            gone = asyncio.get_running_loop().create_future()
+
+            async def go() -> None:
+                await worker_gone.wait()
+                gone.set_result(None)
+
+            asyncio.ensure_future(go())
+            return JobOutcome(final={}), gone
+
+        sched = JobScheduler(release_at_result)
+        await sched.run(_job("profile"), "cuda", None, ready, run_on, lambda w: None)
+        released_before_gone = sched.holds[0].released_s is not None
+        worker_gone.set()
+        await asyncio.sleep(0.01)
+        return list(sched.holds), released_before_gone
+
+    holds, early = asyncio.run(main(False))
+    assert not early and len(holds) == 1 and holds[0].exclusive and holds[0].kind == "profile"
+    assert holds[0].asked_s <= holds[0].acquired_s <= holds[0].result_s <= holds[0].released_s
+    holds, early = asyncio.run(main(True))
+    assert early and holds[0].released_s <= holds[0].result_s + 1

@@ -67,6 +67,8 @@ class DockerSandboxConfig(BaseModel):
     runtime_dir: Path = Path("/dev/shm")  # where job directories are made (memory: result bytes are mapped)
     docker_url: str | None = None  # None: the environment's (DOCKER_HOST or the local socket)
     freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
+    release_gpu_at_result: bool = False  # a job's GPU lease ends when its result is in, not once its
+    # container's worker (and its CUDA context) is gone
     # The containers' parent cgroup. None: "/" under the daemon's cgroupfs driver, so that each
     # container competes for the CPU as one process, like a local worker, rather than all
     # containers sharing the one weight of docker's default `/docker` group (on a busy host that

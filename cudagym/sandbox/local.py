@@ -57,6 +57,8 @@ class LocalSandboxConfig(BaseModel):
     premap_result_mb: int | None = None  # result memory a spare populates (and page-locks) ahead;
     # None: 512 MB per GPU worker (six trials of 64 MB outputs fit), 0 on the CPU
     fork_server: bool = True  # fork workers from a warm server per device (False: spawn each one)
+    release_gpu_at_result: bool = False  # a job's GPU lease ends when its result is in, not once its
+    # worker (and its CUDA context) is gone
 
 
 @dataclass
@@ -96,6 +98,7 @@ class LocalSandbox(SpareWorkerSandbox):
         self._spares: dict[str, list[_Worker]] = {}
         self._fork_servers: dict[str, ForkServer | None] = {}  # None: spawn (it could not start)
         self._fork_server_lock: asyncio.Lock | None = None
+        self._reaping: set[asyncio.Future[None]] = set()  # killed workers not yet cleaned up
         self._start_loop("cudagym-sandbox")
 
     @property
@@ -107,6 +110,8 @@ class LocalSandbox(SpareWorkerSandbox):
         }
 
     async def _stop_spares(self) -> None:
+        if self._reaping:  # the last jobs' workers, killed: their exits come from the fork server
+            await asyncio.wait(list(self._reaping), timeout=5)
         for workers in self._spares.values():
             for w in workers:
                 self._kill(w)
@@ -380,6 +385,8 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.seconds = time.perf_counter() - t_ready
         collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
         gone = asyncio.ensure_future(self._reap(w, cgroup, out_task, device if timing else None))
+        self._reaping.add(gone)
+        gone.add_done_callback(self._reaping.discard)
         return outcome, gone
 
     async def _reap(self, w: _Worker, cgroup: JobCgroup | None, out_task: asyncio.Future[None],

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import os
+import collections
 import itertools
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
@@ -29,6 +31,9 @@ class _GpuLease:
     """Timing jobs have a GPU to themselves; checks share it (a readers-writer lease), granted in
     the order the jobs asked for it: a check waits behind a timing job that asked first, so a
     stream of checks cannot hold a timing job off, and a timing job waits for those ahead of it.
+    An urgent check (a reference-only job: short, trusted, and what a finished profile or a
+    verify waits on) does not wait behind timing jobs that are only waiting; at most one per
+    timing job arrives, so they cannot hold one off for long.
     A job asks once its worker is ready (a job waiting for its worker to start holds nothing)."""
 
     def __init__(self) -> None:
@@ -36,19 +41,27 @@ class _GpuLease:
         self.exclusive = False
         self._tickets = itertools.count()
         self.waiting: dict[int, bool] = {}  # ticket -> exclusive, in the order they asked
+        self._urgent: set[int] = set()
 
-    def ask(self, exclusive: bool) -> int:
+    def ask(self, exclusive: bool, urgent: bool = False) -> int:
         ticket = next(self._tickets)
         self.waiting[ticket] = exclusive
+        if urgent and not exclusive:
+            self._urgent.add(ticket)
         return ticket
 
     def withdraw(self, ticket: int) -> None:
         self.waiting.pop(ticket, None)
+        self._urgent.discard(ticket)
 
     def try_acquire(self, ticket: int) -> bool:
         exclusive = self.waiting[ticket]
         ahead = [e for t, e in self.waiting.items() if t < ticket]
-        if self.exclusive or any(ahead) or (exclusive and (self.shared or ahead)):
+        if ticket in self._urgent:
+            if self.exclusive:
+                return False
+            self._urgent.discard(ticket)
+        elif self.exclusive or any(ahead) or (exclusive and (self.shared or ahead)):
             return False
         del self.waiting[ticket]
         if exclusive:
@@ -68,13 +81,33 @@ class _GpuLease:
         return self.shared + self.exclusive + len(self.waiting)
 
 
-class JobScheduler:
-    """Leases of the GPUs and slots of the CPU, created on the loop of the first job."""
+@dataclass
+class LeaseHold:
+    """One job's hold of a GPU lease, on this process's `time.perf_counter` clock (seconds)."""
 
-    def __init__(self) -> None:
+    kind: str  # the job's kind
+    exclusive: bool
+    asked_s: float  # its worker was ready; it asked for the lease
+    acquired_s: float
+    result_s: float | None = None  # its result was in (the worker killed)
+    released_s: float | None = None
+
+
+class JobScheduler:
+    """Leases of the GPUs and slots of the CPU, created on the loop of the first job.
+
+    `release_at_result`: a GPU lease ends when the job's result is in (its worker is killed,
+    its CUDA context still being torn down) rather than once its worker is gone. `holds`
+    keeps the last `MAX_HOLDS` GPU leases (where a GPU's time goes)."""
+
+    MAX_HOLDS = 100_000
+
+    def __init__(self, release_at_result: bool = False) -> None:
         self._gpu_leases: list[_GpuLease] | None = None
         self._cpu_slots: asyncio.Semaphore | None = None
         self._cpu_timing: asyncio.Lock | None = None
+        self.release_at_result = release_at_result
+        self.holds: collections.deque[LeaseHold] = collections.deque(maxlen=self.MAX_HOLDS)
 
     async def run(self, job: Job, device: str, responder: Responder | None, ready: Ready, run_on: RunOn,
                   unused: Unused) -> JobOutcome:
@@ -92,7 +125,7 @@ class JobScheduler:
             lease, device = self._gpu_leases[i], f"cuda:{i}"
             worker = await ready(device)
             t_ready = time.perf_counter()
-            ticket = lease.ask(exclusive)
+            ticket = lease.ask(exclusive, urgent=job.kind == "reference")
             try:
                 while not lease.try_acquire(ticket):
                     await asyncio.sleep(0.005)
@@ -101,14 +134,23 @@ class JobScheduler:
                 unused(worker)
                 raise
             t_leased = time.perf_counter()
+            hold = LeaseHold(job.kind, exclusive, t_ready, t_leased)
+            self.holds.append(hold)
+
+            def release(_f: object = None) -> None:
+                if hold.released_s is None:
+                    hold.released_s = time.perf_counter()
+                    lease.release(exclusive)
+
             gone: asyncio.Future[None] | None = None
             try:
                 outcome, gone = await run_on(job, device, responder, worker)
-            finally:  # the GPU is free once the worker (and its CUDA context) is gone
-                if gone is None:
-                    lease.release(exclusive)
+                hold.result_s = time.perf_counter()
+            finally:  # by default the GPU is free once the worker (and its CUDA context) is gone
+                if gone is None or self.release_at_result:
+                    release()
                 else:
-                    gone.add_done_callback(lambda _f: lease.release(exclusive))
+                    gone.add_done_callback(release)
             return _waits(outcome, t0, t_ready, t_leased)
         if self._cpu_slots is None:
             self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
@@ -201,7 +243,7 @@ class SpareWorkerSandbox(Sandbox):
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self._closed = False
-        self._scheduler = JobScheduler()
+        self._scheduler = JobScheduler(self.config.release_gpu_at_result)
         self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
         self._quiet: dict[str, QuietWindows] = {}  # the running timing job's, per device
 
@@ -281,6 +323,11 @@ class SpareWorkerSandbox(Sandbox):
     def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
         return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused),
                                                 self._loop).result()
+
+    @property
+    def lease_holds(self) -> list[LeaseHold]:
+        """The GPU leases held so far (the last `JobScheduler.MAX_HOLDS`)."""
+        return list(self._scheduler.holds)
 
     def warm(self, device: str) -> None:
         """Start spare workers for `device` now (they are otherwise started on first use)."""
