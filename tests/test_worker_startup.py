@@ -72,3 +72,27 @@ def test_workers_are_apart_from_each_other(tmp_path: Path, fork_server: bool) ->
             assert pid == 1
         if isolation["network_namespace"]:
             assert net == "no network"
+
+
+def test_a_fork_server_that_dies_is_started_again(tmp_path: Path) -> None:
+    """Killing the fork server (out of memory, an operator) costs the spares it had forked, not
+    the sandbox: the next job gets a worker from a new server."""
+    import os
+    import signal
+
+    sandbox = LocalSandbox(LocalSandboxConfig(spare_workers=1), home=tmp_path / "home")
+    job = lambda: Job(kind="probe", nonce=uuid.uuid4().hex, task_id="startup", probe="RESULT = 6 * 7",  # noqa: E731
+                      limits=LimitsConfig(timeout_s=120))
+    try:
+        assert sandbox.run_sync(job(), "cpu").final["result"] == "42"
+        first = sandbox._fork_servers["cpu"]
+        assert first is not None and first.proc is not None
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        outcomes = [sandbox.run_sync(job(), "cpu") for _ in range(3)]
+        second = sandbox._fork_servers["cpu"]
+    finally:
+        sandbox.close()
+    # the spare forked before the kill still serves (it is the sandbox's, not the server's);
+    # the workers after it come from a new server
+    assert all(o.final is not None and o.final["result"] == "42" for o in outcomes), [o.output for o in outcomes]
+    assert second is not None and second is not first

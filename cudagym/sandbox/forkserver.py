@@ -298,14 +298,28 @@ class ForkServer:
             for fut in self._spawned.values():
                 if not fut.done():
                     fut.set_exception(SandboxError("the fork server exited"))
-            for pid, exited in self._exits.items():  # no one can report these exits now: end them
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                if not exited.done():
-                    exited.set_result(-signal.SIGKILL)
+            for pid, exited in self._exits.items():  # no one reports these exits now: watch them
+                self._watch_orphan(pid, exited)
             self._exits.clear()
+
+    def _watch_orphan(self, pid: int, exited: asyncio.Future[int]) -> None:
+        """Resolve `exited` once worker `pid`, whose server is gone, exits (a pidfd turns
+        readable); its status is lost with the server: 255, as asyncio reports an unknown child."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # already gone
+            if not exited.done():
+                exited.set_result(255)
+            return
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            if not exited.done():
+                exited.set_result(255)
+
+        loop.add_reader(pidfd, gone)
 
     async def fork(self, stdin: int, stdout: int, result: int, shm: int, stdout_r: int, nice: int,
                    unshare: list[str]) -> ForkedWorker:
@@ -335,7 +349,7 @@ class ForkServer:
         elif self.alive:
             self._exits[pid] = exited
         else:
-            exited.set_result(-signal.SIGKILL)
+            self._watch_orphan(pid, exited)
         reader = asyncio.StreamReader(limit=1 << 20)
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                     os.fdopen(stdout_r, "rb", 0))

@@ -61,6 +61,10 @@ class LocalSandboxConfig(BaseModel):
     # worker (and its CUDA context) is gone
 
 
+class _ServerDied(SandboxError):
+    """The fork server died while it was asked for a worker."""
+
+
 @dataclass
 class _Worker:
     proc: asyncio.subprocess.Process | ForkedWorker
@@ -180,33 +184,50 @@ class LocalSandbox(SpareWorkerSandbox):
             return self._fork_servers[device]
 
     async def _spawn(self, device: str) -> _Worker:
+        try:
+            return await self._spawn_once(device)
+        except _ServerDied:  # killed between our request and its answer: once more, from a new server
+            return await self._spawn_once(device)
+
+    async def _spawn_once(self, device: str) -> _Worker:
         asked = time.perf_counter()
         r, w = os.pipe()
         job_r, job_w = os.pipe()  # the worker's stdin: written from the frame reader's thread too
         shm = result_memory(self.config.max_result_mb << 20)
-        server = await self._fork_server(device)
         try:
-            if server is not None:
-                out_r, out_w = os.pipe()
-                try:
-                    proc: asyncio.subprocess.Process | ForkedWorker = await server.fork(
-                        job_r, out_w, w, shm, out_r, self.config.spare_nice, unshare_flags(self._prefix))
-                except BaseException:
-                    os.close(out_r)
-                    raise
-                finally:
-                    os.close(out_w)
-            else:
+            proc: asyncio.subprocess.Process | ForkedWorker | None = await self._forked(device, job_r, w, shm)
+            if proc is None:
                 proc = await self._spawn_process(device, job_r, w, shm)
         except (OSError, SandboxError) as e:
             for fd in (r, w, shm, job_r, job_w):
                 os.close(fd)
+            if isinstance(e, _ServerDied):
+                raise
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
         os.close(job_r)
         frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20, started=asked)
         return _Worker(proc, frames, shm, device, job_w,
                        waiter=isinstance(proc, ForkedWorker) and "pid" in unshare_flags(self._prefix))
+
+    async def _forked(self, device: str, job_r: int, w: int, shm: int) -> ForkedWorker | None:
+        """A worker forked by the device's fork server; None where workers are spawned."""
+        server = await self._fork_server(device)
+        if server is None:
+            return None
+        out_r, out_w = os.pipe()
+        try:
+            return await server.fork(job_r, out_w, w, shm, out_r, self.config.spare_nice, unshare_flags(self._prefix))
+        except SandboxError as e:
+            os.close(out_r)
+            if not server.alive:
+                raise _ServerDied(str(e)) from e
+            raise
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)
 
     async def _spawn_process(self, device: str, job_r: int, w: int, shm: int) -> asyncio.subprocess.Process:
         """A worker started as its own process (`python -m cudagym.sandbox.worker`)."""
