@@ -17,7 +17,7 @@ worker is the PID namespace's init; its parent only waits for it and dies with i
 
 Protocol, on a SOCK_SEQPACKET socket (one JSON message per packet):
 - server -> sandbox, once: ``{"ready": true, "fork_ok": bool, "startup_s": {...}}``; `fork_ok`
-  is whether a test fork could still use CUDA (False: the sandbox spawns workers instead).
+  is whether a test fork could still use CUDA and NVML (False: the sandbox spawns workers instead).
 - sandbox -> server: ``{"spawn": id, "nice": n, "unshare": [...]}`` with four descriptors
   (the worker's stdin, its stdout and stderr, its result pipe, its result memory);
   server -> sandbox: ``{"spawned": id, "pid": pid}``.
@@ -63,14 +63,39 @@ def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(json.dumps(msg).encode())
 
 
+def _shut_nvml() -> None:
+    """End every NVML session of this process. torch's NVML-based CUDA check opens one and never
+    closes it; a child forked with it open inherits a session that no longer works, and its own
+    `nvmlInit` only counts one more user of it (the workers' telemetry read "NVML is not available")."""
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return
+    for _ in range(1024):
+        if lib.nvmlShutdown() != 0:  # NVML_ERROR_UNINITIALIZED: no session left
+            return
+
+
 def _fork_keeps_cuda() -> bool:
-    """Whether a child forked now can still use CUDA: torch has not marked forks bad (it does
-    once anything in this process touched the CUDA driver through it)."""
+    """Whether a child forked now can still use CUDA and NVML: torch has not marked forks bad
+    (it does once anything in this process touched the CUDA driver through it), and NVML
+    starts in the child."""
     import torch
 
     pid = os.fork()
     if pid == 0:
-        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+        if torch.cuda._is_in_bad_fork():
+            os._exit(3)
+        try:
+            import pynvml
+        except ImportError:
+            os._exit(0)
+        try:
+            pynvml.nvmlInit()
+            pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # noqa: BLE001
+            os._exit(4)
+        os._exit(0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
 
@@ -83,6 +108,7 @@ def serve(control_fd: int) -> None:
     worker._pin(os.environ.get("CUDAGYM_CPUS"))  # its workers inherit it
     clock = worker.StartupClock()
     worker.warm_host(clock)
+    _shut_nvml()
     cuda = os.environ.get("CUDAGYM_DEVICE") == "cuda"
     _send(sock, {"ready": True, "fork_ok": _fork_keeps_cuda() if cuda else True, "startup_s": clock.steps})
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
