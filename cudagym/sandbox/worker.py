@@ -3,10 +3,10 @@
 
 A worker is started ahead of need (a spare): it imports torch and the harness (`warm_host`) and,
 on a GPU, creates its CUDA context (`serve`), then blocks until the parent writes one `Job`
-line on stdin. A fork server (`cudagym.sandbox.forkserver`) runs `warm_host` once and forks
-workers that go on from `serve`. It applies the job's
-limits (writes confined to the workspace, file size, address space), runs the job, writes
-frames on RESULT_FD (tensor bytes into the memfd SHM_FD) and exits. One job per process: nothing survives into the next job.
+line on stdin. (A fork server, `cudagym.sandbox.forkserver`, runs `warm_host` once and forks
+workers that start at `serve`.) The worker applies the job's limits (writes confined to the
+workspace, file size, address space), runs the job, writes frames on RESULT_FD (tensor bytes
+into the memfd SHM_FD) and exits. One job per process: nothing survives into the next job.
 """
 
 from __future__ import annotations
