@@ -8,7 +8,12 @@ Rows:
   harness and runs the CPU part of the prewarm (no CUDA call of any kind), then forks n
   children at once; each creates its CUDA context, runs the profiler's first CUDA session,
   loads the timer's gate kernels, opens NVML and page-locks 512 MB (what a spawned worker does
-  after its imports), then runs one kernel and checks its result.
+  after its imports), then runs one kernel and checks its result. torch's availability check
+  goes through NVML here (PYTORCH_NVML_BASED_CUDA_CHECK=1): its default touches the driver, and
+  torch then marks every fork bad.
+- "forked after a CPU profiler session": the same, after the parent ran one CPU-only profiler
+  session (it initializes the CUDA driver: on an H100 every child then failed with
+  "initialization error"; why `harness.prewarm_host` runs no profiler).
 
 Usage: python benchmarks/probe_worker_start.py [--ns 1,8,16] [--out FILE.json]
 """
