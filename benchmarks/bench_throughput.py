@@ -37,10 +37,10 @@ Protocol (one process; every row replays the same trace):
    any check; that row's figures include their load; each job records whether episodes were
    still running when it ended).
 5. Process-per-check rows (`--ppc-ks`, default 1; `--ppc-episodes` each): the same trace with an
-   Evaluator of `spare_workers=0`. EvaluatorConfig has no other switch for worker reuse: every
-   check always gets a fresh worker; with no spares, none is started ahead, so each check starts
-   its own (python, import torch, CUDA context) when it arrives, as a harness that starts a
-   process per check does. Same cache directory: builds and baselines stay warm. (The first
+   Evaluator of `spare_workers=0` on a local sandbox without its fork server: every check
+   always gets a fresh worker; with no spares, none is started ahead, and with no fork server
+   none is forked from a warm parent, so each check starts its own (python, import torch, CUDA
+   context) when it arrives, as a harness that starts a process per check does. Same cache directory: builds and baselines stay warm. (The first
    Evaluator stays open meanwhile, its spares idle.)
    Run order: the smallest K row, the process-per-check rows, then the other rows ascending
    (the rows the comparisons need first). A row is skipped, and marked so, when the time so far
@@ -649,7 +649,9 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
         ks = sorted(set(args.ks))
         await row(ev, "spares", ks[0], n_of[ks[0]])
         if args.ppc_ks:
-            with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=0)) as ppc:
+            per_check = LocalSandboxConfig(spare_workers=0, fork_server=False)  # python, torch, CUDA per check
+            with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=0),
+                           sandbox=LocalSandbox(per_check, home=Path(cache) / "home")) as ppc:
                 for k in args.ppc_ks:
                     await row(ppc, "process per check", k, max(args.ppc_episodes, k))
         for k in ks[1:]:
