@@ -169,7 +169,7 @@ def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t
         stdin, out, result, shm = high
         for src, dst in ((stdin, 0), (out, 1), (out, 2), (result, RESULT_FD), (shm, SHM_FD)):
             os.dup2(src, dst, inheritable=True)
-        os.closerange(SHM_FD + 1, os.sysconf("SC_OPEN_MAX"))  # nothing else of the server's, as close_fds
+        os.closerange(SHM_FD + 1, max(high) + 1)
         os.setsid()
         if req.get("nice"):
             os.nice(int(req["nice"]))
