@@ -414,17 +414,14 @@ def lease_stats(holds: list[Any], wall_s: float) -> dict[str, Any]:
     refs = [h for h in holds if not h.exclusive and h.kind == "reference"]
     others = [h for h in holds if not h.exclusive and h.kind != "reference"]
 
-    def p(xs: list[float], q: float) -> float | None:
-        return percentile(xs, q)
-
     held = [h.released_s - h.acquired_s for h in excl]
     tail = [h.released_s - h.result_s for h in excl if h.result_s is not None]
+    timing_waits = [h.acquired_s - h.asked_s for h in excl]
     return {"timing_jobs": len(excl), "exclusive_share": sum(held) / wall_s if wall_s > 0 else None,
-            "hold_p50_s": p(held, 50), "after_result_p50_s": p(tail, 50),
-            "timing_wait_p50_s": p([h.acquired_s - h.asked_s for h in excl], 50),
-            "timing_wait_p95_s": p([h.acquired_s - h.asked_s for h in excl], 95),
-            "reference_wait_p95_s": p([h.acquired_s - h.asked_s for h in refs], 95),
-            "check_wait_p95_s": p([h.acquired_s - h.asked_s for h in others], 95)}
+            "hold_p50_s": percentile(held, 50), "after_result_p50_s": percentile(tail, 50),
+            "timing_wait_p50_s": percentile(timing_waits, 50), "timing_wait_p95_s": percentile(timing_waits, 95),
+            "reference_wait_p95_s": percentile([h.acquired_s - h.asked_s for h in refs], 95),
+            "check_wait_p95_s": percentile([h.acquired_s - h.asked_s for h in others], 95)}
 
 
 def lease_table(rows: list[dict[str, Any]]) -> Table:
