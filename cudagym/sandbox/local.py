@@ -100,6 +100,7 @@ class LocalSandbox(SpareWorkerSandbox):
         self.opwatch_dir = Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home() / ".cache" / "cudagym")
         build_library(self.opwatch_dir)
         self._prefix = namespace_prefix() if self.config.isolate else ()
+        self._unshare = unshare_flags(self._prefix)  # the same namespaces, for forked workers
         self._spares: dict[str, list[_Worker]] = {}
         self._fork_servers: dict[str, ForkServer | None] = {}  # None: spawn (it could not start)
         self._fork_server_lock: asyncio.Lock | None = None
@@ -208,8 +209,7 @@ class LocalSandbox(SpareWorkerSandbox):
         os.close(w)
         os.close(job_r)
         frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20, started=asked)
-        return _Worker(proc, frames, shm, device, job_w,
-                       waiter=isinstance(proc, ForkedWorker) and "pid" in unshare_flags(self._prefix))
+        return _Worker(proc, frames, shm, device, job_w, waiter=isinstance(proc, ForkedWorker) and "pid" in self._unshare)
 
     async def _forked(self, device: str, job_r: int, w: int, shm: int) -> ForkedWorker | None:
         """A worker forked by the device's fork server; None where workers are spawned."""
@@ -218,14 +218,11 @@ class LocalSandbox(SpareWorkerSandbox):
             return None
         out_r, out_w = os.pipe()
         try:
-            return await server.fork(job_r, out_w, w, shm, out_r, self.config.spare_nice, unshare_flags(self._prefix))
-        except SandboxError as e:
+            return await server.fork(job_r, out_w, w, shm, out_r, self.config.spare_nice, self._unshare)
+        except BaseException as e:
             os.close(out_r)
-            if not server.alive:
+            if isinstance(e, SandboxError) and not server.alive:
                 raise _ServerDied(str(e)) from e
-            raise
-        except BaseException:
-            os.close(out_r)
             raise
         finally:
             os.close(out_w)
