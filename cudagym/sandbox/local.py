@@ -398,6 +398,11 @@ class LocalSandbox(SpareWorkerSandbox):
             await asyncio.wait_for(asyncio.shield(out_task), timeout=0.05 if result_in else 5)
         except asyncio.TimeoutError:
             pass
+        if not result_in:  # no result: its exit status says how it ended (a forked worker's comes
+            try:  # from its fork server, after its output closes)
+                await asyncio.wait_for(w.proc.wait(), timeout=5)
+            except asyncio.TimeoutError:
+                pass
         text = b"".join(output).decode(errors="replace")
         outcome.output = "\n".join(ln for ln in text.splitlines() if not ln.startswith("USDT:"))[-_OUTPUT_LIMIT:]
         outcome.returncode = w.proc.returncode
