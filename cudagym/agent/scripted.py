@@ -1,8 +1,8 @@
 """A policy that replays a known solution: write its files, compile, verify, profile, submit.
 
 Solutions live in ``<solutions_root>/<task_id>/<cpu|cuda>/`` (``model_new.py`` and
-``kernels/...``); the default root is the repository's ``examples/solutions`` next to the
-package. For a task without a solution it says so and submits the empty workspace (which
+``kernels/...``); the default root is ``cudagym/examples/solutions``, shipped inside the
+package (wheel installs included). For a task without a solution it says so and submits the empty workspace (which
 fails). Each turn depends only on the `TurnContext`, so one instance serves concurrent episodes.
 """
 
@@ -25,7 +25,7 @@ def default_solutions_root() -> Path:
         return Path(env)
     import cudagym
 
-    return Path(cudagym.__file__).resolve().parent.parent / "examples" / "solutions"
+    return Path(cudagym.__file__).resolve().parent / "examples" / "solutions"
 
 
 class ScriptedPolicy(Policy):

@@ -15,7 +15,7 @@ def build(
                                "root file system, labelled cudagym.rootfs=host; its containers get this host's /usr, "
                                "/lib*, dynamic-linker cache and Python prefix mounted read-only, so no registry is "
                                "needed and workers run this machine's interpreter, torch and compilers. 'dockerfile': "
-                               "docker/Dockerfile (a CUDA + PyTorch base image, for GPU machines; needs its registry)."),
+                               "cudagym/sandbox/Dockerfile (a CUDA + PyTorch base image, for GPU machines; needs its registry)."),
     tag: str = typer.Option("cudagym-sandbox:host", "--tag", help="Image name; the docker backend uses "
                             "cudagym-sandbox:host unless its config names another."),
 ) -> None:

@@ -7,8 +7,9 @@ Two ways to make one:
   directories (`/usr`, `/lib*`), dynamic-linker cache and Python prefix mounted read-only
   (`cudagym.sandbox.docker.host_mounts`), so it runs exactly this machine's interpreter, torch
   and compilers, and nothing in it can change them.
-- `dockerfile`: `docker/Dockerfile` of this repository (a CUDA + PyTorch base, for real GPU
-  machines; needs the base image's registry or a local copy of it).
+- `dockerfile`: `cudagym/sandbox/Dockerfile`, shipped in the package (a CUDA + PyTorch base, for
+  real GPU machines; needs the base image's registry or a local copy of it). Its build context is
+  made in memory from the installed package, so a wheel install builds it as a checkout does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Literal
 from cudagym.sandbox.docker import ROOTFS_LABEL, docker_client
 
 DEFAULT_TAG = "cudagym-sandbox:host"
-DOCKERFILE = Path(__file__).resolve().parents[2] / "docker" / "Dockerfile"
+DOCKERFILE = Path(__file__).resolve().with_name("Dockerfile")
 ImageSource = Literal["host", "dockerfile"]
 
 
@@ -58,5 +59,34 @@ def build_image(source: ImageSource = "host", tag: str = DEFAULT_TAG, client: An
                                                 changes=[f"LABEL {ROOTFS_LABEL}=host"])
         del out
         return str(client.images.get(tag).id)
-    image, _logs = client.images.build(path=str(DOCKERFILE.parent.parent), dockerfile=str(DOCKERFILE), tag=tag, rm=True)
+    image, _logs = client.images.build(fileobj=io.BytesIO(dockerfile_context()), custom_context=True,
+                                       tag=tag, rm=True)
     return str(image.id)
+
+
+def run_requirements() -> list[str]:
+    """The installed cudagym's own run-time requirements, torch left out (the base image has its build)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = requires("cudagym") or []
+    except PackageNotFoundError as e:
+        raise RuntimeError("cudagym is not installed (pip install -e . or a wheel): its requirements are unknown") from e
+    return [r for r in reqs if "extra ==" not in r and not r.split(";")[0].strip().startswith("torch")]
+
+
+def dockerfile_context() -> bytes:
+    """The `dockerfile` image's build context as a tar archive: the Dockerfile, the package, requirements.txt."""
+    import cudagym
+
+    package = Path(cudagym.__file__).resolve().parent
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(DOCKERFILE, arcname="Dockerfile")
+        tar.add(package, arcname="cudagym",
+                filter=lambda info: None if "__pycache__" in info.name or info.name.endswith((".so", ".o")) else info)
+        req = ("\n".join(run_requirements()) + "\n").encode()
+        info = tarfile.TarInfo("requirements.txt")
+        info.size, info.mode = len(req), 0o644
+        tar.addfile(info, io.BytesIO(req))
+    return buf.getvalue()

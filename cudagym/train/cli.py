@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
 from cudagym.errors import CudagymError
+
+if TYPE_CHECKING:  # typer >= 0.29 carries its own click; only the types are named here
+    import click
 
 
 class _TrainGroup(TyperGroup):
