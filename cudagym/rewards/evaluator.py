@@ -212,7 +212,7 @@ class Evaluator:
         cache = Path(self.config.cache_dir)
         cache.mkdir(parents=True, exist_ok=True)
         self.toolchain = Toolchain(cache / "build", self.config.toolchain)
-        self.inline_cache = InlineBuildCache(cache / "build")
+        self.inline_cache = InlineBuildCache(cache / "build", self.toolchain.bound)
         if sandbox is None and self.config.sandbox == "docker":
             from cudagym.sandbox.docker import DockerSandbox
 
@@ -311,7 +311,7 @@ class Evaluator:
         build_dir = staging / "build"
         try:
             job = self._job("build_inline", task, None, writable=[str(staging)], inline_build_root=str(build_dir),
-                            inline_request=self.inline_cache.job_request(build, workspace.root))
+                            inline_request=self.inline_cache.job_request(build, workspace.root, staging))
             job.limits = job.limits.model_copy(update={"timeout_s": self.config.toolchain.timeout_s * 3})
             outcome = await self.sandbox.run(job, self.device)
             failure = _outcome_failure(outcome, f"building {build.kind} module '{build.name}' ({build.site})")

@@ -13,7 +13,8 @@ like ccache's manifest mode:
 A lookup hashes the current files that each manifest names and takes a variant whose files
 all match (of several, the one naming the most files: it accounts for more of what is there
 now). A miss compiles and stores a new variant. Variants are written to a temporary directory
-and renamed into place, never overwritten: once visible, a variant never changes.
+and renamed into place, never overwritten: once visible, a variant never changes (its files are
+read-only, and the digests in its `outputs.json` are checked before it is used).
 
 Dependencies come from the compiler's own dependency output: `-MD`, not `-MMD` (which drops
 headers the source itself marks as system headers, with `#pragma GCC system_header` or a
@@ -44,6 +45,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 DEPS_FILE = "deps.json"
+OUTPUTS_FILE = "outputs.json"  # sha256 of every other file of a cache entry, checked when used
 _READ_CHUNK = 1 << 20
 
 
@@ -187,6 +189,25 @@ def matches(manifest: dict[str, str], workspace: Path, digests: dict[str, str | 
     return True
 
 
+def seal_outputs(entry: Path) -> None:
+    """Record the digest of every file of a cache entry about to be renamed into place, and make
+    its files read-only: once visible, an entry never changes (`outputs_intact` checks it)."""
+    files = sorted(p for p in entry.rglob("*") if p.is_file() and p.name != OUTPUTS_FILE)
+    digests = {p.relative_to(entry).as_posix(): file_digest(p) for p in files}
+    (entry / OUTPUTS_FILE).write_text(json.dumps(digests, sort_keys=True))
+    for p in [*files, entry / OUTPUTS_FILE]:
+        p.chmod(0o444)
+
+
+def outputs_intact(entry: Path) -> bool:
+    """Whether every file `seal_outputs` recorded for `entry` still has its digest."""
+    try:
+        digests = json.loads((entry / OUTPUTS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(digests, dict) and all(file_digest(entry / name) == d for name, d in digests.items())
+
+
 class VariantStore:
     """Variants under `root/<key>/` (see the module docstring); safe across threads and processes."""
 
@@ -208,7 +229,16 @@ class VariantStore:
             if isinstance(manifest, dict) and matches(manifest, workspace, digests):
                 if best is None or len(manifest) > best[0]:
                     best = (len(manifest), v.name)
-        return self.root / key / best[1] if best else None
+        if best is None:
+            return None
+        found = self.root / key / best[1]
+        if not outputs_intact(found):  # changed since it was stored: never used
+            return None
+        try:
+            os.utime(found)  # its last use, for the cache's LRU eviction
+        except OSError:  # a read-only view of the cache (a candidate's job)
+            pass
+        return found
 
     def store(self, key: str, manifest: dict[str, str], fill: Callable[[Path], None]) -> Path:
         """Write a variant of `key`: `fill(dir)` puts the output files into a fresh directory,
@@ -217,13 +247,21 @@ class VariantStore:
         variant = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
         final = self.root / key / variant
         if final.is_dir():
-            return final
+            if outputs_intact(final):
+                return final
+            gone = self.root / f".corrupt-{uuid.uuid4().hex[:12]}"
+            try:
+                os.rename(final, gone)  # changed since it was stored: replaced below
+            except OSError:
+                pass
+            shutil.rmtree(gone, ignore_errors=True)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         try:
             fill(tmp)
             (tmp / DEPS_FILE).write_text(json.dumps({"deps": manifest}, sort_keys=True))
+            seal_outputs(tmp)
             final.parent.mkdir(exist_ok=True)
             os.rename(tmp, final)  # fails when `final` exists: never replaces a variant
         except OSError:

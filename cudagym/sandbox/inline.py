@@ -20,7 +20,10 @@ never compiles and never writes the cache. Three parties:
   module as a variant of that key (`cudagym.sandbox.deps`: written once, never overwritten).
 - **The trusted build job** (`build_extension`, kind `build_inline`) runs no candidate Python:
   torch's own `load_inline`/`load` with `build_directory` in a fresh staging directory (its
-  only writable directory), with torch's final import step disabled, so the library is never
+  only writable directory), on a copy of the workspace's declared files made by the parent
+  (`kernels/` and `model_new.py`, as the compile tool copies them: no precompiled headers, no
+  symlinks or FIFOs, bounded; see `cudagym.sandbox.toolchain.copy_sources`), never on the
+  workspace itself, which a job that ran candidate code may have written; with torch's final import step disabled, so the library is never
   loaded and none of its static constructors run. Its build file is rewritten to record every
   dependency: `-MD` instead of torch's `-MMD` (which a source can blind with
   `#pragma GCC system_header`), `.d` files kept, and GNU as's `--MD` for `.incbin`.
@@ -55,14 +58,17 @@ from pathlib import Path
 from typing import Any
 
 from cudagym.sandbox.deps import Roots, VariantStore, parse_depfile, record, system_roots
-from cudagym.sandbox.toolchain import parse_diagnostics, relativize, trim_log
+from cudagym.sandbox.toolchain import CacheBound, copy_sources, parse_diagnostics, relativize, trim_log
 
-INLINE_FORMAT = "cudagym-inline-v2"
+INLINE_FORMAT = "cudagym-inline-v3"
 INLINE_DIR = "inline"  # under the build cache
 META_FILE = "meta.json"
 MAX_ERROR_LINES = 40
 MAX_REQUEST_BYTES = 256 * 1024  # of one request's arguments (sources included)
 MAX_REQUESTS_PER_PASS = 3  # requests a compile pass reports (the rest come in the next pass)
+MAX_SOURCE_BYTES = 64 << 20  # of the workspace files a build job gets (its copy of kernels/, model_new.py)
+MAX_SOURCE_FILES = 1024
+SOURCE_COPY = "ws"  # under a build job's staging directory
 KINDS = ("load_inline", "load")
 
 _NOT_KEYED = frozenset({"build_directory", "verbose", "keep_intermediates", "use_pch"})  # do not change the module
@@ -584,8 +590,9 @@ class InlineBuildCache:
     build job gets; `store` files the built library with its dependency manifest. Thread-safe.
     """
 
-    def __init__(self, cache_dir: Path):
+    def __init__(self, cache_dir: Path, bound: CacheBound | None = None):
         self.root = Path(cache_dir).resolve() / INLINE_DIR
+        self.bound = bound  # the build cache's size bound, enforced after each store
         self._variants = VariantStore(self.root)
         self._identity: dict[bool, str] = {}
         self._roots: tuple[Roots, Roots] | None = None
@@ -620,11 +627,26 @@ class InlineBuildCache:
         d.mkdir(parents=True)
         return d
 
-    def job_request(self, build: InlineBuild, workspace: Path) -> dict[str, Any]:
-        """The build job's request: the arguments with absolute paths."""
-        args = {k: [v if os.path.isabs(v) else str(workspace / v) for v in vals] if k in _PATHS else vals
-                for k, vals in build.args.items()}
-        return {"kind": build.kind, "args": args, "site": build.site, "workspace": str(workspace)}
+    def job_request(self, build: InlineBuild, workspace: Path, staging: Path | None = None) -> dict[str, Any]:
+        """The build job's request: the arguments with absolute paths. With `staging`, paths in
+        `workspace` point into a copy of its declared files made there (`SOURCE_COPY`), which is
+        all of the workspace the build reads; InlineCompileError when that copy is over its bounds."""
+        root = Path(workspace)
+        if staging is not None:
+            copy = copy_sources(root, staging / SOURCE_COPY, files=("model_new.py",), max_bytes=MAX_SOURCE_BYTES,
+                                max_files=MAX_SOURCE_FILES)
+            if copy.error:
+                raise InlineCompileError(f"{build.kind} module '{build.name}' ({build.site}): {copy.error}")
+            root = copy.root
+
+        def place(v: str) -> str:
+            if not os.path.isabs(v):
+                return str(root / v)
+            ws = str(workspace)
+            return str(root) + v[len(ws):] if v == ws or v.startswith(ws + "/") else v
+
+        args = {k: [place(v) for v in vals] if k in _PATHS else vals for k, vals in build.args.items()}
+        return {"kind": build.kind, "args": args, "site": build.site, "workspace": str(root)}
 
     def store(self, build: InlineBuild, staging: Path, build_dir: Path, workspace: Path) -> None:
         """File the library a build job left in `build_dir` (inside `staging`) as a variant of
@@ -636,8 +658,13 @@ class InlineBuildCache:
             raise InlineCompileError(f"{build.kind} module '{build.name}' ({build.site}): the build left no {lib.name}")
         deps = [d for f in sorted([*build_dir.glob("*.d"), *build_dir.glob("*.asd")])
                 for d in parse_depfile(f.read_text(errors="replace"))]
-        manifest = record(deps, cwd=build_dir, workspace=workspace, trusted=self.trusted_roots()[0],
-                          exclude=Roots([str(staging)]))
+        copy = staging / SOURCE_COPY
+        if copy.is_dir():  # the build read the copy: recorded relative to it, as the workspace's files
+            manifest = record(deps, cwd=build_dir, workspace=copy, trusted=self.trusted_roots()[0],
+                              exclude=Roots([str(build_dir), str(staging / "tmp")]))
+        else:
+            manifest = record(deps, cwd=build_dir, workspace=workspace, trusted=self.trusted_roots()[0],
+                              exclude=Roots([str(staging)]))
         meta = {"name": build.name, "file": lib.name, "python_module": bool(build.args.get("is_python_module", True))}
 
         def fill(d: Path) -> None:
@@ -645,6 +672,8 @@ class InlineBuildCache:
             (d / META_FILE).write_text(json.dumps(meta))
 
         self._variants.store(build.key, manifest, fill)
+        if self.bound is not None:
+            self.bound.enforce()
 
     def trusted_roots(self) -> tuple[Roots, Roots]:
         """(include roots, library roots) of torch's JIT builds on this host."""

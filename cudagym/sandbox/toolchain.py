@@ -41,8 +41,28 @@ directory and workspace-relative paths, so flags and diagnostics are the same fo
 workspace. Objects and artifacts are written under a temporary name and renamed into place,
 never overwritten, so concurrent builds of the same key are safe.
 
-Compilers run with a scrubbed environment (PATH, HOME and TMPDIR in the workspace's
-`.build/tmp`, LANG/LC_ALL=C), in their own process group (killed on `config.timeout_s`), and
+Builds read only what they declare. A build never compiles in the workspace, which a job that
+ran candidate code may have written: it copies `kernels/` into a private directory under the
+cache (`src/`, written by nothing else) and compiles there. The copy leaves out what a compiler
+would read without reporting it: precompiled headers (`*.gch`/`*.pch`, directories of them, and
+files that begin with GCC's or clang's PCH magic), and everything that is not a regular file
+(symlinks, FIFOs); it is bounded (`max_source_mb`, `max_source_files`). The first key covers the
+names of every file in the copy, because a file's mere existence can change a build without
+being read (`__has_include`, a header created in a directory searched before the one that was
+read); the manifest covers the contents of what was read. So the compiler can open only the
+copy's files (names in the key, contents in the manifest) and trusted roots (the compiler
+identity and torch's version).
+
+Bounded: every file a compiler or the linker writes (object, library, temporaries) is limited
+to `max_output_mb` (RLIMIT_FSIZE, through `prlimit`), and a build that hits it fails with an
+error that says so; the whole cache (objects, artifacts and `load_inline` modules) is kept
+under `max_cache_mb` by evicting the least recently used entries (`CacheBound`), sparing those
+used in the last `evict_grace_s` (a job may be loading them). Entries are immutable: written
+under a temporary name and renamed into place, files read-only, the digests of their outputs
+recorded and checked when they are used.
+
+Compilers run with a scrubbed environment (PATH, HOME and TMPDIR in the build's private
+directory, LANG/LC_ALL=C), in their own process group (killed on `config.timeout_s`), and
 inside ``unshare --net`` where that works, so a compile cannot reach the network.
 """
 
@@ -54,6 +74,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -64,16 +85,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from cudagym.errors import ToolchainError
 from cudagym.rewards.verdict import CompileResult
-from cudagym.sandbox.deps import Roots, VariantStore, parse_depfile, record, system_roots
+from cudagym.sandbox.deps import (Roots, VariantStore, outputs_intact, parse_depfile, record, seal_outputs,
+                                  system_roots)
 from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target
 
-CACHE_FORMAT = "cudagym-build-v2"  # bump to invalidate every cached object and artifact
+CACHE_FORMAT = "cudagym-build-v3"  # bump to invalidate every cached object and artifact
 BINDING_SUFFIX = "_binding.cpp"
 MAX_LOG_LINES = 200
 
@@ -91,6 +113,11 @@ class ToolchainConfig(BaseModel):
     max_error_lines: int = 40
     cxx_std: str = "c++17"
     isolate_network: bool = True  # run compilers under `unshare --net` where it works
+    max_output_mb: int = Field(default=256, ge=1)  # per file a compiler or the linker writes
+    max_source_mb: int = Field(default=64, ge=1)  # kernels/ as copied for one build, all files
+    max_source_files: int = Field(default=1024, ge=1)
+    max_cache_mb: int = Field(default=8192, ge=1)  # objects + artifacts + inline modules; LRU past it
+    evict_grace_s: float = Field(default=300.0, ge=0)  # entries used this recently are kept
 
 
 # -- diagnostics -----------------------------------------------------------------------------
@@ -203,6 +230,176 @@ def _sha256(*parts: bytes | str) -> str:
     return h.hexdigest()
 
 
+# -- what a build may read: a private copy of the declared sources ---------------------------
+
+PCH_SUFFIXES = (".gch", ".pch")
+PCH_MAGIC = (b"gpch", b"CPCH")  # GCC's and clang's precompiled headers begin with these
+SKIPPED_DIRS = ("__pycache__",)  # Python's bytecode, which an import may write meanwhile
+
+
+@dataclass
+class SourceCopy:
+    """The files of a workspace that a build may read, copied to `root` (same relative paths).
+
+    `listing` hashes the names of every file copied (see the module docstring: existence matters);
+    `left_out` names what was not copied and why; `error` is set when the copy is over its bounds."""
+
+    root: Path
+    listing: str = ""
+    files: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def copy_sources(workspace: Path, root: Path, dirs: tuple[str, ...] = ("kernels",), files: tuple[str, ...] = (),
+                 *, max_bytes: int, max_files: int) -> SourceCopy:
+    """Copy `workspace`'s `dirs` (recursively) and `files` to a fresh `root`, leaving out
+    precompiled headers and anything that is not a regular file; read-only copies. Never follows
+    a symlink and never opens a FIFO or a device."""
+    out = SourceCopy(root)
+    root.mkdir(parents=True)
+    total = 0
+    wanted: list[str] = list(files)
+    for d in dirs:
+        top = workspace / d
+        if top.is_symlink() or not top.is_dir():
+            continue
+        for cur, subdirs, names in os.walk(top, followlinks=False):
+            rel_dir = Path(cur).relative_to(workspace).as_posix()
+            for sd in sorted(subdirs):
+                path = Path(cur) / sd
+                if sd in SKIPPED_DIRS:
+                    subdirs.remove(sd)
+                elif path.is_symlink() or sd.endswith(PCH_SUFFIXES):
+                    subdirs.remove(sd)
+                    out.left_out.append(f"{rel_dir}/{sd}/ ({'a symlink' if path.is_symlink() else 'precompiled headers'})")
+            wanted.extend(f"{rel_dir}/{n}" for n in sorted(names))
+    for rel in wanted:
+        if len(out.files) >= max_files:
+            out.error = f"kernels/ holds more than {max_files} files; a build reads at most {max_files}"
+            return out
+        why, data = _read_source(workspace / rel, max_bytes - total)
+        if why == "missing":
+            continue
+        if why:
+            if why.startswith("over"):
+                out.error = f"{rel}: the files under kernels/ hold more than {max_bytes >> 20} MiB; a build " \
+                            f"reads at most that much"
+                return out
+            out.left_out.append(f"{rel} ({why})")
+            continue
+        dest = root / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+        dest.chmod(0o444)
+        total += len(data)
+        out.files.append(rel)
+    out.listing = _sha256(*out.files)
+    return out
+
+
+def _read_source(path: Path, room: int) -> tuple[str | None, bytes]:
+    """(why it is left out, or None; its bytes) for one file of a source copy."""
+    if path.name.endswith(PCH_SUFFIXES):
+        return "a precompiled header", b""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "missing", b""
+    except OSError:
+        return "not a regular file", b""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file", b""
+        if st.st_size > room:
+            return "over", b""
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(room + 1)
+    finally:
+        os.close(fd)
+    if len(data) > room:
+        return "over", b""
+    if data.startswith(PCH_MAGIC):
+        return "a precompiled header", b""
+    return None, data
+
+
+# -- the cache's bound --------------------------------------------------------------------------
+
+
+class CacheBound:
+    """Keeps a build cache's entries (objects/<key>/<variant>, artifacts/<key>,
+    inline/<key>/<variant>) under `max_bytes` by evicting the least recently used (an entry's
+    directory mtime, set when it is stored or used: `touch`). Entries used in the last `grace_s`
+    are kept, so the cache may exceed the bound by what was written in that time."""
+
+    LAYOUT = (("objects", 2), ("artifacts", 1), ("inline", 2))  # (subdirectory, depth of an entry)
+
+    def __init__(self, root: Path, max_bytes: int, grace_s: float):
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def touch(entry: Path) -> None:
+        try:
+            os.utime(entry)
+        except OSError:  # a read-only view of the cache (a candidate's job): nothing to record
+            pass
+
+    def entries(self) -> list[tuple[float, int, Path]]:
+        """(last use, bytes, path) of every entry."""
+        out = []
+        for sub, depth in self.LAYOUT:
+            level = [self.root / sub]
+            for _ in range(depth):
+                level = [c for d in level if d.is_dir() for c in d.iterdir() if not c.name.startswith(".")]
+            for e in level:
+                try:
+                    size = sum(f.stat().st_size for f in e.rglob("*") if f.is_file())
+                    out.append((e.stat().st_mtime, size, e))
+                except OSError:
+                    continue
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(size for _, size, _ in self.entries())
+
+    def enforce(self) -> list[Path]:
+        """Evict least recently used entries until the cache is under its bound; the evicted."""
+        with self._lock:
+            entries = sorted(self.entries(), key=lambda e: e[0])
+            total = sum(size for _, size, _ in entries)
+            evicted: list[Path] = []
+            now = time.time()
+            for used, size, path in entries:
+                if total <= self.max_bytes:
+                    break
+                if now - used < self.grace_s:
+                    continue
+                _remove_tree(path)
+                evicted.append(path)
+                total -= size
+                if path.parent.name not in ("objects", "artifacts", "inline"):
+                    try:
+                        path.parent.rmdir()  # a key left without variants
+                    except OSError:
+                        pass
+            return evicted
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a cache entry (its files are read-only; its directories are not)."""
+    tmp = path.with_name(f".evict-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(path, tmp)  # gone from lookups at once
+    except OSError:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 # -- the toolchain ---------------------------------------------------------------------------
 
 
@@ -253,8 +450,8 @@ class Toolchain:
     def __init__(self, cache_dir: Path, config: ToolchainConfig | None = None):
         self.cache_dir = Path(cache_dir).resolve()
         self.config = config or ToolchainConfig()
-        (self.cache_dir / "objects").mkdir(parents=True, exist_ok=True)
-        (self.cache_dir / "artifacts").mkdir(parents=True, exist_ok=True)
+        for sub in ("objects", "artifacts", "src"):
+            (self.cache_dir / sub).mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._identities: dict[str, str] = {}
         self._paths: dict[str, str] = {}
@@ -263,16 +460,38 @@ class Toolchain:
         self._arch: str | None = None
         self._roots: dict[bool, Roots] = {}
         self._objects = VariantStore(self.cache_dir / "objects")
+        self.bound = CacheBound(self.cache_dir, self.config.max_cache_mb << 20, self.config.evict_grace_s)
 
     # -- public ------------------------------------------------------------------------------
     def build(self, workspace: Workspace, target: Target) -> CompileResult:
-        """Compile and link `workspace`'s kernels for `target`; see the module docstring."""
+        """Compile and link `workspace`'s kernels for `target` from a private copy of them; see
+        the module docstring."""
         start = time.perf_counter()
         target = Target(target)
-        sources = workspace.kernel_sources()
+        if not workspace.kernel_sources():
+            return CompileResult(ok=True, seconds=time.perf_counter() - start, cached=True)
+        cfg = self.config
+        copy = copy_sources(workspace.root, self.cache_dir / "src" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                            max_bytes=cfg.max_source_mb << 20, max_files=cfg.max_source_files)
+        try:
+            if copy.error:
+                return CompileResult(ok=False, seconds=time.perf_counter() - start, errors=[copy.error], log=copy.error)
+            result = self._build(Workspace(copy.root), target, copy, start)
+        finally:
+            shutil.rmtree(copy.root, ignore_errors=True)
+        if copy.left_out:
+            note = "not copied for the build (a build reads only regular source files): " + ", ".join(copy.left_out[:20])
+            result = result.model_copy(update={"log": "\n".join(x for x in (note, result.log) if x)})
+        if not result.cached:
+            self.bound.enforce()
+        return result
+
+    def _build(self, workspace: Workspace, target: Target, copy: SourceCopy, start: float) -> CompileResult:
+        """`build` in the copy `workspace` (see `copy_sources`)."""
+        sources = [workspace.root / r for r in copy.files if Path(r).suffix in (".cu", ".cpp", ".cc", ".c")]
         if not sources:
             return CompileResult(ok=True, seconds=time.perf_counter() - start, cached=True)
-        plan = self._plan(workspace, target, sources)
+        plan = self._plan(workspace, target, sources, copy.listing)
         if plan.errors:
             return CompileResult(ok=False, seconds=time.perf_counter() - start, errors=plan.errors,
                                  log="\n".join(plan.errors))
@@ -327,7 +546,7 @@ class Toolchain:
         return self._arch
 
     # -- planning ----------------------------------------------------------------------------
-    def _plan(self, ws: Workspace, target: Target, sources: list[Path]) -> _Plan:
+    def _plan(self, ws: Workspace, target: Target, sources: list[Path], listing: str) -> _Plan:
         cfg = self.config
         rels = [p.relative_to(ws.root).as_posix() for p in sources]
         cuda_rels = [r for r in rels if r.endswith(".cu")]
@@ -361,7 +580,7 @@ class Toolchain:
                 extra = binding_defs if rel.endswith(BINDING_SUFFIX) else []
                 argv = [cxx, *cxx_flags, *torch_inc, *extra]
                 ident = cxx_id
-            key = _sha256(CACHE_FORMAT, ident, "\0".join(argv), rel, src, torch_version if torch_inc else "")
+            key = _sha256(CACHE_FORMAT, ident, "\0".join(argv), rel, src, torch_version if torch_inc else "", listing)
             compiles.append(_Compile(rel, argv, key))
 
         link_argv = [cxx, "-shared", "-fopenmp"]
@@ -420,6 +639,8 @@ class Toolchain:
             if run.timed_out:
                 return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"]
             if run.returncode != 0 or not obj.is_file():
+                if _over_output_limit(run):
+                    return False, trim_log(out), [f"{c.rel}: error: {self._output_limit_message()}"]
                 errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error(c.rel, out, run)
                 return False, trim_log(out), errs
             deps = [d for f in scratch.glob("*.d") for d in parse_depfile(f.read_text(errors="replace"))]
@@ -447,7 +668,10 @@ class Toolchain:
                       "\0".join(plan.link_libs), plan.output_name, *(c.object_key for c in plan.compiles))
         final = self.cache_dir / "artifacts" / key
         if (final / plan.output_name).is_file():
-            return final, False, "", []
+            if outputs_intact(final):
+                CacheBound.touch(final)
+                return final, False, "", []
+            _remove_tree(final)  # changed since it was stored: built again
         staging = self.cache_dir / "artifacts" / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
         objects = [str(c.object_path) for c in plan.compiles]
@@ -461,8 +685,11 @@ class Toolchain:
             shutil.rmtree(staging, ignore_errors=True)
             if run.timed_out:
                 return None, True, trim_log(out), [f"link: error: timed out after {self.config.timeout_s:g} s"]
+            if _over_output_limit(run):
+                return None, True, trim_log(out), [f"link: error: {self._output_limit_message()}"]
             errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error("link", out, run)
             return None, True, trim_log(out), errs
+        seal_outputs(staging)
         try:
             os.rename(staging, final)
         except OSError:  # another build linked the same key first: use theirs
@@ -475,7 +702,17 @@ class Toolchain:
                 "TMPDIR": str(tmp), "LANG": "C", "LC_ALL": "C"}
 
     def _wrap(self, argv: list[str]) -> list[str]:
+        """`argv` with its output files bounded (`max_output_mb`) and, where it works, no network."""
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:  # pragma: no cover - util-linux ships it beside unshare
+            raise ToolchainError("prlimit (util-linux) is needed to bound what a compiler writes")
+        argv = [prlimit, f"--fsize={self.config.max_output_mb << 20}", "--", *argv]
         return ["unshare", "--net", *argv] if self._network_isolation() else argv
+
+    def _output_limit_message(self) -> str:
+        return (f"the build's output is over the limit of {self.config.max_output_mb} MiB per file "
+                f"(ToolchainConfig.max_output_mb); a large initialized array or table belongs in memory "
+                f"allocated at run time")
 
     def _network_isolation(self) -> bool:
         if not self.config.isolate_network:
@@ -567,6 +804,14 @@ class Toolchain:
         if self._cuda_home:
             repl[self._cuda_home] = "<cuda>"
         return repl
+
+
+_OUTPUT_LIMIT = re.compile(r"File size limit exceeded|File too large|file too large|signal 25\b|SIGXFSZ")
+
+
+def _over_output_limit(run: _Run) -> bool:
+    """Whether a failed compiler or linker run hit RLIMIT_FSIZE (SIGXFSZ, or EFBIG on a write)."""
+    return run.returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or bool(_OUTPUT_LIMIT.search(run.output))
 
 
 def _fallback_error(rel: str, output: str, run: _Run) -> list[str]:
