@@ -73,7 +73,7 @@ from cudagym.env.prompt import task_prompt
 from cudagym.env.tokens import CharEstimate, TokenCounter
 from cudagym.env.tools import ToolContext, Toolbox, ToolResult
 from cudagym.env.variants import (ContrastiveConfig, VariantBook, analysis_instruction, has_analysis,
-                                  solution_files, variant_from_result)
+                                  variant_from_result)
 from cudagym.env.format import format_verdict, trim_output
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
@@ -201,7 +201,7 @@ class KernelEnv(gym.Env[str, Any]):
         self._last_obs = ""
         self.verdict: Verdict | None = None
         # contrastive feedback: an injected book is shared (several envs, one trainer)
-        self.variants = variant_book or VariantBook(self.config.contrastive.book)
+        self.variants = variant_book or VariantBook(self.config.contrastive.book, self.config.contrastive.limits)
         self._episode_id = ""
 
     # -- properties ----------------------------------------------------------------------------
@@ -227,7 +227,8 @@ class KernelEnv(gym.Env[str, Any]):
         self._workspace_dir = self._new_workspace_dir(task.id)
         ws = Workspace.create(self._workspace_dir, task)
         self._ctx = ToolContext(task=task, workspace=ws, evaluator=self.evaluator,
-                                max_output_chars=self.config.max_observation_chars)
+                                max_output_chars=self.config.max_observation_chars,
+                                book_limits=self.config.contrastive.limits)
         self._turn = 0
         self._done = False
         self._shaped = set()
@@ -387,11 +388,10 @@ class KernelEnv(gym.Env[str, Any]):
         if not con.keep and not con.require_analysis:
             return 0.0
         measured = False
-        files: dict[str, str] | None = None  # read once per turn, if anything was measured
         for r in results if con.keep else []:
-            if ("profile" in r.data or "verdict" in r.data) and files is None:
-                files = solution_files(ctx.workspace)
-            v = variant_from_result(ctx.task.id, self._episode_id, self._turn, files or {}, r.data)
+            if r.measured is None:  # only the files a tool read before its jobs ran are what they measured
+                continue
+            v = variant_from_result(ctx.task.id, self._episode_id, self._turn, r.measured, r.data)
             if v is not None:
                 self.variants.add(v)
                 measured = measured or r.name == "profile"

@@ -24,6 +24,7 @@ from cudagym.env.format import (
     format_verify,
     trim_output,
 )
+from cudagym.env.variants import BookLimits, MeasuredFiles, snapshot_files
 from cudagym.errors import CudagymError, WorkspaceError
 from cudagym.rewards.verdict import CompileResult, Verdict
 from cudagym.sandbox.workspace import Workspace
@@ -50,6 +51,7 @@ class ToolResult(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
     verdict: Verdict | None = None  # set by submit
     terminal: bool = False  # the episode ends after this call (submit)
+    measured: MeasuredFiles | None = Field(default=None, exclude=True)  # profile, submit: the files measured
 
 
 # -- argument models ---------------------------------------------------------------------------
@@ -113,6 +115,7 @@ class ToolContext:
     max_output_chars: int = 6000
     last_compile: CompileResult | None = None
     counters: dict[str, dict[str, float]] = field(default_factory=dict)
+    book_limits: BookLimits | None = None  # what profile and submit read of the files they measure
 
 
 ToolFn = Callable[[ToolContext, Any], Awaitable[ToolResult]]
@@ -196,17 +199,30 @@ async def _verify(ctx: ToolContext, a: VerifyArgs) -> ToolResult:
                       data={"verify": res.model_dump()})
 
 
+def _changed_note(ctx: ToolContext, measured: MeasuredFiles) -> str:
+    """A note when the tool's jobs (the candidate's code) changed the workspace's solution files."""
+    changed = measured.changed_in(ctx.workspace)
+    if not changed:
+        return ""
+    names = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    return (f"\nNote: the solution's code changed files of the workspace while it ran ({names}); what was "
+            "measured is the workspace as it was before.")
+
+
 async def _profile(ctx: ToolContext, a: ProfileArgs) -> ToolResult:
+    measured = snapshot_files(ctx.workspace, ctx.book_limits)  # before the jobs: they run the candidate's code
     res = await ctx.evaluator.aprofile(ctx.task, ctx.workspace, ncu=a.ncu)
-    return ToolResult(name="profile", ok=res.ok, text=format_profile(res, ctx.max_output_chars),
+    return ToolResult(name="profile", ok=res.ok,
+                      text=format_profile(res, ctx.max_output_chars) + _changed_note(ctx, measured),
                       error=None if res.ok else (res.error_kind.value if res.error_kind else "profile failed"),
-                      data={"profile": res.model_dump()})
+                      data={"profile": res.model_dump()}, measured=measured)
 
 
 async def _submit(ctx: ToolContext, a: SubmitArgs) -> ToolResult:
+    measured = snapshot_files(ctx.workspace, ctx.book_limits)
     verdict: Verdict = await ctx.evaluator.aevaluate(ctx.task, ctx.workspace)
     return ToolResult(name="submit", ok=True, text=format_verdict(verdict, ctx.max_output_chars),
-                      data={"verdict": verdict.summary()}, verdict=verdict, terminal=True)
+                      data={"verdict": verdict.summary()}, verdict=verdict, terminal=True, measured=measured)
 
 
 TOOLS: tuple[ToolSpec, ...] = (

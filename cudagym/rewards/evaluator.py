@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 
 from cudagym.rewards.audit import forbidden_ops
-from cudagym.rewards.compare import Comparison, compare_outputs, decode_tensor
+from cudagym.rewards.compare import Comparison, compare_outputs, decode_tensor, projected_mismatch, projection_seeds
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
 from cudagym.rewards.verdict import (
     AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, ServerTiming, TimingStats, Verdict, VerifyResult,
@@ -429,8 +429,9 @@ class Evaluator:
             cached = self.baselines.get(key)
             if cached is not None:
                 return {**cached, "cached": True}
-            value = await self.ameasure_baselines(task, timing)
-            if "error" not in value:
+            # re-measured while disturbed (a busy host), and then never cached: see BaselineCache
+            value = await self.baselines.measure(lambda: self.ameasure_baselines(task, timing))
+            if "error" not in value and not value.get("disturbed"):
                 self.baselines.put(key, value)
             return {**value, "cached": False}
         finally:
@@ -462,7 +463,9 @@ class Evaluator:
         value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
                      eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"),
                      breakdown=_job_breakdown("baseline", o),
-                     harness_overhead_ns=(f.get("diagnostics") or {}).get("harness_overhead_ns"))
+                     harness_overhead_ns=(f.get("diagnostics") or {}).get("harness_overhead_ns"),
+                     loop_windows_s=[(c[0].asked_s, c[-1].asked_s + (c[-1].wall_ms or 0) / 1e3)
+                                     for r in ("eager", "compiled", *library) if (c := feed.timed(r))])
         if library:
             value.update(library_ms={n: ms for n in library if (ms := feed.times_ms(n))},
                          library_errors=f.get("library_errors") or {})
@@ -545,7 +548,7 @@ class Evaluator:
         library = {n: TimingStats.from_samples(ms) for n, ms in (base.get("library_ms") or {}).items() if ms}
         bw, flops = peaks_for(self.device_name if self._target == Target.CUDA else "cpu")
         floor_ms = max((base.get("bytes") or 0) / bw, (base.get("flops") or 0) / flops) * 1e3
-        reasons: list[str] = []
+        reasons: list[str] = list(base.get("notes") or [])  # baselines re-measured or disturbed
         if base.get("compile_error"):
             reasons.append(f"torch.compile baseline unavailable: {base['compile_error'][:200]}")
         for name, why in (base.get("library_errors") or {}).items():
@@ -593,8 +596,12 @@ class Evaluator:
         if not picks:
             return ErrorKind.TAMPER, "no timed call could be re-checked"
         k = len(picks)
+        seeds = projection_seeds(o.tensors, picks)  # GPU: the weights the close kernel used in each picked call
+        if self._target == Target.CUDA and None in seeds:
+            return ErrorKind.TAMPER, f"timed call {picks[seeds.index(None)][0]} came without its projections"
         ref_job = self._job("reference", task, None, init_seed=init_seed, trial_seeds=[s for _, s in picks],
-                            trial_scales=[1.0] * k, trial_orders=["reference_first"] * k)
+                            trial_scales=[1.0] * k, trial_orders=["reference_first"] * k,
+                            projection_seeds=[s or 0 for s in seeds] if self._target == Target.CUDA else [])
         ref = await self.sandbox.run(ref_job, self.device)
         try:
             failure = _outcome_failure(ref, "reference")
@@ -609,6 +616,11 @@ class Evaluator:
                 return ErrorKind.OUTPUT_FORMAT, wrong + pairs
             cmp = await asyncio.get_running_loop().run_in_executor(
                 _COMPARER, compare_outputs, pairs, task.effective_tolerance)
+            if cmp.kind is None and self._target == Target.CUDA:
+                why = await asyncio.get_running_loop().run_in_executor(
+                    _COMPARER, projected_mismatch, o.tensors, ref.tensors, picks, task.effective_tolerance)
+                if why:
+                    return ErrorKind.MISMATCH, wrong + why
         finally:
             _release_later(ref)
         if cmp.kind is None:
