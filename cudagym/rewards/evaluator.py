@@ -22,7 +22,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field, field_validator
 
-from cudagym.rewards.audit import forbidden_ops
+from cudagym.rewards.audit import (
+    Origins, foreign_kernels, foreign_work, forbidden_ops, op_counts, own_time_share, unmeasured_work,
+)
 from cudagym.rewards.compare import Comparison, compare_outputs, decode_tensor, projected_mismatch, projection_seeds
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
 from cudagym.rewards.verdict import (
@@ -35,6 +37,7 @@ from cudagym.sandbox.feed import CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
+from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
 from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
 from cudagym.sandbox.workspace import Workspace
@@ -334,6 +337,14 @@ class Evaluator:
             return VerifyResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors),
                                 reasons=["does not compile"], seconds=time.perf_counter() - t0)
         t_built = time.perf_counter()
+        imports = self._import_audit(built.artifact_dir, [])
+        if self.config.mode == "strict" and imports.forbidden:
+            why = ("strict mode: your built code imports torch's compute below the dispatcher: "
+                   + "; ".join(imports.reasons()))
+            return VerifyResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
+                                audit=AuditResult(mode="strict", passed=False, reasons=[why],
+                                                  forbidden_ops=[s for s, _, _ in imports.forbidden]),
+                                seconds=time.perf_counter() - t0)
         n = self.config.verify.trials
         orders = ["candidate_first"] * (n // 2) + ["reference_first"] * (n - n // 2)
         secrets.SystemRandom().shuffle(orders)
@@ -361,7 +372,7 @@ class Evaluator:
         if failure:
             result = self._verify_failure(outcome, *failure)
         else:
-            result = self._verify_result(outcome, await _compare(outcome, task))
+            result = self._verify_result(outcome, await _compare(outcome, task), built.artifact_dir)
         _release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
@@ -377,17 +388,70 @@ class Evaluator:
         return VerifyResult(ok=False, error_kind=kind, error=msg, audit=audit,
                             reasons=[msg.splitlines()[0] if msg else kind.value])
 
-    def _verify_result(self, o: JobOutcome, cmp: Comparison) -> VerifyResult:
+    def _import_audit(self, artifact_dir: str | None, loaded: list[Any]) -> ImportAudit:
+        """The imports of the candidate's build artifacts and of the cached extensions its
+        worker had loaded (`loaded`: paths it reported; only those under the cache's extension
+        root are read, by this process)."""
+        inline_root = os.path.realpath(self.config.cache_dir / "build" / "inline")
+        extra = [Path(p) for p in loaded if isinstance(p, str) and os.path.realpath(p).startswith(inline_root + "/")
+                 and Path(p).is_file()]
+        return import_audit(candidate_objects(([Path(artifact_dir)] if artifact_dir else []) + extra))
+
+    def _origins(self, artifact_dir: str | None, imports: ImportAudit) -> Origins:
+        return Origins(own_roots=tuple(r for r in (artifact_dir, str(self.config.cache_dir / "build" / "inline")) if r),
+                       libraries=frozenset(imports.libraries))
+
+    def _kernel_audit(self, final: dict[str, Any], artifact_dir: str | None) -> tuple[list[str], list[str], float | None]:
+        """Verify's kernel-origin and import rules (GPU: every kernel of every trial by origin;
+        both targets: the imports of the extensions it loaded): (forbidden, reasons, GPU share)."""
+        imports = self._import_audit(artifact_dir, list(final.get("own_objects") or []))
+        forbidden: list[str] = []
+        reasons: list[str] = []
+        if self.config.mode == "strict" and imports.forbidden:
+            forbidden += [s for s, _, _ in imports.forbidden]
+            reasons.append("strict mode: your built code imports torch's compute below the dispatcher: "
+                           + "; ".join(imports.reasons()))
+        if self._target != Target.CUDA:
+            return forbidden, reasons, None
+        if final.get("kernels") is None:
+            why = final.get("kernel_watch_error") or "no kernel records came back"
+            return forbidden + ["<kernel watcher>"], reasons + [f"the kernel-origin audit could not run: {why}"], None
+        origins = self._origins(artifact_dir, imports)
+        records = records_from_counts(final.get("kernels") or {})
+        share = None
+        if self.config.mode == "strict":
+            foreign = foreign_kernels(records, origins)
+            if foreign:
+                forbidden += foreign
+                reasons.append("strict mode: ModelNew.forward launched kernels that are not your own: "
+                               + "; ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else ""))
+        elif final.get("share_kernels") is not None:
+            share = own_time_share(records_from_counts(final["share_kernels"]), origins)
+        return forbidden, reasons, share
+
+    def _verify_result(self, o: JobOutcome, cmp: Comparison, artifact_dir: str | None = None) -> VerifyResult:
         final = o.final or {}
         ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
         forbidden = forbidden_ops(ops)  # our own copy of the rule, not the worker's verdict
         audit_reasons: list[str] = []
         share = final.get("own_kernel_share")
+        try:
+            kernel_forbidden, kernel_reasons, gpu_share = self._kernel_audit(final, artifact_dir)
+        except Exception as e:  # noqa: BLE001 - an object that cannot be read fails the audit, named
+            kernel_forbidden, kernel_reasons, gpu_share = ["<imports>"], [f"the import audit failed: {e}"], None
+        ops.update({str(k): int(v) for k, v in (final.get("kernels") or {}).items()})  # measured, for the profile
+        if gpu_share is not None:
+            share = gpu_share
         if self.config.mode == "strict":
-            passed = not forbidden
+            passed = not forbidden and not kernel_forbidden
             if forbidden:
                 audit_reasons.append("strict mode: ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
                                      + " (only your own kernels plus allocation/view ops are allowed)")
+            audit_reasons += kernel_reasons
+            forbidden += kernel_forbidden
+        elif kernel_reasons:
+            passed = False
+            audit_reasons += kernel_reasons
         else:
             passed = share is not None and share >= self.config.verify.min_own_share
             if not passed:
@@ -471,19 +535,21 @@ class Evaluator:
                          library_errors=f.get("library_errors") or {})
         return value
 
-    async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
+    async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False,
+                       measured: VerifyResult | None = None) -> ProfileResult:
         """Time the candidate against cached baselines; re-check outputs of timed calls. With
         `server_gap_ms` configured, a second job in server mode (`ServerTiming`), held to the
-        same checks: a failure there fails the profile."""
+        same checks: a failure there fails the profile. With `measured` (the verify of the same
+        build), permissive mode also holds the timed calls to the foreign work its trials did."""
         t0 = time.perf_counter()
         task = task.for_target(self._target)
         built = await self.toolchain.abuild(workspace, self._target)
         if not built.ok:
             return ProfileResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors))
-        result = await self._timed_profile(task, workspace, built, self.config.timing, t0)
+        result = await self._timed_profile(task, workspace, built, self.config.timing, t0, measured)
         server = self.config.server_timing()
         if result.ok and server is not None and server.idle_ms is not None:
-            s = await self._timed_profile(task, workspace, built, server, time.perf_counter())
+            s = await self._timed_profile(task, workspace, built, server, time.perf_counter(), measured)
             if not s.ok or s.candidate is None:
                 why = [f"server mode ({server.idle_ms[0]:g}-{server.idle_ms[1]:g} ms gaps): {r}" for r in s.reasons]
                 return s.model_copy(update={"reasons": why or ["server mode failed"], "seconds": time.perf_counter() - t0})
@@ -498,7 +564,7 @@ class Evaluator:
         return result.model_copy(update={"seconds": time.perf_counter() - t0})
 
     async def _timed_profile(self, task: Task, workspace: Workspace, built: Any, timing: TimingConfig,
-                             t0: float) -> ProfileResult:
+                             t0: float, measured: VerifyResult | None = None) -> ProfileResult:
         """One profile job under `timing` against its baselines, with every check of `aprofile`."""
         t_built = time.perf_counter()
         base = await self.abaselines(task, timing)
@@ -529,10 +595,8 @@ class Evaluator:
                                  seconds=time.perf_counter() - t0)
         final = o.final or {}
         timed_ops = feed.ops("candidate")  # every call of the loop, warm-up included
-        forbidden = forbidden_ops(timed_ops) if self.config.mode == "strict" else []
-        if forbidden:  # verify audits its trials; a candidate may behave differently once timed
-            why = ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
-                   + " (only your own kernels plus allocation/view ops are allowed)")
+        why = self._timed_audit(timed_ops, built.artifact_dir, measured)
+        if why:  # verify audits its trials; a candidate may behave differently once timed
             return ProfileResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
                                  seconds=time.perf_counter() - t0)
         cand = TimingStats.from_samples(times)
@@ -587,6 +651,41 @@ class Evaluator:
                      "stats_s": time.perf_counter() - t_cmp}
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 
+    def _timed_audit(self, timed_ops: dict[str, int], artifact_dir: str | None,
+                     measured: VerifyResult | None) -> str | None:
+        """The audit of the timed loop's calls (warm-up included), from the counts and kernel
+        records they reported: strict, the op rule and (GPU) the kernel-origin rule, as in
+        verify; permissive, with `measured`, no foreign work per call beyond the verify trials'
+        (torch compute ops on the CPU, foreign kernels' threads on the GPU). Why it fails, or None."""
+        records = records_from_counts(timed_ops)
+        ops = op_counts(timed_ops)
+        if self.config.mode == "strict":
+            forbidden = forbidden_ops(ops)
+            if forbidden:
+                return ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
+                        + " (only your own kernels plus allocation/view ops are allowed)")
+            if self._target == Target.CUDA:
+                foreign = foreign_kernels(records, self._origins(artifact_dir, self._import_audit(artifact_dir, [])))
+                if foreign:
+                    return ("strict mode: during timed calls, ModelNew.forward launched kernels that are not your own: "
+                            + "; ".join(foreign[:6]))
+            return None
+        if measured is None or measured.audit is None or not measured.trials:
+            return None
+        calls = int(timed_ops.get(MODEL_CALLS_KEY, 0))
+        seen = measured.audit.ops_seen
+        if self._target == Target.CUDA:
+            origins = self._origins(artifact_dir, self._import_audit(artifact_dir, []))
+            before, after = foreign_work(records_from_counts(seen), origins), foreign_work(records, origins)
+        else:
+            before = {k: float(v) for k, v in op_counts(seen).items() if forbidden_ops({k: v})}
+            after = {k: float(v) for k, v in ops.items() if forbidden_ops({k: v})}
+        extra = unmeasured_work(before, measured.trials, after, calls)
+        if extra:
+            return ("permissive mode: timed calls did foreign work that verify's trials (where the own-kernel share is "
+                    "measured) did not, per call: " + "; ".join(extra[:6]))
+        return None
+
     async def _recheck(self, task: Task, o: JobOutcome, feed: CallFeed, init_seed: int,
                        calls: int) -> tuple[ErrorKind, str] | None:
         """Compare the samples of timed calls drawn by the parent with a reference-only worker's
@@ -636,7 +735,7 @@ class Evaluator:
         if not c.ok:
             return milestone_verdict(c, None, None, self.config.reward)
         v = await self.averify(task, workspace)
-        p = await self.aprofile(task, workspace) if v.ok else None
+        p = await self.aprofile(task, workspace, measured=v) if v.ok else None
         return milestone_verdict(c, v, p, self.config.reward)
 
     # -- sync forms ---------------------------------------------------------------------------

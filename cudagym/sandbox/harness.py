@@ -37,6 +37,7 @@ from cudagym import runtime
 from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
+from cudagym.sandbox.origin import MODEL_CALLS_KEY, KernelWatch, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
 from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_calibration
 from cudagym.sandbox.wire import WIRE_DTYPES
@@ -497,6 +498,8 @@ def prewarm_device() -> None:
     second on its own; on a GPU, CUPTI's too), the timer's gate kernels (NVRTC) and NVML."""
     from torch.profiler import ProfilerActivity, profile
 
+    if profiler_available() and os.environ.get("CUDAGYM_DEVICE") == "cuda":
+        _load_kernel_watch()  # before the profiler's first session, which would take CUPTI
     if profiler_available():  # not under Nsight Compute, which owns CUPTI in this process
         cuda = os.environ.get("CUDAGYM_DEVICE") == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -557,6 +560,9 @@ def run_verify(job: Job, ch: Channel) -> None:
     profiler_enabled = torch.autograd._profiler_enabled
     watch = op_watch()
     changes = _OPWATCH_CHANGES[0]()
+    kwatch = kernel_watch(p)
+    if kwatch:
+        kwatch.reset()  # every kernel of every trial, by origin: the parent applies the rules
     for t in range(trials):
         plan = ch.request("trial", index=t)  # this trial's secret, only now
         order = plan.get("order")
@@ -584,9 +590,13 @@ def run_verify(job: Job, ch: Channel) -> None:
         try:
             with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof, rec:
                 watch.arm()
+                if kwatch:
+                    kwatch.arm()
                 try:
                     out = p.cand(*args)
                 finally:
+                    if kwatch:
+                        kwatch.disarm()
                     watch.disarm()
                 p.sync_caller_stream()
                 still_profiling = profiler_enabled()
@@ -600,6 +610,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         if not still_profiling:
             raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
         _watch_alive(watch, changes + 2 * (t + 1))
+        _kernels_alive(kwatch, p)
         seen = rec.ops | (_aten_ops_seen_by_profiler(prof) - rec.ops)  # ops hidden from the dispatch mode
         ops.update(seen | (watch.counts() - before_watch - seen))  # and from both
         outs = as_outputs(out, "ModelNew.forward", p.device)
@@ -628,15 +639,18 @@ def run_verify(job: Job, ch: Channel) -> None:
                                  "(work finishing in the background)")
         del outs, out, snap, args
         ph.mark("settle")
-    own_share = None
+    kernels = records_as_counts(kwatch.records()) if kwatch else None
+    own_share, share_kernels = None, None
     if job.mode == "permissive":
-        own_share = own_kernel_share(p, job)
+        own_share, share_kernels = own_kernel_share(p, job)
         ph.mark("own_share")
     check()
     if problems := inline_problems():  # an extension verify had to do without, named
         raise CandidateError("compile_error", "\n".join(problems))
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
-              "own_kernel_share": own_share, "params": p.params, "phases": ph.times})
+              "own_kernel_share": own_share, "params": p.params, "phases": ph.times, "kernels": kernels,
+              "share_kernels": share_kernels, "kernel_watch_error": _KWATCH_ERROR[0] if _KWATCH_ERROR else None,
+              "own_objects": _own_objects(job)})
 
 
 def run_reference_outputs(job: Job, ch: Channel) -> None:
@@ -655,53 +669,43 @@ def run_reference_outputs(job: Job, ch: Channel) -> None:
     ch.final({"ok": True, "trials": len(job.trial_seeds), "phases": ph.times})
 
 
-def _own_symbols(job: Job) -> set[str]:
-    """Function names defined in the candidate's compiled libraries (from `nm`)."""
-    libs = set()
-    roots = [r for r in (job.artifact_dir, job.workspace, str(Path(job.cache_dir) / "inline")) if r]
+def _own_objects(job: Job) -> list[str]:
+    """The shared objects of the candidate's build (its artifact directory, its cached
+    extensions) this process has mapped: the parent audits their imports itself."""
+    roots = [r for r in (job.artifact_dir, str(Path(job.cache_dir) / "inline")) if r]
+    libs: list[str] = []
     with open("/proc/self/maps") as f:
         for line in f:
             path = line.split()[-1] if line.strip() else ""
-            if path.endswith(".so") and any(path.startswith(r) for r in roots):
-                libs.add(path)
-    names: set[str] = set()
-    for lib in libs:
-        try:
-            r = subprocess.run(["nm", "-C", "--defined-only", lib], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        for line in r.stdout.splitlines():
-            parts = line.split(" ", 2)
-            if len(parts) == 3 and parts[1] in "TtWw":
-                names.add(parts[2].split("(")[0].split("<")[0].split("::")[-1].strip())
-    return {n for n in names if n}
+            if ".so" in path and any(path.startswith(r) for r in roots) and path not in libs:
+                libs.append(path)
+    return libs[:64]
 
 
-def own_kernel_share(p: Problem, job: Job) -> float:
-    """Share of the forward's compute done by the candidate's own kernels (permissive mode)."""
+def own_kernel_share(p: Problem, job: Job) -> tuple[float | None, dict[str, int] | None]:
+    """Permissive mode: on a GPU, the kernel records of one measured call with each launch's GPU
+    time (`KernelWatch.timed`; the parent computes the share by origin); on the CPU, the share
+    of the forward's compute done outside torch (computed here: no kernel records there)."""
     from torch.profiler import ProfilerActivity, profile
 
     args = p.inputs(secrets.randbits(62))
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if p.device.type == "cuda" else [])
-    with torch.no_grad():
-        p.cand(*clone_args(args))
-        p.sync()
-        call_args = clone_args(args)
-        with profile(activities=acts) as prof:
-            p.cand(*call_args)
-            p.sync()
-    events = prof.events()
     if p.device.type == "cuda":
-        own = _own_symbols(job)
-        total = mine = 0.0
-        for e in events:
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                dur = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                total += dur
-                base = e.name.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "").strip()
-                if base in own:
-                    mine += dur
-        return mine / total if total > 0 else 0.0
+        kwatch = kernel_watch(p)
+        if kwatch is None:
+            return None, None
+        with torch.no_grad():
+            p.cand(*clone_args(args))  # warm: lazy loads and first-call work are not measured
+            p.sync()
+            call_args = clone_args(args)
+
+            def measured() -> None:
+                p.cand(*call_args)
+                p.sync()
+
+            records = kwatch.timed(measured)
+        return None, records_as_counts(records)
+    acts = [ProfilerActivity.CPU]
+
     # CPU: the candidate's own (ctypes/binding) calls are invisible to the profiler, so compare
     # the torch compute inside its forward with the reference's torch compute on the same
     # inputs, in elements processed (deterministic, unlike times on a shared host).
@@ -719,8 +723,8 @@ def own_kernel_share(p: Problem, job: Job) -> float:
         ref_work = torch_work(p.ref)
         cand_work = torch_work(p.cand)
     if ref_work <= 0:
-        return 1.0 if cand_work == 0 else 0.0
-    return max(0.0, 1.0 - cand_work / ref_work)
+        return (1.0 if cand_work == 0 else 0.0), None
+    return max(0.0, 1.0 - cand_work / ref_work), None
 
 
 _NVML: list[Any] = []  # [pynvml, handle] once initialized (in the spare, before any job)
@@ -759,6 +763,36 @@ def _telemetry() -> dict[str, Any]:
         return {"error": str(e)[:200]}
 
 
+
+
+_KWATCH: list[KernelWatch] = []  # the kernel watcher, loaded by `prewarm_device` (GPU workers)
+_KWATCH_ERROR: list[str] = []  # why it could not be loaded
+_KPROBE: list[torch.Tensor] = []  # a harness tensor whose fill is the watcher's probe launch
+
+
+def _load_kernel_watch() -> None:
+    """Install the kernel watcher (`cudagym.sandbox.origin`, built by the parent beside the op
+    counter) before the profiler's first session takes CUPTI; why not, if it cannot be."""
+    try:
+        _KWATCH.append(KernelWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home())))
+        _KPROBE.append(torch.zeros(1, device="cuda"))
+    except Exception as e:  # noqa: BLE001 - reported with every verify: the GPU audit cannot pass without it
+        _KWATCH_ERROR.append(f"{type(e).__name__}: {e}"[:500])
+
+
+def kernel_watch(p: Problem) -> KernelWatch | None:
+    """The process's kernel watcher on a GPU job; None on the CPU or where it is missing (the
+    verify result says why, and the parent fails the audit on it)."""
+    return _KWATCH[0] if p.device.type == "cuda" and _KWATCH else None
+
+
+def _kernels_alive(kwatch: KernelWatch | None, p: Problem) -> None:
+    """Raise unless the kernel watcher still sees the harness's probe launch on this thread."""
+    if kwatch is None:
+        return
+    why = kwatch.check_alive(lambda: _KPROBE[0].fill_(1.0))
+    if why:
+        raise CandidateError("tamper", f"the harness's kernel watcher was disabled: {why}")
 
 
 def op_watch() -> Any:
@@ -820,6 +854,10 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
     watch = op_watch()
     watch.reset()  # the role's counts start here; the parent sees them only grow
+    kwatch = kernel_watch(p) if role == "candidate" else None
+    if kwatch:
+        kwatch.reset()  # the role's kernel records, sent with the op counts: they only grow
+    model_calls = [0]
     changes = _OPWATCH_CHANGES[0]()  # then one arm and one disarm per call
     threads = threading.active_count()
     pending: list[tuple[torch.Size, torch.Tensor | None, torch.Tensor]] = []
@@ -830,7 +868,10 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     probe = _probe_fn(p)
 
     def call(*args: Any) -> Any:
+        model_calls[0] += 1
         watch.arm()
+        if kwatch:
+            kwatch.arm()
         try:
             return fn(*args)
         except CandidateError:
@@ -839,6 +880,8 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
             raise CandidateError(_failure_kind(e), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
+            if kwatch:
+                kwatch.disarm()
             watch.disarm()
 
     def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
@@ -857,9 +900,14 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         pending.clear()
         if made[0]:
             _watch_alive(watch, changes + 2 * made[0])
+            _kernels_alive(kwatch, p)
             if threading.active_count() > threads:
                 raise CandidateError("audit", f"{who} left threads running after it returned")
-        answer = ch.request("call", role=role, index=made[0], ops=dict(watch.counts()), **report)
+        ops = dict(watch.counts())
+        ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
+        if kwatch:
+            ops.update(records_as_counts(kwatch.records()))
+        answer = ch.request("call", role=role, index=made[0], ops=ops, **report)
         if answer.get("stop"):
             return None
         made[0] += 1
@@ -869,9 +917,13 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
 
     def probed(*args: Any) -> Any:  # the op counter goes through the same arm/disarm
         watch.arm()
+        if kwatch:
+            kwatch.arm()
         try:
             return probe(*args)
         finally:
+            if kwatch:
+                kwatch.disarm()
             watch.disarm()
 
     with torch.no_grad():
@@ -1059,7 +1111,7 @@ _HARNESS_FUNCS = {**_own_functions(sys.modules[__name__]), **_own_functions(_tim
 # every callable the harness names (its own and imported ones), as bound at import
 _HARNESS_NAMES = {k: v for k, v in list(globals().items()) if callable(v) and not k.startswith("__")}
 _HARNESS_METHODS = {(cls, k): v for cls in (Channel, LineReader, OpRecorder, Problem, CandidateError, Phases, DeviceTimer,
-                                            OpWatch)
+                                            OpWatch, KernelWatch)
                     for k, v in vars(cls).items() if callable(v)}
 _METHOD_CODE = {key: fn.__code__ for key, fn in _HARNESS_METHODS.items() if isinstance(fn, types.FunctionType)}
 

@@ -100,16 +100,37 @@ def build_library(cache_dir: Path, source: Path = SOURCE, cxx: str = CXX) -> Pat
 
     The library is plain C++ against ATen/c10, linked to torch's `libc10`/`libtorch_cpu` with
     an rpath. The key hashes torch's version and library directory, the compiler's identity,
-    the flags and the source. The library is linked under a temporary directory and renamed into place, so
-    concurrent builders are safe (the first rename wins; the others use it). Raises
+    the flags and the source (`build_shared`). Where CUDA's headers are, the kernel watcher
+    (`cudagym.sandbox.origin`) is built beside it, so that a sandbox that builds this before
+    its workers start has both.
+    """
+    compile_flags, link_flags, torch_id = _build_flags()
+    built = build_shared(cache_dir, source, compile_flags, link_flags, torch_id, cxx)
+    if source == SOURCE:  # the harness's other watcher, beside it, where CUDA's headers are
+        from cudagym.sandbox.origin import build_library as build_origin, cuda_include_dirs
+
+        try:
+            cuda_include_dirs()
+        except ToolchainError:
+            pass  # no CUDA here: no GPU worker will look for it
+        else:
+            build_origin(cache_dir)
+    return built
+
+
+def build_shared(cache_dir: Path, source: Path, compile_flags: list[str], link_flags: list[str], identity: str,
+                 cxx: str = CXX) -> Path:
+    """`cache_dir/opwatch/<key>/lib<source stem>.so`, compiled from `source` with the flags if
+    absent; the key hashes the compiler's identity, `identity` (what else the build depends on),
+    the flags and the source. The library is linked under a temporary directory and renamed into
+    place, so concurrent builders are safe (the first rename wins; the others use it). Raises
     `ToolchainError` when the compiler is missing, fails or runs past `BUILD_TIMEOUT_S`.
     """
     from cudagym.sandbox.toolchain import _run, trim_log
 
-    compile_flags, link_flags, torch_id = _build_flags()
-    path, identity = _compiler_identity(cxx)
+    path, compiler = _compiler_identity(cxx)
     name = f"lib{source.stem}.so"
-    key = hashlib.sha256("\0".join([identity, torch_id, *compile_flags, *link_flags, name]).encode()
+    key = hashlib.sha256("\0".join([compiler, identity, *compile_flags, *link_flags, name]).encode()
                          + b"\0" + source.read_bytes()).hexdigest()[:32]
     root = Path(cache_dir).resolve() / "opwatch"
     final = root / key
