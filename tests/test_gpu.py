@@ -504,7 +504,7 @@ def test_the_close_kernel_reads_every_layout_of_output_as_indexing_does():
     read: list = []
     timer.call(lambda: outputs, [], lambda outs: read.extend(timer.read_at_end(o) for o in outs))
     assert len(read) == len(outputs)
-    for o, (values, positions) in zip(outputs, read):
+    for o, (values, positions, *_) in zip(outputs, read):
         if positions is None:
             assert values.shape == o.shape and torch.equal(values, o)
         else:

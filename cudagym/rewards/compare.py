@@ -194,3 +194,78 @@ def compare_outputs(tensors: list[tuple[dict[str, Any], bytes | memoryview]], to
         kind = "mismatch"
     return Comparison(trials=len(by_trial), passed=passed, max_abs_error=worst if by_trial else None,
                       reasons=reasons[:8], kind=kind)
+
+
+# An honest output's projection differs from the reference's by more than this many of its
+# standard deviations' bound with probability at most 2 exp(-PROJECTION_SIGMAS^2 / 2) (Hoeffding):
+# 2.5e-14 per projection.
+PROJECTION_SIGMAS = 8.0
+_FP64_UNIT = 2.0 ** -53
+
+
+def projection_mismatch(cand: torch.Tensor, ref: torch.Tensor, components: int, tol: Tolerance,
+                        exact: bool) -> str | None:
+    """Why a timed call's projections of one output (`cand`: the close kernel's sums, float64)
+    cannot come from an output within `tol` of the reference's (`ref`: the same sums of the
+    reference's output with the same weights, then its sum |r_i|, sum r_i^2 and non-finite count;
+    `cudagym.sandbox.timing.projection`); None if they can.
+
+    With weights w_i = +-1 drawn after the call returned, an honest output's errors e_i
+    (|e_i| <= atol + rtol |r_i| =: t_i, or 0 where `exact`) do not depend on them, so the
+    difference sum w_i e_i exceeds PROJECTION_SIGMAS * sqrt(sum t_i^2) with probability at most
+    2 exp(-PROJECTION_SIGMAS^2 / 2); to that the fp64 sums' rounding is added (any order: at most
+    `components` units in the last place of sum |x_i| per side). An output left uncomputed,
+    or computed only where it was sampled, differs by a sum of errors that are not small: it
+    fails unless its projections were computed from the whole output. A reference with a
+    non-finite component is not checked this way (its samples still are)."""
+    k = cand.numel()
+    if ref.numel() != k + 3 or k == 0:
+        return f"{k} projections against the reference's {max(ref.numel() - 3, 0)}"
+    if float(ref[k + 2]) > 0:
+        return None
+    if not bool(torch.isfinite(cand).all()):
+        return "its projections are not finite (a NaN or infinity where the reference has none)"
+    atol, rtol = (0.0, 0.0) if exact else (float(tol.atol), float(tol.rtol))
+    s_abs, s_sq = float(ref[k]), float(ref[k + 1])
+    sigma = math.sqrt(max(components * atol * atol + 2 * atol * rtol * s_abs + rtol * rtol * s_sq, 0.0))
+    rounding = 2 * components * _FP64_UNIT * (2 * s_abs + components * atol + rtol * s_abs)
+    allowed = PROJECTION_SIGMAS * sigma + rounding
+    worst = float((cand - ref[:k]).abs().max())
+    if worst <= allowed:
+        return None
+    return (f"its projections over the whole output differ from the reference's by {worst:.4g} "
+            f"(an honest output within atol={tol.atol}, rtol={tol.rtol} differs by at most {allowed:.4g}): "
+            "the output was not computed in full")
+
+
+def projection_seeds(candidate: list[tuple[dict[str, Any], Any]], picks: list[tuple[int, int]]) -> list[int | None]:
+    """The seed of each picked timed call's projections (None: the call sent none)."""
+    seeds: dict[Any, Any] = {h.get("trial"): h.get("seed") for h, _ in candidate if h.get("role") == "projection"}
+    return [s if type(s) is int and 0 <= s < 2**64 else None for s in (seeds.get(c) for c, _ in picks)]
+
+
+def projected_mismatch(candidate: list[tuple[dict[str, Any], Any]], reference: list[tuple[dict[str, Any], Any]],
+                       picks: list[tuple[int, int]], tol: Tolerance) -> str | None:
+    """Why the projections of the picked timed calls (the close kernel's, on the GPU) cannot
+    come from outputs within `tol` of the reference's (`projection_mismatch`); None if they can."""
+    def frames(which: list[tuple[dict[str, Any], Any]], role: str) -> dict[tuple[Any, Any], tuple[dict[str, Any], Any]]:
+        return {(h.get("trial"), h.get("index")): (h, p) for h, p in which if h.get("role") == role}
+
+    cand, ref_proj, ref_out = frames(candidate, "projection"), frames(reference, "projection"), frames(reference, "reference")
+    for t, (call, _seed) in enumerate(picks):
+        for (tt, j), (rh, rp) in sorted(ref_out.items(), key=lambda kv: kv[0][1]):
+            if tt != t:
+                continue
+            if (call, j) not in cand or (t, j) not in ref_proj:
+                return f"timed call {call}: output {j} has no projections"
+            c, r = decode_tensor(*cand[(call, j)]), decode_tensor(*ref_proj[(t, j)])
+            if c.dtype != torch.float64 or r.dtype != torch.float64:
+                return f"timed call {call}: the projections of output {j} are not float64"
+            dtype = WIRE_DTYPES.get(rh.get("dtype"))
+            numel = math.prod(rh.get("shape") or [])
+            exact = dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
+            components = numel * (2 if dtype is not None and dtype.is_complex else 1)
+            why = projection_mismatch(c.reshape(-1), r.reshape(-1), components, tol, exact)
+            if why:
+                return f"timed call {call}: output {j}: {why}"
+    return None

@@ -100,6 +100,8 @@ MAX_INLINE_PASSES = 6  # compile passes of a solution with extensions (each runs
 
 def _outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
     """The failure an outcome describes, or None if the worker reported a result."""
+    if o.device_busy:
+        return ErrorKind.DEVICE_BUSY, f"{what}: device_busy: {o.device_busy}"
     if o.channel_error:
         return ErrorKind.TAMPER, f"{what}: {o.channel_error}"
     if o.memory_exceeded:
@@ -272,8 +274,8 @@ class Evaluator:
         handled: set[str] = set()  # keys built (or found in the cache) by this compile
         built_any = False
         for n in range(1, MAX_INLINE_PASSES + 1):
+            # runs the candidate's code and builds nothing (a trusted job does): the job limit
             job = self._job("compile_inline", task, workspace, artifact_dir=result.artifact_dir)
-            job.limits = job.limits.model_copy(update={"timeout_s": self.config.toolchain.timeout_s * 3})
             outcome = await self.sandbox.run(job, self.device)
             failure = _outcome_failure(outcome, "running model_new.py for its extensions")
             if failure:

@@ -39,7 +39,8 @@ from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, KernelWatch, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
-from cudagym.sandbox.timing import SAMPLE_SIZE, DeviceTimer, drive_calls, gate_kernels, harness_calibration
+from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, drive_calls, gate_kernels,
+                                    harness_calibration, projection)
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -162,12 +163,15 @@ class Channel:
         if len(payload):
             self._write_all(payload)
 
-    def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor, **extra: Any) -> None:
+    def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor, pipe: bool = False, **extra: Any) -> None:
+        """One tensor frame; its bytes in the result memory, or with `pipe` (or without result
+        memory) on the pipe: out of the worker's reach once written (the result memory stays
+        writable by the worker, host code and kernels alike, until it dies)."""
         c = t.detach()
         header = {"type": "tensor", "role": role, "trial": trial, "index": index,
                   "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape), **extra}
         n = c.numel() * c.element_size()
-        if n and self._shm is not None:
+        if n and self._shm is not None and not pipe:
             off = self._shm_off
             if off + n > self._shm_cap:
                 raise CandidateError("output_format", f"the outputs exceed the result limit of {self._shm_cap >> 20} MB")
@@ -665,6 +669,8 @@ def run_reference_outputs(job: Job, ch: Channel) -> None:
             ph.mark("reference")
             for i, o in enumerate(out):
                 ch.send_tensor("reference", t, i, o)
+                if t < len(job.projection_seeds):  # the re-check of a timed call: its projections, same weights
+                    ch.send_tensor("projection", t, i, projection(o, job.projection_seeds[t], i))
             ph.mark("send")
     ch.final({"ok": True, "trials": len(job.trial_seeds), "phases": ph.times})
 
@@ -842,8 +848,10 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     The same steps for every role and every call: the op counter armed around the call (the
     candidate's cumulative counts go with each request), a sample of every output read at
     the call's end (`DeviceTimer.read_at_end`: `SAMPLE_SIZE` secret random positions, drawn
-    after the call returned; on a GPU, by the close kernel while it holds every SM) and sent with the call's time before the next call is asked for. The calls the parent marks
-    as probes call a tiny kernel of the harness instead, through the same steps.
+    after the call returned; on a GPU, with projections of the whole output, by the close kernel
+    while it holds every SM) and sent on the pipe, out of the worker's reach, before the next
+    call is asked for. The calls the parent marks as probes call a tiny kernel of the harness
+    instead, through the same steps.
     """
     rng = secrets.SystemRandom()
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
@@ -860,7 +868,7 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
     model_calls = [0]
     changes = _OPWATCH_CHANGES[0]()  # then one arm and one disarm per call
     threads = threading.active_count()
-    pending: list[tuple[torch.Size, torch.Tensor | None, torch.Tensor]] = []
+    pending: list[tuple[torch.Size, Evidence]] = []
     made = [0]
     who = "ModelNew.forward" if role == "candidate" else f"the {role} model"
     ph.mark(f"{role}_setup")
@@ -884,19 +892,18 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
                 kwatch.disarm()
             watch.disarm()
 
-    def sample(o: torch.Tensor) -> tuple[torch.Size, torch.Tensor | None, torch.Tensor]:
-        values, idx = timer.read_at_end(o, SAMPLE_SIZE)
-        return o.shape, idx, values
-
     def after(i: int, out: Any) -> dict[str, Any]:
-        pending.extend(sample(o) for o in as_outputs(out, who, p.device))
+        pending.extend((o.shape, timer.read_at_end(o, SAMPLE_SIZE)) for o in as_outputs(out, who, p.device))
         return {}
 
     def next_call(report: dict[str, Any]) -> tuple[int, bool] | None:
-        for j, (shape, idx, values) in enumerate(pending):
-            ch.send_tensor("sample", made[0] - 1, j, values, full_shape=list(shape))
-            if idx is not None:
-                ch.send_tensor("positions", made[0] - 1, j, idx)
+        # the evidence of the call goes on the pipe before the candidate's code runs again
+        for j, (shape, ev) in enumerate(pending):
+            ch.send_tensor("sample", made[0] - 1, j, ev.values, pipe=True, full_shape=list(shape))
+            if ev.positions is not None:
+                ch.send_tensor("positions", made[0] - 1, j, ev.positions, pipe=True)
+            if ev.projections is not None:
+                ch.send_tensor("projection", made[0] - 1, j, ev.projections[:PROJECTIONS], pipe=True, seed=ev.seed)
         pending.clear()
         if made[0]:
             _watch_alive(watch, changes + 2 * made[0])

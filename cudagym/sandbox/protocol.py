@@ -127,6 +127,9 @@ class Job(BaseModel):
     trial_seeds: list[int] = Field(default_factory=list)
     trial_scales: list[float] = Field(default_factory=list)
     trial_orders: list[str] = Field(default_factory=list)
+    # reference (re-check of timed calls): trial t's outputs are also projected with the weights of
+    # the call's seed (`cudagym.sandbox.timing.projection`)
+    projection_seeds: list[int] = Field(default_factory=list)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
     timing: TimingConfig = Field(default_factory=TimingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -94,12 +94,18 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-# 10: one stream, the close's read phase left out, the overhead of a call that launches nothing
+# 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
+# are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-10"
+PROTOCOL_VERSION = "gated-events-11"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
+CALIBRATION_BYTES = 1 << 20  # the output those calls' close reads (and projects)
+# then this many with an output of LARGE_CALIBRATION_BYTES: the close's time per byte projected
+LARGE_CALIBRATION_CALLS = 10
+LARGE_CALIBRATION_BYTES = 1 << 26
+READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projected bytes' share of it plus this
 # Sizes of the allocation held across each GPU call in turn (`drive_calls`), so that what a call
 # allocates (its output) lands at other addresses from one call to the next: a one-op call of a few
 # microseconds reads 0.3-0.7 us more or less from one process to the next with its placement
@@ -114,6 +120,12 @@ GATE_THREADS = 256
 SAMPLE_SIZE = 2048  # elements of each output of a call read at its end (`DeviceTimer.read_at_end`; all, if fewer)
 MAX_SAMPLED_OUTPUTS = 16  # outputs of one call the close kernel reads (more are read before it)
 MAX_SAMPLED_DIMS = 8  # dimensions of a non-contiguous output the close kernel reads (more: made contiguous first)
+PROJECTIONS = 4  # secret +-1 projections of every output of a GPU call (`projection`)
+# The close kernel's codes of the dtypes it projects (complex: two parts per element; others are
+# projected before it, inside the call's interval)
+PROJECTED_KINDS = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.uint8: 5,
+                   torch.bool: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9,
+                   torch.complex32: 10, torch.complex64: 11, torch.complex128: 12}
 
 _GATE_SOURCE = r"""
 #define THREADS GATE_THREADS
@@ -155,9 +167,11 @@ cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned 
 // elements of `src` (`numel` elements of `elem_size` bytes, `ndim` sizes and strides, in
 // elements) at positions drawn from the close's seed (all of them, in order, if count == numel),
 // copied to `values`; the positions to `positions` (if not null).
+// `kind` (`PROJECTED_KINDS`; 0: none) and `proj` (4 doubles, zeroed before the open gate): the
+// output's projections on secret +-1 weights over every element (see `projection`).
 struct Sampled {
-    unsigned long long src, values, positions;
-    long long numel, count, elem_size, ndim;
+    unsigned long long src, values, positions, proj;
+    long long numel, count, elem_size, ndim, kind;
     long long sizes[MAX_DIMS], strides[MAX_DIMS];
 };
 struct Samples {
@@ -170,9 +184,107 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+// One real component of an element as a double: kinds 1 f32, 2 f64, 3 f16, 4 bf16, 5 u8/bool,
+// 6 i8, 7 i16, 8 i32, 9 i64 (complex outputs: their parts' kind, two per element)
+__device__ __forceinline__ double component(const volatile unsigned char* p, int kind) {
+    switch (kind) {
+    case 1: return (double)*(const volatile float*)p;
+    case 2: return *(const volatile double*)p;
+    case 3: { unsigned short b = *(const volatile unsigned short*)p; float f;
+              asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(b)); return (double)f; }
+    case 4: return (double)__uint_as_float((unsigned int)*(const volatile unsigned short*)p << 16);
+    case 5: return (double)*(const volatile unsigned char*)p;
+    case 6: return (double)*(const volatile signed char*)p;
+    case 7: return (double)*(const volatile short*)p;
+    case 8: return (double)*(const volatile int*)p;
+    default: return (double)*(const volatile long long*)p;
+    }
+}
+// Every element of output `o` (its real components in row-major order, i) times weights +-1
+// from bits 0..3 of a hash of (seed, o, i), summed in fp64 into proj[0..3] (`projection` is the
+// same on the host). Out of line: its loop then has the registers to itself.
+struct Acc { double a0, a1, a2, a3; };
+__device__ __forceinline__ void accumulate(double x, unsigned long long i, unsigned int s0, unsigned int s1, Acc& acc) {
+    unsigned int h = mix32((unsigned int)i ^ s0);
+    if (i >> 32) h = mix32(h ^ (unsigned int)(i >> 32) ^ s1);
+    acc.a0 += (h & 1u) ? -x : x;
+    acc.a1 += (h & 2u) ? -x : x;
+    acc.a2 += (h & 4u) ? -x : x;
+    acc.a3 += (h & 8u) ? -x : x;
+}
+__device__ __noinline__ void add_block(Acc acc, double* proj) {
+    for (int k = 16; k > 0; k >>= 1) {
+        acc.a0 += __shfl_down_sync(0xffffffffu, acc.a0, k);
+        acc.a1 += __shfl_down_sync(0xffffffffu, acc.a1, k);
+        acc.a2 += __shfl_down_sync(0xffffffffu, acc.a2, k);
+        acc.a3 += __shfl_down_sync(0xffffffffu, acc.a3, k);
+    }
+    __shared__ double partial[THREADS / 32][4];
+    const int warp = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) {
+        partial[warp][0] = acc.a0; partial[warp][1] = acc.a1; partial[warp][2] = acc.a2; partial[warp][3] = acc.a3;
+    }
+    __syncthreads();
+    if (threadIdx.x < 4) {
+        double sum = 0.0;
+        for (int w = 0; w < THREADS / 32; ++w) sum += partial[w][threadIdx.x];
+        atomicAdd(proj + threadIdx.x, sum);
+    }
+    __syncthreads();
+}
+template <int KIND, typename T>
+__device__ __noinline__ void project_dense(const T* src, unsigned long long n, unsigned int s0, unsigned int s1, double* proj) {
+    const volatile T* p = (const volatile T*)src;
+    const unsigned long long stride = (unsigned long long)gridDim.x * THREADS;
+    Acc acc = {0.0, 0.0, 0.0, 0.0};
+    for (unsigned long long i = blockIdx.x * THREADS + threadIdx.x; i < n; i += stride)
+        accumulate(component((const volatile unsigned char*)(p + i), KIND), i, s0, s1, acc);
+    add_block(acc, proj);
+}
+__device__ __noinline__ void project_strided(const Sampled& s, unsigned int s0, unsigned int s1) {
+    // complex: two parts of kind 3 (complex32), 1 (complex64) or 2 (complex128) per element
+    const int parts = s.kind >= 10 ? 2 : 1, kind = s.kind == 10 ? 3 : s.kind == 11 ? 1 : s.kind == 12 ? 2 : (int)s.kind;
+    const long long part_size = s.elem_size / parts;
+    const unsigned long long n = (unsigned long long)s.numel * parts, stride = (unsigned long long)gridDim.x * THREADS;
+    Acc acc = {0.0, 0.0, 0.0, 0.0};
+    for (unsigned long long i = blockIdx.x * THREADS + threadIdx.x; i < n; i += stride) {
+        long long off = 0, rest = (long long)(parts == 2 ? i >> 1 : i);
+        for (int d = (int)s.ndim - 1; d >= 0; --d) {
+            off += (rest % s.sizes[d]) * s.strides[d];
+            rest /= s.sizes[d];
+        }
+        accumulate(component((const volatile unsigned char*)s.src + off * s.elem_size + (i & (parts - 1)) * part_size, kind),
+                   i, s0, s1, acc);
+    }
+    add_block(acc, (double*)s.proj);
+}
+__device__ void project(const Sampled& s, int o, unsigned long long seed) {
+    const unsigned int s0 = (unsigned int)seed ^ mix32(2u * o + 1u), s1 = (unsigned int)(seed >> 32) ^ mix32(2u * o + 2u);
+    if (!(s.ndim == 1 && s.strides[0] == 1)) { project_strided(s, s0, s1); return; }
+    double* proj = (double*)s.proj;
+    const unsigned long long n = (unsigned long long)s.numel;  // contiguous: no index arithmetic
+    switch (s.kind) {
+    case 1: project_dense<1>((const float*)s.src, n, s0, s1, proj); break;
+    case 2: project_dense<2>((const double*)s.src, n, s0, s1, proj); break;
+    case 3: project_dense<3>((const unsigned short*)s.src, n, s0, s1, proj); break;
+    case 4: project_dense<4>((const unsigned short*)s.src, n, s0, s1, proj); break;
+    case 5: project_dense<5>((const unsigned char*)s.src, n, s0, s1, proj); break;
+    case 6: project_dense<6>((const signed char*)s.src, n, s0, s1, proj); break;
+    case 7: project_dense<7>((const short*)s.src, n, s0, s1, proj); break;
+    case 8: project_dense<8>((const int*)s.src, n, s0, s1, proj); break;
+    case 9: project_dense<9>((const long long*)s.src, n, s0, s1, proj); break;
+    case 10: project_dense<3>((const unsigned short*)s.src, 2 * n, s0, s1, proj); break;  // complex: parts in a row
+    case 11: project_dense<1>((const float*)s.src, 2 * n, s0, s1, proj); break;
+    default: project_dense<2>((const double*)s.src, 2 * n, s0, s1, proj); break;
+    }
+}
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns, unsigned long long* stamps,
-                   const Samples samples) {
+                   const __grid_constant__ Samples samples) {
     __shared__ int gave_up;
     if (threadIdx.x == 0) {
         gave_up = 0;
@@ -211,6 +323,8 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
             if (s.positions) ((long long*)s.positions)[i] = flat;
         }
     }
+    for (int o = 0; o < (int)samples.n; ++o)
+        if (samples.out[o].proj) project(samples.out[o], o, samples.seed);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -237,8 +351,9 @@ class _Sampled(ctypes.Structure):
     """The close kernel's `Sampled` (one output it reads; see the source above)."""
 
     _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
-                ("numel", ctypes.c_int64), ("count", ctypes.c_int64), ("elem_size", ctypes.c_int64),
-                ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_SAMPLED_DIMS),
+                ("proj", ctypes.c_uint64), ("numel", ctypes.c_int64), ("count", ctypes.c_int64),
+                ("elem_size", ctypes.c_int64), ("ndim", ctypes.c_int64), ("kind", ctypes.c_int64),
+                ("sizes", ctypes.c_int64 * MAX_SAMPLED_DIMS),
                 ("strides", ctypes.c_int64 * MAX_SAMPLED_DIMS)]
 
 
@@ -308,21 +423,111 @@ def _cudart() -> Any | None:
     return None
 
 
+_M32 = 0xFFFFFFFF
+_PROJECTION_CHUNK = 1 << 22  # elements per step of `projection`
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """x * c mod 2**32 for x in [0, 2**32) (ints or int64 tensors: no product passes 2**49)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Any) -> Any:
+    """The close kernel's `mix32` (a 32-bit integer hash), on ints or int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def projection(t: torch.Tensor, seed: int, index: int) -> torch.Tensor:
+    """Output `index` of a call projected as the close kernel projects it (float64, on `t`'s
+    device): `PROJECTIONS` sums over every real component x_i of `t` (row-major; a complex
+    element's real then imaginary part) of w_ki * x_i, with w_ki = +1 or -1 from bit k of a hash
+    of (`seed`, `index`, i); then sum |x_i| and sum x_i^2 over the finite components, and the
+    number of components that are not finite (the parent's bound on honest differences,
+    `cudagym.rewards.compare.projection_mismatch`, uses these three).
+
+    Weights drawn after the call returned are independent of an honest kernel's rounding, so
+    its projections differ from the reference's by a Rademacher sum of its per-element errors;
+    an output not computed in full differs by a sum of unbounded ones."""
+    x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+    x = x.reshape(-1)
+    s0 = (seed & _M32) ^ _mix32(2 * index + 1)
+    s1 = ((seed >> 32) & _M32) ^ _mix32(2 * index + 2)
+    sums = torch.zeros(PROJECTIONS + 3, dtype=torch.float64, device=t.device)
+    for lo in range(0, x.numel(), _PROJECTION_CHUNK):
+        part = x[lo:lo + _PROJECTION_CHUNK].to(torch.float64)
+        i = torch.arange(lo, lo + part.numel(), dtype=torch.int64, device=t.device)
+        h = _mix32((i & _M32) ^ s0)
+        if lo + part.numel() > 1 << 32:
+            h = torch.where(i >> 32 != 0, _mix32(h ^ (i >> 32) ^ s1), h)
+        for k in range(PROJECTIONS):
+            sums[k] += torch.where((h >> k) & 1 == 1, -part, part).sum()
+        finite = torch.isfinite(part)
+        kept = torch.where(finite, part, 0.0)
+        sums[PROJECTIONS] += kept.abs().sum()
+        sums[PROJECTIONS + 1] += (kept * kept).sum()
+        sums[PROJECTIONS + 2] += (~finite).sum()
+    return sums
+
+
+def touch_pages(out: Any) -> None:
+    """Read every page of each CPU tensor in `out` (a tensor, or a list or tuple of them): the
+    CPU target's close, inside the call's interval, so that an output whose pages are filled when
+    first read (a fault handler, a lazy mapping) is filled, and timed, there. A contiguous
+    tensor is read one byte per 4 KB; any other tensor, in full."""
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if type(t) is not torch.Tensor or t.is_cuda or t.is_sparse or t.numel() == 0 or t.device.type == "meta":
+            continue
+        if t.is_contiguous():
+            raw = t.detach().reshape(-1).view(torch.uint8)
+            _ = int(raw[::4096].sum()) + int(raw[-1])
+        else:
+            t.detach().abs().sum() if not t.is_complex() else torch.view_as_real(t.detach()).abs().sum()
+
+
+class Evidence(NamedTuple):
+    """What `DeviceTimer.read_at_end` read of one output at a call's end."""
+
+    values: torch.Tensor  # the sampled values (all of them, in the output's shape, if positions is None)
+    positions: torch.Tensor | None  # their flat (row-major) positions
+    projections: torch.Tensor | None  # GPU: `PROJECTIONS` float64 sums (`projection`); None on the CPU target
+    seed: int  # the call's secret seed of the positions and weights, drawn after the call returned
+
+
+class _Reading:
+    """What the close kernel reads of one call (GPU), gathered by `read_at_end` while `after` runs."""
+
+    def __init__(self, seed: int, projections: torch.Tensor | None):
+        self.samples = _Samples(seed=seed)
+        self.kept: list[torch.Tensor] = []  # alive until the close kernel has read them
+        self.projections = projections  # (MAX_SAMPLED_OUTPUTS, PROJECTIONS), zeroed before the open gate
+        self.outputs = 0  # outputs read so far (each one's index in the weights' hash)
+        self.projected_bytes = 0  # bytes of the outputs the close kernel projects
+
+
 class Calibration(NamedTuple):
     """What a timer leaves out of each GPU call (`DeviceTimer.calibrate`)."""
 
     overhead_ns: int  # the interval of a call that launches nothing, less its read phase
     read_cap_ns: int  # the most of a call's own read phase left out of it (0: none is)
+    read_ps_per_byte: float = 0.0  # the read phase's growth per byte projected beyond CALIBRATION_BYTES
 
     @classmethod
-    def measured(cls, overhead_ns: float, read_ns: float) -> Calibration:
+    def measured(cls, overhead_ns: float, read_ns: float, read_ps_per_byte: float = 0.0) -> Calibration:
         """From a calibration's medians: the overhead, at most `MAX_OVERHEAD_NS`; the read
-        phase, plus `READ_SLACK_NS`, as the cap."""
-        return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS)
+        phase, plus `READ_SLACK_NS`, as the cap; the cap's growth per projected byte plus
+        `READ_SLACK_REL`."""
+        return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS,
+                   max(float(read_ps_per_byte), 0.0) * (1 + READ_SLACK_REL))
 
-    def left_out_ns(self, read_ns: int) -> int:
-        """What is left out of a call whose close took `read_ns` to read its outputs."""
-        return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns)
+    def left_out_ns(self, read_ns: int, projected_bytes: int = 0) -> int:
+        """What is left out of a call whose close took `read_ns` to read its outputs and to
+        project `projected_bytes` of them."""
+        cap = self.read_cap_ns + int(self.read_ps_per_byte * max(projected_bytes - CALIBRATION_BYTES, 0) / 1000)
+        return self.overhead_ns + min(max(read_ns, 0), cap)
 
 
 class DeviceTimer:
@@ -364,7 +569,7 @@ class DeviceTimer:
         self.host_ms: float | None = None
         self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
         # while `call`'s `after` runs: what the close kernel will read, and the tensors it reads
-        self._reading: tuple[_Samples, list[torch.Tensor]] | None = None
+        self._reading: _Reading | None = None
 
     def flush(self) -> None:
         """The CPU target's cache flush (on a GPU, the open gate kernel reads the buffer)."""
@@ -396,9 +601,14 @@ class DeviceTimer:
             self.flush()
             t0 = self._perf()
             out = fn(*args)
+            touch_pages(out)  # the close: every page of the output is there, within the interval
             ms = self.host_ms = (self._perf() - t0) * 1e3
             if after is not None:
-                after(out)
+                self._reading = _Reading(_randbits(64), None)  # drawn after the call returned
+                try:
+                    after(out)
+                finally:
+                    self._reading = None
             return out, ms
         # one stream for the gates, the events and the call (see the module's text): the caller's
         stream = torch.cuda.current_stream(self.device)
@@ -409,29 +619,32 @@ class DeviceTimer:
             self._cudart.cudaCtxResetPersistingL2Cache()
         plan, n_copies = (copies, copies.numel() // 3) if copies is not None else (self._gate, 0)
         self._stamps.zero_()
+        # the close kernel adds each output's projections here (zeroed now: no kernel of the harness's between call and close)
+        projections = (torch.zeros(MAX_SAMPLED_OUTPUTS, PROJECTIONS, dtype=torch.float64, device=self.device)
+                       if after is not None else None)
         self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps],
                    stream=stream)
         opened = self._perf()
         marks[0].record(stream)
         out = fn(*args)
-        samples, kept = _Samples(seed=secrets.randbits(64)), []  # the seed is drawn after the call returned
+        reading = _Reading(_randbits(64), projections)  # the seed is drawn after the call returned
         with torch.cuda.stream(stream):  # the call may have left another stream current
             if after is not None:
-                self._reading = samples, kept
+                self._reading = reading
                 try:
                     after(out)
                 finally:
                     self._reading = None
-            self._launch_close(samples, stream)
+            self._launch_close(reading.samples, stream)
             self.host_ms = (self._perf() - opened) * 1e3
             marks[1].record(stream)
         self._sync()
-        kept.clear()
+        reading.kept.clear()
         marks[2].record(stream)
         marks[2].synchronize()
         read_ns = self.read_phase_ns if self.calibration.read_cap_ns else 0
         return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]),
-                            self.calibration.left_out_ns(read_ns))
+                            self.calibration.left_out_ns(read_ns, reading.projected_bytes))
 
     @property
     def stamps_ns(self) -> tuple[int, int, int, int]:
@@ -446,39 +659,53 @@ class DeviceTimer:
         _, _, last, leave = self.stamps_ns
         return leave - last  # (`Calibration.left_out_ns` bounds it)
 
-    def read_at_end(self, t: torch.Tensor, count: int = SAMPLE_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read_at_end(self, t: torch.Tensor, count: int = SAMPLE_SIZE) -> Evidence:
         """`count` values of `t` at secret random flat (row-major) positions, and the positions;
-        or, if `t` has no more than `count` elements, all its values in its shape, and None.
+        or, if `t` has no more than `count` elements, all its values in its shape, and None; on
+        a GPU, with `t`'s projections (`projection`: over every element, with weights from the
+        same seed).
 
         On a GPU, from `call`'s `after`: the close kernel reads them once it holds every SM, so
         nothing the call launched, on any stream, can still be writing `t` (a copy engine's copy
-        is read half done) or start writing it before they are read; the positions come from a
-        seed drawn after the call returned. The tensors hold them once `call` returns. Elsewhere,
-        and for outputs past `MAX_SAMPLED_OUTPUTS` in one call, they are read at once."""
+        is read half done) or start writing it before they are read; the positions and weights
+        come from a seed drawn after the call returned. The tensors hold them once `call`
+        returns. Elsewhere, and for outputs past `MAX_SAMPLED_OUTPUTS` in one call or of a dtype
+        the close kernel does not project, they are read at once (on a GPU, still inside the
+        call's interval)."""
         t = t.detach()
         everything = t.numel() <= count
         reading = self._reading
-        if reading is None or not t.is_cuda or t.numel() == 0 or reading[0].n >= MAX_SAMPLED_OUTPUTS:
+        seed = reading.samples.seed if reading is not None else _randbits(64)
+        index = reading.outputs if reading is not None else 0
+        if reading is not None:
+            reading.outputs += 1
+        kind = PROJECTED_KINDS.get(t.dtype, 0)
+        if (reading is None or not t.is_cuda or t.numel() == 0 or reading.samples.n >= MAX_SAMPLED_OUTPUTS
+                or kind == 0 or reading.projections is None):
+            projections = projection(t, seed, index)[:PROJECTIONS] if t.is_cuda else None
             if everything:
-                return t.clone(), None
-            gen = torch.Generator(device=t.device).manual_seed(secrets.randbits(62))
+                return Evidence(t.clone(), None, projections, seed)
+            gen = torch.Generator(device=t.device).manual_seed(seed & (2**62 - 1))
             idx = torch.randint(t.numel(), (count,), device=t.device, generator=gen)
-            return t.reshape(-1)[idx], idx
-        samples, kept = reading
+            return Evidence(t.reshape(-1)[idx], idx, projections, seed)
+        samples = reading.samples
         if t.dim() > MAX_SAMPLED_DIMS and not t.is_contiguous():
             t = t.contiguous()
         n = t.numel() if everything else count
         values = torch.empty(n, dtype=t.dtype, device=t.device)
         positions = None if everything else torch.empty(n, dtype=torch.int64, device=t.device)
         shape, strides = ([t.numel()], [1]) if t.is_contiguous() else (list(t.shape), list(t.stride()))
+        projections = reading.projections[samples.n]
         s = samples.out[samples.n]
         s.src, s.values, s.positions = t.data_ptr(), values.data_ptr(), 0 if positions is None else positions.data_ptr()
+        s.proj, s.kind = projections.data_ptr(), kind
         s.numel, s.count, s.elem_size, s.ndim = t.numel(), n, t.element_size(), len(shape)
         for d, (size, stride) in enumerate(zip(shape, strides)):
             s.sizes[d], s.strides[d] = size, stride
         samples.n += 1
-        kept.append(t)  # alive until the close kernel has read it
-        return (values.view(t.shape) if everything else values), positions
+        reading.projected_bytes += t.numel() * t.element_size()
+        reading.kept.append(t)  # alive until the close kernel has read it
+        return Evidence(values.view(t.shape) if everything else values, positions, projections, seed)
 
     def _launch_close(self, samples: _Samples, stream: torch.cuda.Stream) -> None:
         """The close kernel on `stream` (launched here: torch's kernel handles pass no structs
@@ -497,12 +724,14 @@ class DeviceTimer:
         The median over `calls` (default `CALIBRATION_CALLS`) calls that launch nothing, an output
         read at the call's end as a call's is, through this timer's gate, flush and window, of the
         call's interval less its read phase: capped at `MAX_OVERHEAD_NS`; the read phase's median
-        plus `READ_SLACK_NS` caps what is left out of a call for its own. Run it before any
-        candidate code loads. The CPU target has none."""
+        plus `READ_SLACK_NS` caps what is left out of a call for its own. Then
+        `LARGE_CALIBRATION_CALLS` such calls with an output of `LARGE_CALIBRATION_BYTES`: the read
+        phase's growth per byte projected (plus `READ_SLACK_REL`) raises that cap for a call with
+        larger outputs. Run it before any candidate code loads. The CPU target has none."""
         if not self.cuda:
             self.calibration = Calibration(0, 0)
             return self.calibration
-        output = torch.zeros(1 << 18, device=self.device)  # read at each call's end as a call's output is
+        output = torch.zeros(CALIBRATION_BYTES // 4, device=self.device)  # read at each call's end as a call's output is
 
         def read(_: Any) -> None:
             self.read_at_end(output)
@@ -517,13 +746,25 @@ class DeviceTimer:
             timed.append((ms * 1e6 - read_ns, read_ns, self.host_ms or 0.0))
         # a call the host launched after the window's end holds that lateness: not the timer's own
         on_time = [t for t in timed if t[2] <= self.window_ms] or timed
-        self.calibration = Calibration.measured(statistics.median(t[0] for t in on_time),
-                                                statistics.median(t[1] for t in on_time))
+        read_ns = statistics.median(t[1] for t in on_time)
+        large = torch.zeros(LARGE_CALIBRATION_BYTES // 4, device=self.device)
+        large_ns = []
+        for _ in range(LARGE_CALIBRATION_CALLS):
+            self.call(lambda: None, [], lambda _: self.read_at_end(large))
+            large_ns.append(self.read_phase_ns)
+        del large
+        per_byte_ps = (statistics.median(large_ns) - read_ns) * 1000 / (LARGE_CALIBRATION_BYTES - CALIBRATION_BYTES)
+        self.calibration = Calibration.measured(statistics.median(t[0] for t in on_time), read_ns, per_byte_ps)
         return self.calibration
 
     def close_timeouts(self) -> int:
         """Calls so far whose close kernel gave up (timed to the device-wide synchronize)."""
         return int(self._gate[2].item()) if self.cuda else 0
+
+
+def _randbits(k: int) -> int:
+    """`k` secret random bits (the calls' seeds of positions and weights)."""
+    return secrets.randbits(k)
 
 
 def call_ms(end_ms: float, last_ms: float, left_out_ns: int) -> float:
