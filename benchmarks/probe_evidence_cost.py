@@ -36,7 +36,7 @@ def main() -> None:
     cal = timer.calibrate()
     label = "samples only" if args.no_projection else "samples + projections"
     print(f"{torch.cuda.get_device_name()} ({label}): overhead {cal.overhead_ns} ns, read cap {cal.read_cap_ns} ns, "
-          f"{cal.read_ps_per_byte:.3f} ps/byte projected")
+          f"{cal.read_ps_per_element:.3f} ps per element projected, {cal.read_ps_per_strided_element:.3f} strided")
     outputs = {f"fp32 {n >> 10} KB": torch.randn(n // 4, device="cuda") for n in
                (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)}
     outputs["fp16 64 MB"] = torch.randn(1 << 25, device="cuda").half()

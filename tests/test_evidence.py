@@ -67,6 +67,20 @@ def test_the_weights_depend_on_the_seed_and_the_output_and_complex_parts_count_t
     assert torch.equal(projection(c, 7, 0), projection(torch.view_as_real(c), 7, 0))
 
 
+def test_the_read_phase_left_out_grows_with_what_the_close_projects_and_no_more() -> None:
+    """The close's projections take time per element: a call's read phase is left out up to the
+    calibration's, plus the calibrated time per element beyond the calibration's output (+10%)."""
+    from cudagym.sandbox.timing import CALIBRATION_ELEMENTS, READ_SLACK_NS, READ_SLACK_REL, Calibration
+
+    cal = Calibration.measured(4_000, 10_000, 2.0, 20.0)
+    extra = 10**6
+    dense_cap = 10_000 + READ_SLACK_NS + int(2.0 * (1 + READ_SLACK_REL) * extra / 1000)
+    assert cal.left_out_ns(10**9, CALIBRATION_ELEMENTS + extra) == 4_000 + dense_cap
+    assert cal.left_out_ns(10**9, CALIBRATION_ELEMENTS) == 4_000 + 10_000 + READ_SLACK_NS
+    assert cal.left_out_ns(10**9, 0, extra) == 4_000 + 10_000 + READ_SLACK_NS + int(20.0 * (1 + READ_SLACK_REL) * extra / 1000)
+    assert cal.left_out_ns(7_000, CALIBRATION_ELEMENTS + extra) == 4_000 + 7_000  # as measured, below the cap
+
+
 def test_the_cpu_close_reads_every_page_of_the_output_inside_the_interval() -> None:
     """`touch_pages` runs between the call's return and the end of its interval: a fault handler
     or a lazy mapping is served there (here: the pages it read, seen from a tensor whose reads

@@ -28,14 +28,17 @@ CUDA: CUDA events on the caller's stream, no profiler. Per call:
    changed the current stream): the same blocks, which go on only once all of them have been
    resident at once, so once no kernel of the call, on any stream, still holds an SM. While they
    all still hold the SMs they read the call's output samples (`DeviceTimer.read_at_end`: secret
-   positions from a seed drawn after the call returned), then exit. Then the end event. The close
-   kernel is issued after the call returned on the host, so host work that ends after the window
-   is timed;
+   positions from a seed drawn after the call returned) and project every element of every
+   output on secret +-1 weights from the same seed (`projection`), then exit. Then the end
+   event. The close kernel is issued after the call returned on the host, so host work that
+   ends after the window is timed, and every page of the output is read (a lazily mapped or
+   managed one is there) before the end event;
 5. synchronize the device, then a last event; the call's time is read.
 
 A call's time is end event less start event, less the close's *read phase* (from its last block's
 arrival to its last block's exit, on the device clock: `DeviceTimer.stamps_ns`; at most
-`READ_SLACK_NS` more than the calibration's), less the harness's overhead: that same
+`READ_SLACK_NS` more than the calibration's, plus the calibrated time per element projected
+beyond the calibration's output, plus `READ_SLACK_REL` of it), less the harness's overhead: that same
 interval for a call that launches nothing (its output read by the close as a call's is), the
 median of `CALIBRATION_CALLS` calls, measured by each timing job before any candidate code is
 loaded (`harness.job_timer`), at most `MAX_OVERHEAD_NS`. So a call that launches nothing reads
@@ -73,7 +76,20 @@ every stream) instruments kernels: it slowed kernels of many short-lived blocks 
 H200 and left torch's, cuBLAS's and Triton's alone (`benchmarks/probe_ncu_gap.py`), a bias
 against honest candidates of a common style.
 
-CPU: the wall clock around the call, after reading a buffer larger than the LLC.
+CPU: the wall clock around the call, after reading a buffer larger than the LLC; the interval
+ends once every page of the output has been read (`touch_pages`), so a page filled when first
+read (a fault handler, a lazy mapping) is filled inside it.
+
+Evidence (what the parent re-checks, `cudagym.rewards.compare`): each output's samples, their
+positions and (GPU) its projections are sent on the pipe before the worker asks for the next
+call, so nothing the candidate runs later (its next call, a finalizer, a kernel writing the
+worker's page-locked result memory) can change them. The projections make a sample rewritten
+before that (by code running beside the harness) worthless without the whole output: the
+weights are drawn after the call returned, so an honest output's projections differ from the
+reference's by a Rademacher sum of its per-element errors (bounded by the tolerance), and an
+output computed only where it was sampled differs by a sum of large ones. Cost per GPU call (H100,
+`benchmarks/probe_evidence_cost.py`): 2.6 ps of close kernel per fp32 element (+1.5 us at 1 MB,
++42 us at 64 MB), left out of the reported time; ~40 us of host time per output to send it.
 
 Per-call times are in milliseconds. Statistics are computed by the parent (`TimingStats`).
 """
@@ -101,11 +117,14 @@ import torch
 PROTOCOL_VERSION = "gated-events-11"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
-CALIBRATION_BYTES = 1 << 20  # the output those calls' close reads (and projects)
-# then this many with an output of LARGE_CALIBRATION_BYTES: the close's time per byte projected
+CALIBRATION_ELEMENTS = 1 << 18  # the fp32 output those calls' close reads (and projects)
+# then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed
+# one of STRIDED_CALIBRATION_ELEMENTS: the close's time per element projected (H100: 2.6 ps per
+# contiguous fp32 element, 2 bytes or 4 alike: the hash and fp64 sums, not the reads, bound it)
 LARGE_CALIBRATION_CALLS = 10
-LARGE_CALIBRATION_BYTES = 1 << 26
-READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projected bytes' share of it plus this
+LARGE_CALIBRATION_ELEMENTS = 1 << 24
+STRIDED_CALIBRATION_ELEMENTS = 1 << 22
+READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projections' share of it plus this
 # Sizes of the allocation held across each GPU call in turn (`drive_calls`), so that what a call
 # allocates (its output) lands at other addresses from one call to the next: a one-op call of a few
 # microseconds reads 0.3-0.7 us more or less from one process to the next with its placement
@@ -505,7 +524,8 @@ class _Reading:
         self.kept: list[torch.Tensor] = []  # alive until the close kernel has read them
         self.projections = projections  # (MAX_SAMPLED_OUTPUTS, PROJECTIONS), zeroed before the open gate
         self.outputs = 0  # outputs read so far (each one's index in the weights' hash)
-        self.projected_bytes = 0  # bytes of the outputs the close kernel projects
+        self.dense = 0  # what the close kernel projects: contiguous elements (max(elements, bytes / 4) per output)
+        self.strided = 0  # and others
 
 
 class Calibration(NamedTuple):
@@ -513,21 +533,27 @@ class Calibration(NamedTuple):
 
     overhead_ns: int  # the interval of a call that launches nothing, less its read phase
     read_cap_ns: int  # the most of a call's own read phase left out of it (0: none is)
-    read_ps_per_byte: float = 0.0  # the read phase's growth per byte projected beyond CALIBRATION_BYTES
+    # the cap's growth per element projected beyond CALIBRATION_ELEMENTS, contiguous (counted as
+    # max(elements, bytes / 4)) and not (ps)
+    read_ps_per_element: float = 0.0
+    read_ps_per_strided_element: float = 0.0
 
     @classmethod
-    def measured(cls, overhead_ns: float, read_ns: float, read_ps_per_byte: float = 0.0) -> Calibration:
+    def measured(cls, overhead_ns: float, read_ns: float, per_element_ps: float = 0.0,
+                 per_strided_element_ps: float = 0.0) -> Calibration:
         """From a calibration's medians: the overhead, at most `MAX_OVERHEAD_NS`; the read
-        phase, plus `READ_SLACK_NS`, as the cap; the cap's growth per projected byte plus
+        phase, plus `READ_SLACK_NS`, as the cap; the cap's growth per projected element, plus
         `READ_SLACK_REL`."""
         return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS,
-                   max(float(read_ps_per_byte), 0.0) * (1 + READ_SLACK_REL))
+                   max(float(per_element_ps), 0.0) * (1 + READ_SLACK_REL),
+                   max(float(per_strided_element_ps), 0.0) * (1 + READ_SLACK_REL))
 
-    def left_out_ns(self, read_ns: int, projected_bytes: int = 0) -> int:
+    def left_out_ns(self, read_ns: int, dense: int = 0, strided: int = 0) -> int:
         """What is left out of a call whose close took `read_ns` to read its outputs and to
-        project `projected_bytes` of them."""
-        cap = self.read_cap_ns + int(self.read_ps_per_byte * max(projected_bytes - CALIBRATION_BYTES, 0) / 1000)
-        return self.overhead_ns + min(max(read_ns, 0), cap)
+        project `dense` contiguous elements (max(elements, bytes / 4) of each) and `strided`
+        others."""
+        grown = self.read_ps_per_element * max(dense - CALIBRATION_ELEMENTS, 0) + self.read_ps_per_strided_element * strided
+        return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns + int(grown / 1000))
 
 
 class DeviceTimer:
@@ -644,7 +670,7 @@ class DeviceTimer:
         marks[2].synchronize()
         read_ns = self.read_phase_ns if self.calibration.read_cap_ns else 0
         return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]),
-                            self.calibration.left_out_ns(read_ns, reading.projected_bytes))
+                            self.calibration.left_out_ns(read_ns, reading.dense, reading.strided))
 
     @property
     def stamps_ns(self) -> tuple[int, int, int, int]:
@@ -703,7 +729,10 @@ class DeviceTimer:
         for d, (size, stride) in enumerate(zip(shape, strides)):
             s.sizes[d], s.strides[d] = size, stride
         samples.n += 1
-        reading.projected_bytes += t.numel() * t.element_size()
+        if t.is_contiguous():
+            reading.dense += max(t.numel(), t.numel() * t.element_size() // 4)
+        else:
+            reading.strided += t.numel()
         reading.kept.append(t)  # alive until the close kernel has read it
         return Evidence(values.view(t.shape) if everything else values, positions, projections, seed)
 
@@ -725,13 +754,14 @@ class DeviceTimer:
         read at the call's end as a call's is, through this timer's gate, flush and window, of the
         call's interval less its read phase: capped at `MAX_OVERHEAD_NS`; the read phase's median
         plus `READ_SLACK_NS` caps what is left out of a call for its own. Then
-        `LARGE_CALIBRATION_CALLS` such calls with an output of `LARGE_CALIBRATION_BYTES`: the read
-        phase's growth per byte projected (plus `READ_SLACK_REL`) raises that cap for a call with
+        `LARGE_CALIBRATION_CALLS` such calls with a contiguous output of `LARGE_CALIBRATION_ELEMENTS`
+        and as many with a transposed one of `STRIDED_CALIBRATION_ELEMENTS`: the read phase's
+        growth per element projected (plus `READ_SLACK_REL`) raises that cap for a call with
         larger outputs. Run it before any candidate code loads. The CPU target has none."""
         if not self.cuda:
             self.calibration = Calibration(0, 0)
             return self.calibration
-        output = torch.zeros(CALIBRATION_BYTES // 4, device=self.device)  # read at each call's end as a call's output is
+        output = torch.zeros(CALIBRATION_ELEMENTS, device=self.device)  # read at each call's end as a call's output is
 
         def read(_: Any) -> None:
             self.read_at_end(output)
@@ -747,14 +777,21 @@ class DeviceTimer:
         # a call the host launched after the window's end holds that lateness: not the timer's own
         on_time = [t for t in timed if t[2] <= self.window_ms] or timed
         read_ns = statistics.median(t[1] for t in on_time)
-        large = torch.zeros(LARGE_CALIBRATION_BYTES // 4, device=self.device)
-        large_ns = []
-        for _ in range(LARGE_CALIBRATION_CALLS):
-            self.call(lambda: None, [], lambda _: self.read_at_end(large))
-            large_ns.append(self.read_phase_ns)
-        del large
-        per_byte_ps = (statistics.median(large_ns) - read_ns) * 1000 / (LARGE_CALIBRATION_BYTES - CALIBRATION_BYTES)
-        self.calibration = Calibration.measured(statistics.median(t[0] for t in on_time), read_ns, per_byte_ps)
+
+        def read_phase(t: torch.Tensor) -> float:
+            phases = []
+            for _ in range(LARGE_CALIBRATION_CALLS):
+                self.call(lambda: None, [], lambda _: self.read_at_end(t))
+                phases.append(self.read_phase_ns)
+            return statistics.median(phases)
+
+        dense = read_phase(torch.zeros(LARGE_CALIBRATION_ELEMENTS, device=self.device))
+        side = int(STRIDED_CALIBRATION_ELEMENTS ** 0.5)
+        strided = read_phase(torch.zeros(side, side, device=self.device).t())
+        self.calibration = Calibration.measured(
+            statistics.median(t[0] for t in on_time), read_ns,
+            (dense - read_ns) * 1000 / (LARGE_CALIBRATION_ELEMENTS - CALIBRATION_ELEMENTS),
+            (strided - read_ns) * 1000 / (side * side))
         return self.calibration
 
     def close_timeouts(self) -> int:
