@@ -78,7 +78,7 @@ def milestone_verdict(
     timing = dict(audit=audit)
     if profile_result is None or not profile_result.ok:
         why = profile_result.error if profile_result else "not profiled"
-        if profile_result is not None and profile_result.error_kind is not None and profile_result.error_kind.value != "internal":
+        if profile_result is not None and profile_result.error_kind is not None and profile_result.error_kind.value not in ("internal", "device_busy"):
             reasons.extend(profile_result.reasons or [f"profile failed: {why}"])
             return Verdict(reward=cfg.fail, milestone="failed", compiled=True, correct=False, reasons=reasons,
                            error=why, error_kind=profile_result.error_kind, **timing, **base)

@@ -27,6 +27,12 @@ class JobOutcome:
     wait_s: float = 0.0  # waiting for a spare worker to be ready (start-up not yet done)
     lease_wait_s: float = 0.0  # then waiting for the device (a GPU's lease, the CPU's slots)
     phases: dict[str, float] = field(default_factory=dict)  # the worker's own time per phase (s)
+    # a timing job: another process used its GPU before or during it (what was seen); the
+    # timing is not valid
+    device_busy: str | None = None
+    # a timing job: the host's load during its timed loops (`QuietWindows.load`): windows,
+    # window_s, host_busy_s, job_busy_s, parent_busy_s, other_cores, frozen_jobs, frozen_processes
+    host_load: dict[str, Any] = field(default_factory=dict)
 
 
 # Answers a worker's request during its job: `responder(request, arrived_s)` gets the request

@@ -301,7 +301,10 @@ class DockerSandbox(SpareWorkerSandbox):
             security_opt=["no-new-privileges"], pids_limit=self.config.base_pids + limits.max_processes,
             mem_limit=f"{limits.memory_mb + 2048}m", memswap_limit=f"{limits.memory_mb + 2048}m",
             ulimits=[Ulimit(name="fsize", soft=limits.max_file_mb << 20, hard=limits.max_file_mb << 20),
-                     Ulimit(name="core", soft=0, hard=0)],
+                     Ulimit(name="core", soft=0, hard=0),
+                     # no real-time priority or lower niceness even where the daemon's defaults allow
+                     # them (SCHED_FIFO/RR need CAP_SYS_NICE, dropped, or RLIMIT_RTPRIO > 0)
+                     Ulimit(name="rtprio", soft=0, hard=0), Ulimit(name="nice", soft=0, hard=0)],
             tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.config.tmp_mb}m,mode=755"},
             device_requests=gpu, cgroup_parent=self._cgroup_parent,
             labels={"cudagym.sandbox": str(os.getpid()), "cudagym.host": socket.gethostname()},

@@ -13,7 +13,13 @@ initializes the driver, runs in the worker), so a worker starts from the same st
 worker has after its imports, in its own copy-on-write memory. Each worker is then set apart
 exactly as a spawned one: its own session (a process group the sandbox signals and kills),
 niceness, and, as `unshare` would give it, its own network, mount and PID namespaces (the
-worker is the PID namespace's init; its parent only waits for it and dies with its status).
+worker is the PID namespace's init; its parent only waits for it and dies with its status),
+then gives up its privileges (`limits.drop_privileges`).
+
+Nothing outlives the sandbox's process, however it ends (SIGKILL included): the server dies
+with the sandbox's thread that started it, each forked child with the server, and a worker
+with the parent that waits for it (PR_SET_PDEATHSIG at each step, checked against a parent
+that died first); a worker that dies takes its PID namespace with it.
 
 Protocol, on a SOCK_SEQPACKET socket (one JSON message per packet):
 - server -> sandbox, once: ``{"ready": true, "fork_ok": bool, "startup_s": {...}}``; `fork_ok`
@@ -48,7 +54,6 @@ RESULT_FD, SHM_FD = 3, 4
 _CLONE = {"net": 0x40000000, "mount": 0x00020000, "pid": 0x20000000}
 _MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
-_PR_SET_PDEATHSIG = 1
 
 
 def unshare_flags(prefix: tuple[str, ...]) -> list[str]:
@@ -102,6 +107,11 @@ def _fork_keeps_cuda() -> bool:
 
 def serve(control_fd: int) -> None:
     """The server's loop: fork a worker per request, report each one's exit."""
+    from cudagym.sandbox.limits import die_with_parent
+
+    sandbox = int(os.environ.get("CUDAGYM_SANDBOX_PID", "0"))
+    die_with_parent(lambda: not sandbox or os.getppid() == sandbox)
+    server = os.getpid()
     from cudagym.sandbox import worker
 
     sock = socket.socket(fileno=control_fd)
@@ -140,7 +150,7 @@ def serve(control_fd: int) -> None:
             t_fork = time.perf_counter()
             pid = os.fork()
             if pid == 0:
-                _become_worker(req, fds, [sock.fileno(), wake_r, wake_w], t_fork)
+                _become_worker(req, fds, [sock.fileno(), wake_r, wake_w], t_fork, server)
             for fd in fds:
                 os.close(fd)
             _send(sock, {"spawned": req["spawn"], "pid": pid})
@@ -156,9 +166,12 @@ def _check(ret: int, what: str) -> None:
         raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
-def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t_fork: float) -> None:
+def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t_fork: float, server: int) -> None:
     """In the forked child: set it apart like a spawned worker, then serve one job. Never returns."""
     try:
+        from cudagym.sandbox.limits import die_with_parent, drop_privileges
+
+        die_with_parent(lambda: os.getppid() == server)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in server_fds:
@@ -179,11 +192,20 @@ def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t
         if mask:
             _check(libc.unshare(mask), "unshare")
         if "pid" in flags:  # the worker must be the new namespace's first process: fork once more
-            _wait_for_init(os.fork())
-            _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+            # its parent is outside the namespace (getppid() reads 0): the parent holds a pipe's
+            # write end, and the worker sees it closed if the parent died before PR_SET_PDEATHSIG
+            alive_r, alive_w = os.pipe()
+            waiter = os.fork()
+            if waiter:
+                os.close(alive_r)
+                _wait_for_init(waiter)
+            os.close(alive_w)
+            die_with_parent(lambda: not select.select([alive_r], [], [], 0)[0])
+            os.close(alive_r)
         if "mount_proc" in flags:  # a /proc of its own PID namespace
             _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
             _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
+        drop_privileges()  # still one thread: every thread the worker starts inherits it
         from cudagym.sandbox import worker
 
         sys.argv = [worker.__file__, str(RESULT_FD), str(SHM_FD)]  # as a spawned worker's
@@ -265,7 +287,8 @@ class ForkServer:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 self.python, "-m", "cudagym.sandbox.forkserver", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
-                env={**self.env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}, stdin=asyncio.subprocess.DEVNULL,
+                env={**self.env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "CUDAGYM_SANDBOX_PID": str(os.getpid())},
+                stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as e:
             ours.close()

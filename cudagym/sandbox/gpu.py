@@ -87,3 +87,50 @@ def peaks_for(device_name: str) -> tuple[float, float]:
         if key in device_name.upper():
             return val
     return _UNKNOWN_GPU
+
+
+def foreign_gpu_use(index: int, ours: set[int], since_us: int = 0, allow: tuple[str, ...] = ()) -> str | None:
+    """What processes other than `ours` do on visible GPU `index`, or None if nothing: compute or
+    graphics processes on it now (NVML's process lists), and processes with SM utilization in
+    NVML's per-process samples since `since_us` (its timestamps, µs of the wall clock; 0: the
+    last samples) where the GPU keeps them. `allow` names processes that count as ours (e.g.
+    "nvidia-cuda-mps-server" where GPUs are shared through MPS on purpose). None too where NVML
+    cannot tell (no driver)."""
+    import psutil
+
+    def query(nv: Any, idx: list[int]) -> list[tuple[int, int | None, int | None]]:
+        if index >= len(idx):
+            return []
+        h = nv.nvmlDeviceGetHandleByIndex(idx[index])
+        seen: dict[int, list[int | None]] = {}
+        for get in (nv.nvmlDeviceGetComputeRunningProcesses, nv.nvmlDeviceGetGraphicsRunningProcesses):
+            try:
+                for p in get(h):
+                    seen.setdefault(int(p.pid), [None, None])[0] = int(p.usedGpuMemory or 0) >> 20
+            except nv.NVMLError:
+                pass
+        try:
+            for sample in nv.nvmlDeviceGetProcessUtilization(h, since_us):
+                if sample.smUtil and sample.timeStamp > since_us:
+                    rec = seen.setdefault(int(sample.pid), [None, None])
+                    rec[1] = max(rec[1] or 0, int(sample.smUtil))
+        except nv.NVMLError:  # no samples since then, or not supported on this GPU
+            pass
+        return [(pid, mib, sm) for pid, (mib, sm) in seen.items()]
+
+    found = _nvml(query)
+    if not found:
+        return None
+    foreign = []
+    for pid, mib, sm in found:
+        if pid in ours:
+            continue
+        try:
+            name = psutil.Process(pid).name()
+        except psutil.Error:
+            name = "?"
+        if name in allow:
+            continue
+        what = [name] + ([f"{mib} MiB"] if mib is not None else []) + ([f"SM {sm}%"] if sm is not None else [])
+        foreign.append(f"pid {pid} ({', '.join(what)})")
+    return "; ".join(foreign) or None

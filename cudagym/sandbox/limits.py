@@ -8,15 +8,24 @@
   resident-memory watchdog in the parent, plus the memory cgroup where it exists.
 - Network: the worker starts in its own network namespace (`unshare --net`).
 - Everything: a PID namespace whose init is the worker, so killing it kills every descendant.
+- Lifetime: each process between the evaluator and a worker dies with its parent
+  (`die_with_parent`), so no worker outlives its evaluator, whatever ended it.
+- Privileges: a worker gives up every capability, its bounding set and real-time scheduling
+  (`drop_privileges`) before it runs anything of the candidate's.
+- Fencing: a job's cgroup can be frozen (`JobCgroup.freeze`) while another job's timed loop runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import shutil
+import signal
 import subprocess
+import time
 import uuid
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -90,6 +99,80 @@ def _vm_size_bytes() -> int:
     return 0
 
 
+# -- lifetime and privileges ------------------------------------------------------------------
+_PR_SET_PDEATHSIG, _PR_CAPBSET_READ, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 1, 23, 24, 38
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAP_VERSION_3 = 0x20080522
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent(parent_alive: Callable[[], bool]) -> None:
+    """SIGKILL this process when the thread that started it exits (PR_SET_PDEATHSIG), SIGKILL
+    included; then `parent_alive()` is asked, since the parent may have died before the request
+    (this process then exits at once). Only the calling thread's parent counts: call it first
+    thing in a new, single-threaded process."""
+    libc = _libc()
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl(PR_SET_PDEATHSIG): {os.strerror(e)}")
+    if not parent_alive():
+        os._exit(1)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges() -> None:
+    """Give up every privilege that could bend a timing or reach beyond the job, for good:
+    no new privileges (setuid/file capabilities, NO_NEW_PRIVS), an empty bounding set and
+    ambient set, no effective, permitted or inheritable capability (CAP_SYS_NICE among them),
+    and no real-time priority or lower niceness (RLIMIT_RTPRIO, RLIMIT_NICE 0: a SCHED_FIFO or
+    SCHED_RR request, or a negative nice, fails with EPERM).
+
+    Capabilities are per thread: call it while the process has one thread (before torch starts
+    its pools), so that every thread started later inherits the empty sets. The process keeps
+    its uid (root in CI and on the GPU machines: the workspace and caches are root's); writes
+    stay confined by Landlock and other processes are out of sight in the PID namespace."""
+    libc = _libc()
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    try:
+        last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):  # dropping needs CAP_SETPCAP, so before the capset below
+        if libc.prctl(_PR_CAPBSET_READ, cap, 0, 0, 0) == 1:
+            libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    data = (_CapData * 2)()
+    if libc.capset(ctypes.byref(_CapHeader(_CAP_VERSION_3, 0)), data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"capset: {os.strerror(e)}")
+    for limit in (resource.RLIMIT_RTPRIO, resource.RLIMIT_NICE):
+        resource.setrlimit(limit, (0, 0))
+
+
+@lru_cache(maxsize=1)
+def parent_death_prefix() -> tuple[str, ...]:
+    """A command prefix that makes the spawned command die with the thread that started it
+    (`setpriv --pdeathsig KILL`), or () where setpriv cannot."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ()
+    try:
+        r = subprocess.run([setpriv, "--pdeathsig", "KILL", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return (setpriv, "--pdeathsig", "KILL") if r.returncode == 0 else ()
+
+
 # -- network and pid namespaces ---------------------------------------------------------------
 @lru_cache(maxsize=1)
 def namespace_prefix() -> tuple[str, ...]:
@@ -126,6 +209,7 @@ class JobCgroup:
             self._try(Path("/sys/fs/cgroup/pids") / name, {"pids.max": str(max_pids)})
             if memory_mb:
                 self._try(Path("/sys/fs/cgroup/memory") / name, {"memory.limit_in_bytes": str(memory_mb << 20)})
+            self._try(Path("/sys/fs/cgroup/freezer") / name, {})
 
     def _try(self, path: Path, settings: dict[str, str]) -> None:
         try:
@@ -173,14 +257,70 @@ class JobCgroup:
                         return int(line.split()[1])
         return 0
 
+    def _freezer(self) -> tuple[Path, str, str] | None:
+        """The freeze control file and its frozen/thawed values (v2 `cgroup.freeze`, v1 freezer)."""
+        for p in self.paths:
+            if (p / "cgroup.freeze").exists():
+                return p / "cgroup.freeze", "1", "0"
+            if (p / "freezer.state").exists():
+                return p / "freezer.state", "FROZEN", "THAWED"
+        return None
+
+    @property
+    def can_freeze(self) -> bool:
+        return self._freezer() is not None
+
+    def freeze(self, frozen: bool) -> bool:
+        """Freeze (or thaw) every process of the job at once, whatever session it made for
+        itself, and wait until the kernel says it is done; False where there is no freezer."""
+        freezer = self._freezer()
+        if freezer is None:
+            return False
+        path, on, off = freezer
+        try:
+            path.write_text(on if frozen else off)
+            if frozen:  # v1 passes through FREEZING; v2 reports "frozen 1" in cgroup.events
+                events = path.parent / "cgroup.events"
+                for _ in range(200):
+                    state = events.read_text() if events.exists() else path.read_text()
+                    if ("frozen 1" in state) if events.exists() else state.strip() == "FROZEN":
+                        break
+                    time.sleep(0.001)
+        except OSError:
+            return False
+        return True
+
+    def pids(self) -> list[int]:
+        for p in self.paths:
+            try:
+                return [int(x) for x in (p / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                continue
+        return []
+
+    def kill(self) -> None:
+        """SIGKILL every process of the job (thawed first: a frozen v1 task does not die)."""
+        self.freeze(False)
+        for p in self.paths:
+            if (p / "cgroup.kill").exists():
+                try:
+                    (p / "cgroup.kill").write_text("1")
+                    return
+                except OSError:
+                    pass
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
     def remove(self) -> None:
+        self.freeze(False)
         for p in self.paths:
             for _ in range(50):
                 try:
                     p.rmdir()
                     break
                 except OSError:
-                    import time
-
                     time.sleep(0.02)
         self.paths = []

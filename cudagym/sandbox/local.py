@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 from pydantic import BaseModel
@@ -32,11 +32,11 @@ from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder
 from cudagym.sandbox.channel import FrameReader, collect_outcome, result_memory, write_all
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
-from cudagym.sandbox.gpu import gpu_local_cpus
-from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix
+from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
+from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import TIMING_KINDS, Job
-from cudagym.sandbox.schedule import SpareWorkerSandbox
+from cudagym.sandbox.schedule import RunningJob, SpareWorkerSandbox
 
 log = logging.getLogger(__name__)
 _OUTPUT_LIMIT = 20_000
@@ -60,6 +60,14 @@ class LocalSandboxConfig(BaseModel):
     fork_server: bool = True  # fork workers from a warm server per device (False: spawn each one)
     release_gpu_at_result: bool = False  # a job's GPU lease ends when its result is in, not once its
     # worker (and its CUDA context) is gone
+    # A timing job (profile, baseline) on a GPU that another process uses (NVML: a compute or
+    # graphics process that is not ours, or SM utilization of one): "refuse" waits up to
+    # device_busy_wait_s for it to leave, then fails the job with `device_busy`, and fails a job
+    # beside which one appeared; "report" times anyway and says what it saw (host_load's
+    # "gpu_foreign"); "allow" does not look (GPUs shared on purpose: MIG, MPS).
+    gpu_sharing: Literal["refuse", "report", "allow"] = "refuse"
+    device_busy_wait_s: float = 30.0
+    gpu_sharing_allow: tuple[str, ...] = ()  # process names that count as ours (e.g. "nvidia-cuda-mps-server")
 
 
 class _ServerDied(SandboxError):
@@ -73,7 +81,7 @@ class _Worker:
     shm_fd: int  # the worker's result memory (a sealed memfd), mapped once the worker is gone
     device: str
     stdin_fd: int  # the job line, then the answers to the worker's requests
-    waiter: bool = False  # `proc` only waits for the worker, its child (a forked worker's PID namespace)
+    waiter: bool = False  # `proc` only waits for the worker, its child (the init of its PID namespace)
 
     def close_pipes(self) -> None:
         """Release the worker's stdout pipe, on the sandbox's loop (once it has exited)."""
@@ -105,6 +113,8 @@ class LocalSandbox(SpareWorkerSandbox):
         self._fork_servers: dict[str, ForkServer | None] = {}  # None: spawn (it could not start)
         self._fork_server_lock: asyncio.Lock | None = None
         self._reaping: set[asyncio.Future[None]] = set()  # killed workers not yet cleaned up
+        self._running: list[RunningJob] = []  # checks running now (what timing jobs fence off)
+        self._live: set[int] = set()  # the first process of every worker not yet reaped
         self._start_loop("cudagym-sandbox")
 
     @property
@@ -208,8 +218,9 @@ class LocalSandbox(SpareWorkerSandbox):
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
         os.close(job_r)
+        self._live.add(proc.pid)
         frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20, started=asked)
-        return _Worker(proc, frames, shm, device, job_w, waiter=isinstance(proc, ForkedWorker) and "pid" in self._unshare)
+        return _Worker(proc, frames, shm, device, job_w, waiter="pid" in self._unshare)
 
     async def _forked(self, device: str, job_r: int, w: int, shm: int) -> ForkedWorker | None:
         """A worker forked by the device's fork server; None where workers are spawned."""
@@ -232,7 +243,10 @@ class LocalSandbox(SpareWorkerSandbox):
         # Spares start at a low CPU priority, so that starting them does not slow the jobs and
         # comparisons running meanwhile; a worker gets normal priority when it takes a job.
         nice = [_NICE, "-n", str(self.config.spare_nice)] if _NICE and self.config.spare_nice else []
-        cmd = [*nice, *self._prefix, self.config.python, "-m", "cudagym.sandbox.worker", str(w), str(shm)]
+        # the first process dies with the thread that starts it (the sandbox's), and with it the
+        # PID namespace's init (`unshare --kill-child`), which takes every process in it
+        cmd = [*parent_death_prefix(), *nice, *self._prefix, self.config.python, "-m", "cudagym.sandbox.worker",
+               str(w), str(shm)]
         return await asyncio.create_subprocess_exec(
             *cmd, stdin=job_r, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm), env=self._env(device), start_new_session=True,
@@ -257,6 +271,69 @@ class LocalSandbox(SpareWorkerSandbox):
     def _pause(self, workers: list[_Worker], pause: bool) -> None:
         self._signal(workers, signal.SIGSTOP if pause else signal.SIGCONT)
 
+    def _running_beside(self, device: str) -> list[RunningJob]:
+        # a GPU's timing job has it alone (its lease): what shares its cores are the CPU target's
+        # checks; a CPU timing job shares them with every check
+        return [r for r in self._running if device == "cpu" or r.device in ("cpu", device)]
+
+    def _pause_running(self, jobs: list[RunningJob], pause: bool) -> int:
+        """Freeze (thaw) each job's cgroup, or, without a freezer, SIGSTOP (SIGCONT) each of its
+        processes, whatever session it made: killing a process group would miss those."""
+        frozen = 0
+        for r in jobs:
+            if pause == (r.frozen_since is not None):
+                continue
+            cgroup: JobCgroup | None = r.handle
+            if cgroup is not None and cgroup.freeze(pause):
+                frozen += len(cgroup.pids()) if pause else 0
+            elif pause:
+                r.stopped = []
+                for _ in range(2):  # a second sweep for what forked during the first
+                    for p in self._tree(r.worker.proc.pid):
+                        try:
+                            p.send_signal(signal.SIGSTOP)
+                            r.stopped.append(p.pid)
+                        except psutil.Error:
+                            pass
+                frozen += len(set(r.stopped))
+            else:
+                for pid in [*(r.stopped or []), *(p.pid for p in self._tree(r.worker.proc.pid))]:
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except OSError:
+                        pass
+                r.stopped = None
+            if pause:
+                r.frozen_since = time.perf_counter()
+            elif r.frozen_since is not None:
+                r.frozen_total_s += time.perf_counter() - r.frozen_since
+                r.frozen_since = None
+        return frozen
+
+    def _host_load(self, worker: _Worker | None) -> Any:
+        if worker is None:
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def load() -> tuple[float, float, float]:
+            try:
+                with open("/proc/stat") as f:
+                    fields = [int(x) for x in f.readline().split()[1:]]
+                host = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
+            except (OSError, ValueError, IndexError):
+                host = 0.0
+            job = 0.0
+            for p in self._tree(worker.proc.pid):
+                try:
+                    t = p.cpu_times()
+                    job += t.user + t.system
+                except psutil.Error:
+                    pass
+            me = os.times()
+            return host, job, me.user + me.system
+
+        return load
+
     def _is_starting(self, worker: _Worker) -> bool:
         return not worker.frames.ready.done() and worker.proc.returncode is None
 
@@ -269,12 +346,28 @@ class LocalSandbox(SpareWorkerSandbox):
                 pass
 
     def _kill(self, w: _Worker) -> None:
-        """SIGKILL the worker's process group, which the worker leads (start_new_session).
+        """SIGKILL the worker: below a waiter (the parent outside its PID namespace, which exits
+        with its status), the worker alone, so that the waiter's exit, and the job's end
+        (`_reap`, the GPU lease), come only once the worker has exited whole, its CUDA context
+        torn down; the worker takes its namespace with it. Otherwise (or if it cannot be found)
+        the worker's process group, which its first process leads (start_new_session).
 
         Not `w.proc.kill()`: Popen polls (waitpid) before it signals, and a worker reaped by that
         poll leaves asyncio's child watcher, the one reaper of workers, without its exit status
         ("Unknown child process pid N", returncode 255 for the worker).
         """
+        if w.waiter:
+            try:
+                inner = psutil.Process(w.proc.pid).children()
+            except psutil.Error:
+                inner = []
+            for p in inner:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+            if inner:
+                return
         try:
             os.killpg(w.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -287,6 +380,28 @@ class LocalSandbox(SpareWorkerSandbox):
             return [root, *root.children(recursive=True)]
         except psutil.Error:
             return []
+
+    def _ours(self) -> set[int]:
+        """Every process of this sandbox: its fork servers and workers, and all they started."""
+        roots = set(self._live) | {s.proc.pid for s in self._fork_servers.values() if s is not None and s.proc}
+        children: dict[int, list[int]] = {}
+        for p in psutil.process_iter(["ppid"]):
+            children.setdefault(p.info["ppid"], []).append(p.pid)
+        ours, todo = set(), list(roots)
+        while todo:
+            pid = todo.pop()
+            if pid not in ours:
+                ours.add(pid)
+                todo.extend(children.get(pid, []))
+        return ours
+
+    async def _device_check(self, device: str, since_us: int = 0) -> str | None:
+        """What processes not of this sandbox do on `device` (a GPU) now, or since `since_us`;
+        None if nothing. Not the evaluator's own other children: a trainer's inference server
+        beside it disturbs a timing as much as a stranger does."""
+        index = int(device.split(":")[1]) if ":" in device else 0
+        ours = self._ours()
+        return await asyncio.to_thread(foreign_gpu_use, index, ours, since_us, self.config.gpu_sharing_allow)
 
     async def _ready(self, device: str) -> _Worker:
         """A spare of `device` that is ready (started spares start its replacement now; a
@@ -331,12 +446,32 @@ class LocalSandbox(SpareWorkerSandbox):
                                memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
             for p in self._tree(w.proc.pid):
                 cgroup.add(p.pid)
-        quiet = self._quiet_windows(device) if timing else None
+        running = None
+        if not timing:  # a check: frozen by the timing jobs' windows that share its cores
+            running = RunningJob(w, device, cgroup)
+            self._running.append(running)
+            for qdevice, q in list(self._quiet.items()):
+                if running in self._running_beside(qdevice):
+                    q.started(running)
+        # A GPU's timing job: no other process may use the device before or during it
+        foreign = refused = None
+        foreign_since = 0
+        if timing and device.startswith("cuda") and self.config.gpu_sharing != "allow":
+            waited = time.perf_counter()
+            while (foreign := await self._device_check(device)) is not None and self.config.gpu_sharing == "refuse":
+                if time.perf_counter() - waited >= self.config.device_busy_wait_s:
+                    refused = f"another process is on {device}: {foreign} (waited {time.perf_counter() - waited:.0f} s)"
+                    break
+                await asyncio.sleep(1.0)
+            foreign_since = int(time.time() * 1e6)  # NVML's sample clock: µs of the wall clock
+        outcome.device_busy = refused
+        quiet = self._quiet_windows(device, w) if timing and not refused else None
         frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
-        try:  # a large job line would block on the pipe until the worker reads it
-            await asyncio.to_thread(write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
-        except OSError:  # the worker is gone: its outcome says how
-            pass
+        if not refused:
+            try:  # a large job line would block on the pipe until the worker reads it
+                await asyncio.to_thread(write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
+            except OSError:  # the worker is gone: its outcome says how
+                pass
 
         async def watchdog() -> None:
             while True:
@@ -373,10 +508,19 @@ class LocalSandbox(SpareWorkerSandbox):
         out_task = asyncio.ensure_future(collect_output())
         result_in = False
         try:
-            done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
-                                         timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done: set[Any] = set()
+            while not refused:  # the limit, extended by the time timing jobs kept this job frozen
+                left = limits.timeout_s + (running.frozen_s() if running else 0.0) - (time.perf_counter() - t_ready)
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
+                                             timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    break
             result_in = frames.final_seen.done()
-            if not done:
+            if refused:
+                pass
+            elif not done:
                 raise asyncio.TimeoutError
             if not result_in:  # the worker died without a result: wait for it, for its exit status
                 await asyncio.wait_for(w.proc.wait(), timeout=10)
@@ -385,11 +529,23 @@ class LocalSandbox(SpareWorkerSandbox):
         finally:
             if quiet is not None:
                 self._quiet_over(device, quiet)
+                outcome.host_load = quiet.load_report()
+            if running is not None:
+                self._running.remove(running)
+                self._pause_running([running], False)
             dog.cancel()
+            if foreign_since and not refused:  # did another process use the GPU meanwhile?
+                seen = await self._device_check(device, foreign_since) or foreign
+                if seen is not None:
+                    outcome.host_load["gpu_foreign"] = seen
+                    if self.config.gpu_sharing == "refuse":
+                        outcome.device_busy = f"another process used {device} during the timing job: {seen}"
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
             # process with it; nothing the candidate started can write anything after this.
             self._kill(w)
+            if cgroup is not None:  # and whatever left the namespace's tree (no PID namespace)
+                cgroup.kill()
             frames.stop()  # keeps the complete frames that arrived before the kill
             await frames.done
             if cgroup is not None and cgroup.pids_events_max() > 0:
@@ -418,6 +574,7 @@ class LocalSandbox(SpareWorkerSandbox):
         """After a job: wait for the killed worker to exit, release what it held, and (after a
         timing job) start the spares that were held back."""
         await w.proc.wait()
+        self._live.discard(w.proc.pid)
         try:
             await asyncio.wait_for(out_task, timeout=5)
         except asyncio.TimeoutError:

@@ -179,39 +179,76 @@ def _waits(outcome: JobOutcome, t0: float, t_ready: float, t_leased: float) -> J
 
 
 class QuietWindows:
-    """When a timing job wants the machine quiet: the spares still starting (importing torch,
-    creating a CUDA context) are paused from the job's start (its timer's calibration, then its
-    first timed loop) until that loop ends, and again during each later timed loop, from a
-    role's first call request to the "stop" answer that ends it. Between loops (torch.compile,
-    a library's plan) they go on starting, so that back-to-back timing jobs do not drain the
-    pool of ready spares. A spare started during a window is paused at once.
+    """When a timing job wants the machine quiet: the other jobs of the sandbox that share its
+    cores (every running check on the CPU target; on a GPU, the CPU target's checks) are frozen,
+    and the spares still starting (importing torch, creating a CUDA context) are paused, from the
+    job's start (its timer's calibration, then its first timed loop) until that loop ends, and
+    again during each later timed loop, from a role's first call request to the "stop" answer
+    that ends it. Between loops (torch.compile, a library's plan) they go on, so that
+    back-to-back timing jobs neither drain the pool of ready spares nor hold checks off for long.
+    A job or spare that starts during a window is paused at once.
 
-    `pause(workers, on)` pauses (on) or resumes workers; `starting()` lists a device's spares
-    still starting. The responder runs on the frame reader's thread, the rest on the loop."""
+    `pause(items, on)` pauses (on) or resumes them and returns how many processes it paused;
+    `others()` lists what a window pauses; `load()`, where given, returns the cumulative CPU
+    seconds (host, the timing job's own processes, the evaluator's process) from which each
+    window's host load is measured (`load_report`). The responder runs on the frame reader's
+    thread, the rest on the loop."""
 
-    def __init__(self, pause: Callable[[list[Any], bool], None], starting: Callable[[], list[Any]]):
-        self._pause, self._starting = pause, starting
+    def __init__(self, pause: Callable[[list[Any], bool], int | None], others: Callable[[], list[Any]],
+                 load: Callable[[], tuple[float, float, float]] | None = None):
+        self._pause, self._others, self._load = pause, others, load
         self._lock = threading.Lock()
         self._paused: list[Any] | None = None  # None: no window open
+        self._at_begin: tuple[int, tuple[float, float, float] | None] | None = None
+        self.spans_ns: list[list[int]] = []
+        self._busy = [0.0, 0.0, 0.0]
+        self._frozen_items: set[int] = set()
+        self.frozen_processes = 0
+
+    def _paused_now(self, items: list[Any]) -> None:
+        n = self._pause(items, True) or 0
+        self.frozen_processes += n
+        self._frozen_items.update(id(i) for i in items)
 
     def begin(self) -> None:
         with self._lock:
             if self._paused is None:
-                self._paused = self._starting()
-                self._pause(self._paused, True)
+                self._paused = self._others()
+                self._paused_now(self._paused)
+                self._at_begin = time.monotonic_ns(), self._load() if self._load else None
 
     def end(self) -> None:
         with self._lock:
             if self._paused is not None:
+                t_end, load = time.monotonic_ns(), self._load() if self._load else None
+                if self._at_begin is not None:
+                    t0, load0 = self._at_begin
+                    self.spans_ns.append([t0, t_end])
+                    if load is not None and load0 is not None:
+                        for i in range(3):
+                            self._busy[i] += load[i] - load0[i]
                 self._pause(self._paused, False)
                 self._paused = None
 
-    def started(self, worker: Any) -> None:
-        """A spare that began starting now: paused if a window is open."""
+    def started(self, item: Any) -> None:
+        """A spare that began starting, or a job that began running, now: paused if a window is open."""
         with self._lock:
-            if self._paused is not None and worker not in self._paused:  # (begin may have found it)
-                self._pause([worker], True)
-                self._paused.append(worker)
+            if self._paused is not None and item not in self._paused:  # (begin may have found it)
+                self._paused_now([item])
+                self._paused.append(item)
+
+    def load_report(self) -> dict[str, Any]:
+        """The host's load over the windows so far (see `JobOutcome.host_load`); {} without any."""
+        if not self.spans_ns:
+            return {}
+        window_s = sum(e - b for b, e in self.spans_ns) / 1e9
+        report: dict[str, Any] = {"windows": len(self.spans_ns), "window_s": window_s, "spans_ns": list(self.spans_ns),
+                                  "frozen_jobs": len(self._frozen_items), "frozen_processes": self.frozen_processes}
+        if self._load is not None:
+            host, job, parent = self._busy
+            report.update(host_busy_s=host, job_busy_s=job, parent_busy_s=parent,
+                          other_cores=max(0.0, host - job - parent) / window_s if window_s > 0 else 0.0)
+        return report
 
     def responder(self, inner: Responder | None) -> Responder | None:
         """`inner`, opening a window at each call request and closing it when a loop stops
@@ -230,6 +267,23 @@ class QuietWindows:
         return answer
 
 
+@dataclass(eq=False)
+class RunningJob:
+    """A check running beside timing jobs: what a timing job's windows freeze (its worker and
+    whatever holds its processes), and how long it was frozen (its time limit is extended by that)."""
+
+    worker: Any
+    device: str
+    handle: Any = None  # the backend's (the local backend's job cgroup)
+    frozen_total_s: float = 0.0
+    frozen_since: float | None = None
+    stopped: list[int] | None = None  # pids stopped by signal, where there was no freezer
+
+    def frozen_s(self) -> float:
+        now = time.perf_counter()
+        return self.frozen_total_s + (now - self.frozen_since if self.frozen_since is not None else 0.0)
+
+
 class SpareWorkerSandbox(Sandbox):
     """A sandbox whose workers are started ahead of need and used for one job each, driven from
     one private event-loop thread (so callers on any loop, or none, can use it). Backends
@@ -246,6 +300,8 @@ class SpareWorkerSandbox(Sandbox):
         self._scheduler = JobScheduler(self.config.release_gpu_at_result)
         self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
         self._quiet: dict[str, QuietWindows] = {}  # the running timing job's, per device
+        # (device, `QuietWindows.load_report()`) of the last timing jobs: what their windows fenced off
+        self.quiet_reports: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=1000)
 
     @abc.abstractmethod
     async def _ready(self, device: str) -> Any:
@@ -292,14 +348,32 @@ class SpareWorkerSandbox(Sandbox):
     def _is_starting(self, worker: Any) -> bool:
         """Whether this spare is still starting (alive, not yet ready)."""
 
-    def _quiet_windows(self, device: str) -> QuietWindows:
-        """The quiet windows of the timing job starting now on `device` (timing jobs have a device
-        alone, so one at a time), the first one open; `_quiet_over` closes them."""
-        def starting() -> list[Any]:
-            return [w for w in self._spares.get(device, []) if self._is_starting(w)]
+    def _running_beside(self, device: str) -> list[Any]:
+        """The running jobs a timing job on `device` fences off in its windows (none here)."""
+        return []
 
-        pause = self._pause if self.config.freeze_starting_spares else lambda _workers, _on: None
-        q = self._quiet[device] = QuietWindows(pause, starting)
+    def _pause_running(self, jobs: list[Any], pause: bool) -> int:
+        """Freeze (or thaw) running jobs; the number of processes frozen."""
+        return 0
+
+    def _host_load(self, worker: Any) -> Callable[[], tuple[float, float, float]] | None:
+        """The cumulative CPU seconds (host, `worker`'s processes, this process), or None."""
+        return None
+
+    def _quiet_windows(self, device: str, worker: Any = None) -> QuietWindows:
+        """The quiet windows of the timing job starting now on `device` in `worker` (timing jobs
+        have a device alone, so one at a time), the first one open; `_quiet_over` closes them."""
+        def others() -> list[Any]:
+            spares = [w for w in self._spares.get(device, []) if self._is_starting(w)]
+            return (spares if self.config.freeze_starting_spares else []) + self._running_beside(device)
+
+        def pause(items: list[Any], on: bool) -> int:
+            spares = [i for i in items if not isinstance(i, RunningJob)]
+            if spares:
+                self._pause(spares, on)
+            return self._pause_running([i for i in items if isinstance(i, RunningJob)], on)
+
+        q = self._quiet[device] = QuietWindows(pause, others, self._host_load(worker))
         q.begin()
         return q
 
@@ -307,6 +381,7 @@ class SpareWorkerSandbox(Sandbox):
         q.end()
         if self._quiet.get(device) is q:
             del self._quiet[device]
+        self.quiet_reports.append((device, q.load_report()))
 
     async def _shutdown(self) -> None:
         while starting := [t for tasks in self._starting.values() for t in tasks]:

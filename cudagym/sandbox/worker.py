@@ -63,6 +63,10 @@ def open_channel(directory: str) -> tuple[int, int]:
 
 
 def main() -> None:
+    if not os.environ.get("CUDAGYM_UNDER_NCU"):  # ncu's counters may be kept for privileged processes
+        from cudagym.sandbox.limits import drop_privileges
+
+        drop_privileges()  # one thread yet: every thread torch starts inherits it
     if sys.argv[1] == "--channel":
         fd, shm = open_channel(sys.argv[2])
         shm_fd: int | None = shm
