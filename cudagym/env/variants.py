@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, Field
 
-from cudagym.sandbox.workspace import Workspace
+from cudagym.sandbox.workspace import SOURCE_SUFFIXES, Workspace
 
 ANALYSIS_TAG = "analysis"
 _ANALYSIS = re.compile(r"<analysis>\s*(\S.*?)</analysis>", re.DOTALL)
@@ -109,8 +109,10 @@ MAX_LEFT_OUT_NAMED = 10
 
 
 def _solution_names(workspace: Workspace) -> list[str]:
+    """The solution's files, in the order a variant takes them: model_new.py, the kernels'
+    sources and headers, then the rest (a flood of other files cannot push the code out)."""
     names = [rel for rel in workspace.list() if rel != "model.py"]
-    return sorted(names, key=lambda n: (n != "model_new.py", n))
+    return sorted(names, key=lambda n: (n != "model_new.py", not n.endswith(SOURCE_SUFFIXES), n))
 
 
 def _read_regular(path: Path, limit: int) -> bytes | None:
@@ -173,15 +175,22 @@ def snapshot_files(workspace: Workspace, limits: BookLimits | None = None) -> Me
                 total += len(data)
             except UnicodeDecodeError:
                 left.append(f"{rel} (not text)")
-    snap.left_out = left[:MAX_LEFT_OUT_NAMED] + ([f"and {len(left) - MAX_LEFT_OUT_NAMED} more files"]
-                                                 if len(left) > MAX_LEFT_OUT_NAMED else [])
+    snap.left_out = _some(left)
     return snap
+
+
+def _some(left: list[str]) -> list[str]:
+    """At most `MAX_LEFT_OUT_NAMED` names, and how many more (entries such as "and 9 more files"
+    already there count as one)."""
+    if len(left) <= MAX_LEFT_OUT_NAMED + 1:
+        return left
+    return left[:MAX_LEFT_OUT_NAMED] + [f"and {len(left) - MAX_LEFT_OUT_NAMED} more files"]
 
 
 def bounded(v: Variant, lim: BookLimits) -> Variant:
     """`v` within `lim`: files over the limits left out (named), reasons shortened."""
     files: dict[str, str] = {}
-    left = list(v.left_out[:MAX_LEFT_OUT_NAMED])
+    left = [x[:300] for x in v.left_out[: MAX_LEFT_OUT_NAMED + 1]]
     total = 0
     for name in sorted(v.files, key=lambda n: (n != "model_new.py", n)):
         size = len(v.files[name].encode())
@@ -191,7 +200,7 @@ def bounded(v: Variant, lim: BookLimits) -> Variant:
         files[name] = v.files[name]
         total += size
     reasons = [r if len(r) <= lim.max_reason_chars else r[: lim.max_reason_chars] + " ..." for r in v.reasons[:8]]
-    return v.model_copy(update={"files": files, "reasons": reasons, "left_out": left[: MAX_LEFT_OUT_NAMED + 1],
+    return v.model_copy(update={"files": files, "reasons": reasons, "left_out": _some(left),
                                 "milestone": v.milestone[:100], "task_id": v.task_id[:200],
                                 "episode": v.episode[:200]})
 
@@ -208,13 +217,14 @@ class VariantBook:
         self._lock = threading.Lock()
         if self.path is not None and self.path.is_file():
             max_line = 4 * self.limits.max_variant_bytes + 64 * 1024  # JSON escapes at most ~4x (\uXXXX: 6x, rare)
+            skipped: list[int] = []
             with open(self.path, encoding="utf-8", errors="replace") as fh:
-                for line in _lines(fh, max_line):
+                for line in _lines(fh, max_line, skipped):
                     try:
                         self._keep(Variant.model_validate_json(line))
                     except ValueError:
                         continue  # a line cut short by a crash
-            if self.path.stat().st_size > 2 * self.limits.max_book_bytes:
+            if skipped or self.path.stat().st_size > 2 * self.limits.max_book_bytes:
                 self._rewrite()
 
     @property
@@ -307,13 +317,17 @@ class VariantBook:
         return "\n\n".join(parts)
 
 
-def _lines(fh: IO[str], max_len: int):
-    """The lines of `fh`, skipping any longer than `max_len` characters without holding it."""
+def _lines(fh: IO[str], max_len: int, skipped: list[int]):
+    """The lines of `fh`, skipping any longer than `max_len` characters without holding it (the
+    number of each line skipped goes to `skipped`)."""
+    n = 0
     while True:
         line = fh.readline(max_len + 1)
         if not line:
             return
+        n += 1
         if len(line) > max_len and not line.endswith("\n"):
+            skipped.append(n)
             while (rest := fh.readline(1 << 20)) and not rest.endswith("\n"):
                 pass
             continue

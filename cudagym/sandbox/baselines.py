@@ -41,7 +41,7 @@ class BaselineGuard(BaseModel):
 
     max_spread: float = Field(default=0.5, gt=0)  # (p75 - p25) / median of a role's timed calls
     max_excess_load: float = Field(default=1.5, ge=0)  # runnable threads beyond the cores, per core
-    attempts: int = Field(default=3, ge=1)  # measurements at most, the first included
+    attempts: int = Field(default=2, ge=1)  # measurements at most, the first included
     sample_interval_s: float = Field(default=0.02, gt=0)
 
 
