@@ -104,6 +104,7 @@ def test_check_command_on_the_docker_backend(tmp_path: Path) -> None:
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     verdict = json.loads(r.stdout.strip().splitlines()[-1])
     assert verdict["reward"] >= 1 and verdict["correct"], verdict
+    assert verdict["eager_ms"] and verdict["candidate_ms"] and verdict["speedup_vs_eager"], verdict  # timed
 
 
 @pytest.mark.slow

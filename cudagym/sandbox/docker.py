@@ -63,6 +63,10 @@ class DockerSandboxConfig(BaseModel):
     start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
     max_result_mb: int = 16384  # capacity of a worker's result memory (sparse)
     tmp_mb: int = 64  # size of the container's private /tmp (root's: the candidate cannot write it)
+    # The containers' hard file-size limit: the largest any job may be given (a baseline job's
+    # torch.compile writes 4096 MB at most). Each job lowers it to its own; without
+    # CAP_SYS_RESOURCE no process in the container can raise a hard limit again.
+    max_file_mb_ceiling: int = 4096
     base_pids: int = 64  # processes + threads of a worker at rest where the pids cgroup cannot be read
     runtime_dir: Path = Path("/dev/shm")  # where job directories are made (memory: result bytes are mapped)
     docker_url: str | None = None  # None: the environment's (DOCKER_HOST or the local socket)
@@ -300,7 +304,7 @@ class DockerSandbox(SpareWorkerSandbox):
             working_dir=JOB_DIR, network_mode="none", read_only=True, cap_drop=["ALL"],
             security_opt=["no-new-privileges"], pids_limit=self.config.base_pids + limits.max_processes,
             mem_limit=f"{limits.memory_mb + 2048}m", memswap_limit=f"{limits.memory_mb + 2048}m",
-            ulimits=[Ulimit(name="fsize", soft=limits.max_file_mb << 20, hard=limits.max_file_mb << 20),
+            ulimits=[Ulimit(name="fsize", soft=limits.max_file_mb << 20, hard=self.config.max_file_mb_ceiling << 20),
                      Ulimit(name="core", soft=0, hard=0),
                      # no real-time priority or lower niceness even where the daemon's defaults allow
                      # them (SCHED_FIFO/RR need CAP_SYS_NICE, dropped, or RLIMIT_RTPRIO > 0)
