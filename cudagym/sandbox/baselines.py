@@ -142,6 +142,7 @@ async def measure_guarded(measure: Callable[[], Awaitable[dict[str, Any]]],
         refused.append(why)
         tried.append(value)
     best = min(tried, key=lambda v: statistics.median(v.get("eager_ms") or [float("inf")]))
+    best["guard"] = {**best["guard"], "attempts": len(tried), "refused": refused}
     best["disturbed"] = refused[-1][0]
     best["notes"] = [f"baselines disturbed in all {len(tried)} measurements ({refused[-1][0]}): the least disturbed "
                      "is used for this profile and not cached"]
