@@ -530,6 +530,7 @@ class Evaluator:
                      eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"),
                      breakdown=_job_breakdown("baseline", o),
                      harness_overhead_ns=(f.get("diagnostics") or {}).get("harness_overhead_ns"),
+                     host_load=o.host_load,
                      loop_windows_s=[(c[0].asked_s, c[-1].asked_s + (c[-1].wall_ms or 0) / 1e3)
                                      for r in ("eager", "compiled", *library) if (c := feed.timed(r))])
         if library:

@@ -5,11 +5,13 @@ and protocol version): an episode pays for the first `torch.compile` of a refere
 task and device, not once per profile.
 
 A baseline is cached for every later episode, so a disturbed one is never cached
-(`BaselineGuard`, `measure_guarded`): while a baseline job's timed loops run, a thread samples
-the host's run queue (`HostLoad`: runnable threads, from /proc/stat); a measurement whose loops
-saw more runnable threads than `max_excess_load` per core beyond the cores, or whose calls spread
-more than `max_spread` (interquartile range over median), is refused and measured again, at most
-`attempts` times in all. When every attempt was disturbed, the least disturbed (the lowest eager
+(`BaselineGuard`, `measure_guarded`). A measurement is refused and measured again, at most
+`attempts` times in all, when its calls spread more than `max_spread` (interquartile range over
+median), when the sandbox's own account of its timed loops (`JobOutcome.host_load`, the local
+sandbox's quiet windows) says other work used more than `max_other_cores` cores meanwhile, or when
+the host's run queue, sampled by a thread of the parent during the loops (`HostLoad`: runnable
+threads, from /proc/stat; a backend without that account still has this), held more than
+`max_excess_load` runnable threads per core beyond the cores. When every attempt was disturbed, the least disturbed (the lowest eager
 median) is used for the profile that asked, uncached, and says so (`disturbed`, `notes`). Another
 process's load cannot make a later episode's baseline: at worst it costs this profile a re-measure.
 """
@@ -41,6 +43,7 @@ class BaselineGuard(BaseModel):
 
     max_spread: float = Field(default=0.5, gt=0)  # (p75 - p25) / median of a role's timed calls
     max_excess_load: float = Field(default=1.5, ge=0)  # runnable threads beyond the cores, per core
+    max_other_cores: float = Field(default=0.5, ge=0)  # other work's cores in the loops (JobOutcome.host_load)
     attempts: int = Field(default=2, ge=1)  # measurements at most, the first included
     sample_interval_s: float = Field(default=0.02, gt=0)
 
@@ -105,6 +108,10 @@ def spread(times_ms: list[float] | None) -> float | None:
 def disturbance(value: dict[str, Any], load: float | None, guard: BaselineGuard) -> list[str]:
     """Why a baseline measurement is too disturbed to cache (empty: it is not)."""
     why = []
+    other = (value.get("host_load") or {}).get("other_cores")
+    if isinstance(other, (int, float)) and other > guard.max_other_cores:
+        why.append(f"other work used {other:.2f} cores of the host during the timed loops (allowed "
+                   f"{guard.max_other_cores:g})")
     if load is not None and load > guard.max_excess_load:
         why.append(f"the host ran {load:.1f} runnable threads per core beyond its cores during the timed loops "
                    f"(allowed {guard.max_excess_load:g})")
