@@ -97,3 +97,17 @@ def test_every_attempt_disturbed_keeps_the_least_disturbed_uncached(tmp_path: Pa
     with pytest.raises(ValueError, match="never cached"):
         BaselineCache(tmp_path).put("k", value)
     assert BaselineCache(tmp_path).get("k") is None
+
+
+def test_the_sandboxs_account_of_other_work_refuses_a_measurement() -> None:
+    # JobOutcome.host_load (the local sandbox's quiet windows): other work's cores during the loops
+    guard = BaselineGuard(attempts=2, max_spread=10, max_excess_load=1e9, max_other_cores=0.5)
+    answers = [{"eager_ms": [1.0] * 5, "host_load": {"other_cores": 1.3}},
+               {"eager_ms": [1.0] * 5, "host_load": {"other_cores": 0.1}}]
+
+    async def measure() -> dict:
+        return answers.pop(0)
+
+    value = asyncio.run(measure_guarded(measure, guard))
+    assert value["host_load"]["other_cores"] == 0.1 and not value.get("disturbed")
+    assert value["guard"]["refused"] == [["other work used 1.30 cores of the host during the timed loops (allowed 0.5)"]]

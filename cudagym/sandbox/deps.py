@@ -26,10 +26,12 @@ nothing a candidate can write; the compiler identity and the torch version in th
 stand for them). A path is recorded as the compiler opened it: relative to the workspace when
 it lies in it (so identical files in another workspace match), absolute otherwise.
 
-Not covered, as in ccache's direct mode: a file whose mere existence changed the build without
-being read (`__has_include`, or a header created in an include directory searched before the
-one the recorded header came from). The cache then reuses the variant built before that file
-appeared.
+Not covered here, as in ccache's direct mode: a file whose mere existence changed the build
+without being read (`__has_include`, or a header created in an include directory searched before
+the one the recorded header came from). The compile tool covers it by putting the names of every
+file of its build's copy of `kernels/` in the first key (`cudagym.sandbox.toolchain`); for
+`load_inline` modules whose include paths lead into the workspace, the cache reuses the variant
+built before such a file appeared.
 """
 
 from __future__ import annotations
