@@ -671,9 +671,9 @@ class InlineBuildCache:
             shutil.copy2(lib, d / lib.name)
             (d / META_FILE).write_text(json.dumps(meta))
 
-        self._variants.store(build.key, manifest, fill)
+        entry = self._variants.store(build.key, manifest, fill)
         if self.bound is not None:
-            self.bound.enforce()
+            self.bound.enforce(CacheBound.size_of(entry))
 
     def trusted_roots(self) -> tuple[Roots, Roots]:
         """(include roots, library roots) of torch's JIT builds on this host."""

@@ -332,15 +332,20 @@ class CacheBound:
     """Keeps a build cache's entries (objects/<key>/<variant>, artifacts/<key>,
     inline/<key>/<variant>) under `max_bytes` by evicting the least recently used (an entry's
     directory mtime, set when it is stored or used: `touch`). Entries used in the last `grace_s`
-    are kept, so the cache may exceed the bound by what was written in that time."""
+    are kept, so the cache may exceed the bound by what was written in that time. A scan of the
+    cache is skipped while this process's running total (the last scan plus what it stored since,
+    `enforce(added)`) is under the bound, for at most `rescan_s` (other processes store too)."""
 
     LAYOUT = (("objects", 2), ("artifacts", 1), ("inline", 2))  # (subdirectory, depth of an entry)
 
-    def __init__(self, root: Path, max_bytes: int, grace_s: float):
+    def __init__(self, root: Path, max_bytes: int, grace_s: float, rescan_s: float = 60.0):
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.grace_s = grace_s
+        self.rescan_s = rescan_s
         self._lock = threading.Lock()
+        self._total: int | None = None  # bytes at the last scan, plus what was stored since
+        self._scanned = 0.0
 
     @staticmethod
     def touch(entry: Path) -> None:
@@ -367,13 +372,23 @@ class CacheBound:
     def total_bytes(self) -> int:
         return sum(size for _, size, _ in self.entries())
 
-    def enforce(self) -> list[Path]:
-        """Evict least recently used entries until the cache is under its bound; the evicted."""
+    @staticmethod
+    def size_of(*entries: Path | None) -> int:
+        return sum(f.stat().st_size for e in entries if e is not None and e.is_dir() for f in e.rglob("*")
+                   if f.is_file())
+
+    def enforce(self, added: int | None = None) -> list[Path]:
+        """Evict least recently used entries until the cache is under its bound; the evicted.
+        `added`: the bytes this process just stored, when known (see the class docstring)."""
         with self._lock:
+            now = time.time()
+            if (added is not None and self._total is not None and self._total + added <= self.max_bytes
+                    and now - self._scanned < self.rescan_s):
+                self._total += added
+                return []
             entries = sorted(self.entries(), key=lambda e: e[0])
             total = sum(size for _, size, _ in entries)
             evicted: list[Path] = []
-            now = time.time()
             for used, size, path in entries:
                 if total <= self.max_bytes:
                     break
@@ -387,7 +402,18 @@ class CacheBound:
                         path.parent.rmdir()  # a key left without variants
                     except OSError:
                         pass
+            self._total, self._scanned = total, now
             return evicted
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _remove_tree(path: Path) -> None:
@@ -452,6 +478,10 @@ class Toolchain:
         self.config = config or ToolchainConfig()
         for sub in ("objects", "artifacts", "src"):
             (self.cache_dir / sub).mkdir(parents=True, exist_ok=True)
+        for stale in (self.cache_dir / "src").iterdir():  # copies of builds whose process died
+            pid = stale.name.split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
         self._lock = threading.Lock()
         self._identities: dict[str, str] = {}
         self._paths: dict[str, str] = {}
@@ -476,18 +506,20 @@ class Toolchain:
         try:
             if copy.error:
                 return CompileResult(ok=False, seconds=time.perf_counter() - start, errors=[copy.error], log=copy.error)
-            result = self._build(Workspace(copy.root), target, copy, start)
+            stored: list[Path] = []
+            result = self._build(Workspace(copy.root), target, copy, start, stored)
         finally:
             shutil.rmtree(copy.root, ignore_errors=True)
         if copy.left_out:
             note = "not copied for the build (a build reads only regular source files): " + ", ".join(copy.left_out[:20])
             result = result.model_copy(update={"log": "\n".join(x for x in (note, result.log) if x)})
-        if not result.cached:
-            self.bound.enforce()
+        if stored:
+            self.bound.enforce(CacheBound.size_of(*stored))
         return result
 
-    def _build(self, workspace: Workspace, target: Target, copy: SourceCopy, start: float) -> CompileResult:
-        """`build` in the copy `workspace` (see `copy_sources`)."""
+    def _build(self, workspace: Workspace, target: Target, copy: SourceCopy, start: float,
+               stored: list[Path]) -> CompileResult:
+        """`build` in the copy `workspace` (see `copy_sources`); the cache entries it stored go to `stored`."""
         sources = [workspace.root / r for r in copy.files if Path(r).suffix in (".cu", ".cpp", ".cc", ".c")]
         if not sources:
             return CompileResult(ok=True, seconds=time.perf_counter() - start, cached=True)
@@ -514,12 +546,15 @@ class Toolchain:
                     logs[c.rel] = log
                 errors.extend(errs)
         compiled = [c.rel for c in pending]
+        stored.extend(c.variant for c in pending if c.variant is not None)
         log = "\n".join(logs[r] for r in sorted(logs))
         if errors:
             return CompileResult(ok=False, seconds=time.perf_counter() - start, compiled=compiled,
                                  reused=reused, errors=errors[: self.config.max_error_lines], log=log)
 
         artifact, linked, link_log, link_errors = self._link(plan, workspace, env)
+        if linked and artifact is not None:
+            stored.append(artifact)
         log = "\n".join(x for x in (log, link_log) if x)
         return CompileResult(
             ok=not link_errors,
