@@ -137,9 +137,11 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock) -> None:
             os.makedirs(tmp, exist_ok=True)
             os.environ["TMPDIR"] = tmp
             tempfile.tempdir = tmp  # gettempdir() may have been cached before
-            if job.kind == "baseline":  # torch.compile's caches, inside the writable scratch
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
-                os.environ["TRITON_CACHE_DIR"] = os.path.join(scratch, "triton")
+            # JIT caches (torch.compile, Triton, CuPy) inside what the job may write: HOME is read-only
+            jit = scratch if job.kind == "baseline" else tmp
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(jit, "inductor")
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(jit, "triton")
+            os.environ["CUPY_CACHE_DIR"] = os.path.join(jit, "cupy")
         landlocked = restrict_writes([d for d in [job.workspace, *job.writable] if d])
         apply_rlimits(max_file_mb=job.limits.max_file_mb,
                       memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
