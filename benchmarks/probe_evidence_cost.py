@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_projection:
         timing._GATE_SOURCE = timing._GATE_SOURCE.replace(
-            "if (samples.out[o].proj) project(samples.out[o], o, samples.seed);", "")
+            "if (samples.out[o].proj) project(samples.out[o], (unsigned int)samples.out[o].index, samples.seed);", "")
     timer = timing.DeviceTimer(torch.device("cuda"))
     cal = timer.calibrate()
     label = "samples only" if args.no_projection else "samples + projections"

@@ -350,44 +350,57 @@ def gpu_ev(tmp_path_factory):
         yield e
 
 
+# Run in a fresh python (`test_the_close_kernel_projects_every_layout_as_the_host_does`)
+LAYOUTS_CHECK = """\
+import torch
+from cudagym.rewards.compare import projection_mismatch
+from cudagym.sandbox.timing import MAX_SAMPLED_OUTPUTS, DeviceTimer, projection
+from cudagym.tasks.model import Tolerance
+
+g = torch.Generator(device="cuda").manual_seed(0)
+big = torch.randn(512, 384, device="cuda", generator=g)
+outputs = [
+    big, big.t().half(), big.t(), big[7:, 3::2], big.bfloat16(),
+    torch.randn(1, 384, device="cuda", generator=g).expand(640, 384),
+    (big > 0)[:40],
+    torch.randn(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, device="cuda", generator=g).transpose(0, 10),
+    torch.arange(300, device="cuda", dtype=torch.int64).view(20, 15).t(),
+    torch.randn(64, 64, device="cuda", generator=g, dtype=torch.complex64)[:, ::3],
+    torch.randn(1 << 22, device="cuda", generator=g),
+]
+if hasattr(torch, "float8_e4m3fn"):
+    outputs.append(big.to(torch.float8_e4m3fn))  # not projected by the close kernel: before it
+outputs += [big[i:] for i in range(MAX_SAMPLED_OUTPUTS)]  # past the close kernel's slots
+timer = DeviceTimer(torch.device("cuda"))
+read = []
+timer.call(lambda: outputs, [], lambda outs: read.extend(timer.read_at_end(o) for o in outs))
+exact = Tolerance(atol=0.0, rtol=0.0)
+for i, (o, ev) in enumerate(zip(outputs, read)):
+    host = projection(o, ev.seed, i).cpu()
+    components = o.numel() * (2 if o.is_complex() else 1)
+    got = ev.projections.cpu()
+    assert projection_mismatch(got, host, components, exact, True) is None, (i, o.dtype, o.shape, got, host)
+    if o.element_size() == 1 and o.dtype not in (torch.bool, torch.uint8, torch.int8):
+        continue  # float8: no arithmetic to change an element with
+    changed = o.contiguous().clone()
+    changed.view(-1)[0] = 3 if o.dtype != torch.bool else not bool(changed.view(-1)[0])
+    assert projection_mismatch(got, projection(changed, ev.seed, i).cpu(), components, exact, True), (i, o.dtype)
+print("agreed on", len(outputs), "outputs")
+"""
+
+
 @pytest.mark.gpu
 def test_the_close_kernel_projects_every_layout_as_the_host_does() -> None:
     """The close kernel's projections (contiguous, strided, offset, broadcast, many-dimensional,
     small, complex, half, bfloat16, bool and integer outputs; a float8 one and those past its
     slots projected before it) equal `projection` of the same output with the same seed, up to
-    the order of the fp64 sums; one element changed shows."""
-    from cudagym.sandbox.timing import MAX_SAMPLED_OUTPUTS
+    the order of the fp64 sums; one element changed shows. In a fresh python: a CUDA context in
+    the test's own process would be another process on the GPU to the evaluator's timing jobs."""
+    import subprocess
+    import sys
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    big = torch.randn(512, 384, device="cuda", generator=g)
-    outputs = [
-        big, big.t().half(), big.t(), big[7:, 3::2], big.bfloat16(),
-        torch.randn(1, 384, device="cuda", generator=g).expand(640, 384),
-        (big > 0)[:40],
-        torch.randn(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, device="cuda", generator=g).transpose(0, 10),
-        torch.arange(300, device="cuda", dtype=torch.int64).view(20, 15).t(),
-        torch.randn(64, 64, device="cuda", generator=g, dtype=torch.complex64)[:, ::3],
-        torch.randn(1 << 22, device="cuda", generator=g),
-    ]
-    if hasattr(torch, "float8_e4m3fn"):
-        outputs.append(big.to(torch.float8_e4m3fn))
-    outputs += [big[i:] for i in range(MAX_SAMPLED_OUTPUTS)]  # past the close kernel's slots
-    timer = DeviceTimer(torch.device("cuda"))
-    read: list = []
-    timer.call(lambda: outputs, [], lambda outs: read.extend(timer.read_at_end(o) for o in outs))
-    exact = Tolerance(atol=0.0, rtol=0.0)
-    for i, (o, ev) in enumerate(zip(outputs, read)):
-        host = projection(o, ev.seed, i).cpu()
-        components = o.numel() * (2 if o.is_complex() else 1)
-        assert ev.projections is not None
-        got = ev.projections.cpu()
-        assert projection_mismatch(got, host, components, exact, True) is None, (i, o.dtype, o.shape, got, host)
-        if o.element_size() == 1 and o.dtype not in (torch.bool, torch.uint8, torch.int8):
-            continue  # float8: no arithmetic to change an element with
-        changed = o.contiguous().clone()
-        changed.view(-1)[0] = 3 if o.dtype != torch.bool else not bool(changed.view(-1)[0])
-        moved = projection(changed, ev.seed, i).cpu()
-        assert projection_mismatch(got, moved, components, exact, True), (i, o.dtype, o.shape)
+    r = subprocess.run([sys.executable, "-c", LAYOUTS_CHECK], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
 
 
 @pytest.mark.gpu

@@ -187,10 +187,11 @@ cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned 
 // elements) at positions drawn from the close's seed (all of them, in order, if count == numel),
 // copied to `values`; the positions to `positions` (if not null).
 // `kind` (`PROJECTED_KINDS`; 0: none) and `proj` (4 doubles, zeroed before the open gate): the
-// output's projections on secret +-1 weights over every element (see `projection`).
+// output's projections on secret +-1 weights over every element (see `projection`); `index`: the
+// output's place among the call's outputs (in the weights' hash).
 struct Sampled {
     unsigned long long src, values, positions, proj;
-    long long numel, count, elem_size, ndim, kind;
+    long long numel, count, elem_size, ndim, kind, index;
     long long sizes[MAX_DIMS], strides[MAX_DIMS];
 };
 struct Samples {
@@ -281,7 +282,7 @@ __device__ __noinline__ void project_strided(const Sampled& s, unsigned int s0, 
     }
     add_block(acc, (double*)s.proj);
 }
-__device__ void project(const Sampled& s, int o, unsigned long long seed) {
+__device__ void project(const Sampled& s, unsigned int o, unsigned long long seed) {
     const unsigned int s0 = (unsigned int)seed ^ mix32(2u * o + 1u), s1 = (unsigned int)(seed >> 32) ^ mix32(2u * o + 2u);
     if (!(s.ndim == 1 && s.strides[0] == 1)) { project_strided(s, s0, s1); return; }
     double* proj = (double*)s.proj;
@@ -343,7 +344,7 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
         }
     }
     for (int o = 0; o < (int)samples.n; ++o)
-        if (samples.out[o].proj) project(samples.out[o], o, samples.seed);
+        if (samples.out[o].proj) project(samples.out[o], (unsigned int)samples.out[o].index, samples.seed);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -372,6 +373,7 @@ class _Sampled(ctypes.Structure):
     _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
                 ("proj", ctypes.c_uint64), ("numel", ctypes.c_int64), ("count", ctypes.c_int64),
                 ("elem_size", ctypes.c_int64), ("ndim", ctypes.c_int64), ("kind", ctypes.c_int64),
+                ("index", ctypes.c_int64),
                 ("sizes", ctypes.c_int64 * MAX_SAMPLED_DIMS),
                 ("strides", ctypes.c_int64 * MAX_SAMPLED_DIMS)]
 
@@ -724,7 +726,7 @@ class DeviceTimer:
         projections = reading.projections[samples.n]
         s = samples.out[samples.n]
         s.src, s.values, s.positions = t.data_ptr(), values.data_ptr(), 0 if positions is None else positions.data_ptr()
-        s.proj, s.kind = projections.data_ptr(), kind
+        s.proj, s.kind, s.index = projections.data_ptr(), kind, index
         s.numel, s.count, s.elem_size, s.ndim = t.numel(), n, t.element_size(), len(shape)
         for d, (size, stride) in enumerate(zip(shape, strides)):
             s.sizes[d], s.strides[d] = size, stride
