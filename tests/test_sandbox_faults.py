@@ -243,18 +243,27 @@ NEIGHBOURS = 12
 
 def neighbour(mark: str, log_dir: str) -> str:
     """Probe source: NEIGHBOURS busy processes, each in a session of its own, each appending its
-    CLOCK_MONOTONIC (ns) to its log every few ms; then the job waits."""
-    child = (f"import os, time\\nMARK = {mark!r}\\nf = open(os.path.join({log_dir!r}, str(os.getpid())), 'a')\\n"
-             "while True:\\n    t = time.monotonic_ns()\\n    while time.monotonic_ns() - t < 1_000_000: pass\\n"
-             "    f.write(f'{time.monotonic_ns()}\\\\n'); f.flush(); time.sleep(0.004)\\n")
-    return textwrap.dedent(f"""
-        import subprocess, sys, time
-        import os
-        for _ in range({NEIGHBOURS}):
-            subprocess.Popen([sys.executable, "-c", {child!r}], start_new_session=True)
-        while not os.path.exists({os.path.join(log_dir, "stop")!r}):
-            time.sleep(0.1)
-        """)
+    CLOCK_MONOTONIC (ns) to its log every few ms; then the job waits for the file `stop`."""
+    child = "\n".join([
+        "import os, time",
+        f"MARK = {mark!r}",
+        f"f = open(os.path.join({log_dir!r}, str(os.getpid())), 'a')",
+        "while True:",
+        "    t = time.monotonic_ns()",
+        "    while time.monotonic_ns() - t < 1_000_000:",
+        "        pass",
+        "    f.write(str(time.monotonic_ns()) + ' ')",
+        "    f.flush()",
+        "    time.sleep(0.004)",
+    ])
+    stop = os.path.join(log_dir, "stop")
+    return "\n".join([
+        "import os, subprocess, sys, time",
+        f"for _ in range({NEIGHBOURS}):",
+        f"    subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)",
+        f"while not os.path.exists({stop!r}):",
+        "    time.sleep(0.1)",
+    ])
 
 
 @pytest.mark.timeout(900)

@@ -114,7 +114,6 @@ class LocalSandbox(SpareWorkerSandbox):
         self._fork_server_lock: asyncio.Lock | None = None
         self._reaping: set[asyncio.Future[None]] = set()  # killed workers not yet cleaned up
         self._running: list[RunningJob] = []  # checks running now (what timing jobs fence off)
-        self._live: set[int] = set()  # the first process of every worker not yet reaped
         self._start_loop("cudagym-sandbox")
 
     @property
@@ -218,7 +217,6 @@ class LocalSandbox(SpareWorkerSandbox):
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
         os.close(job_r)
-        self._live.add(proc.pid)
         frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20, started=asked)
         return _Worker(proc, frames, shm, device, job_w, waiter="pid" in self._unshare)
 
@@ -381,27 +379,35 @@ class LocalSandbox(SpareWorkerSandbox):
         except psutil.Error:
             return []
 
-    def _ours(self) -> set[int]:
-        """Every process of this sandbox: its fork servers and workers, and all they started."""
-        roots = set(self._live) | {s.proc.pid for s in self._fork_servers.values() if s is not None and s.proc}
+    @staticmethod
+    def _ours() -> set[int]:
+        """Every sandbox process of this evaluator's (this sandbox's and any other's in this
+        process: fork servers, workers, `ncu`'s workers) and all they started; not the
+        evaluator's other children (a trainer's inference server disturbs a timing as much as
+        a stranger does)."""
         children: dict[int, list[int]] = {}
         for p in psutil.process_iter(["ppid"]):
             children.setdefault(p.info["ppid"], []).append(p.pid)
-        ours, todo = set(), list(roots)
+        ours: set[int] = set()
+        todo = [(pid, False) for pid in children.get(os.getpid(), [])]
         while todo:
-            pid = todo.pop()
-            if pid not in ours:
+            pid, inside = todo.pop()
+            if not inside:
+                try:
+                    inside = "cudagym.sandbox." in " ".join(psutil.Process(pid).cmdline())
+                except psutil.Error:
+                    continue
+            if inside:
                 ours.add(pid)
-                todo.extend(children.get(pid, []))
+            todo.extend((c, inside) for c in children.get(pid, []))
         return ours
 
     async def _device_check(self, device: str, since_us: int = 0) -> str | None:
-        """What processes not of this sandbox do on `device` (a GPU) now, or since `since_us`;
-        None if nothing. Not the evaluator's own other children: a trainer's inference server
-        beside it disturbs a timing as much as a stranger does."""
+        """What processes other than the sandboxes' (`_ours`) do on `device` (a GPU) now, or
+        since `since_us`; None if nothing."""
         index = int(device.split(":")[1]) if ":" in device else 0
-        ours = self._ours()
-        return await asyncio.to_thread(foreign_gpu_use, index, ours, since_us, self.config.gpu_sharing_allow)
+        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours(), since_us,
+                                                               self.config.gpu_sharing_allow))
 
     async def _ready(self, device: str) -> _Worker:
         """A spare of `device` that is ready (started spares start its replacement now; a
@@ -574,7 +580,6 @@ class LocalSandbox(SpareWorkerSandbox):
         """After a job: wait for the killed worker to exit, release what it held, and (after a
         timing job) start the spares that were held back."""
         await w.proc.wait()
-        self._live.discard(w.proc.pid)
         try:
             await asyncio.wait_for(out_task, timeout=5)
         except asyncio.TimeoutError:
