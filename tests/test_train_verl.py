@@ -44,6 +44,8 @@ TEMPLATE = (
 )
 EOS = "<|im_end|>"
 SPEC = EvaluatorSpec(backend="local", target="cpu", mode="strict", compile_baseline=False)
+EVAL_OVERRIDES = [f"cudagym.evaluator.{k}={v}" for k, v in
+                  (("backend", "local"), ("target", "cpu"), ("mode", "strict"), ("compile_baseline", "false"))]
 TASKS = ("ew_scale_bias_gelu", "norm_softmax")
 
 
@@ -84,10 +86,15 @@ def tokenizer(model_dir: Path) -> Any:
 
 class ReplayServer:
     """Stands in for verl's `LLMServerClient`: the scripted policy's turn for the task named in the
-    prompt, tokenized with the real tokenizer, cut at ``max_tokens`` like a server would."""
+    prompt, tokenized with the real tokenizer, cut at ``max_tokens`` like a server would; its
+    `TokenOutput.extra_fields` are what `LLMServerClient.generate` returns (the weights version
+    ``global_steps``, and ``min_global_steps``/``max_global_steps`` set from it), the version
+    moving on by `steps_per_turn` each turn as under partial rollout."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, global_steps: int = 3, steps_per_turn: int = 0):
         self.tokenizer = tokenizer
+        self.global_steps = global_steps
+        self.steps_per_turn = steps_per_turn
         self.policy = ScriptedPolicy(SOLUTIONS)
         self.turns: dict[str, int] = {}
         self.sent: dict[str, list[str]] = {}  # task id -> the texts sent, in order
@@ -106,18 +113,9 @@ class ReplayServer:
         self.max_tokens.append(sampling_params["max_tokens"])
         ids = ids[: sampling_params["max_tokens"]]
         self.sent.setdefault(task_id, []).append(self.tokenizer.decode(ids))
-        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed")
-
-
-def _agent_loop_file(tmp: Path) -> Path:
-    """The packaged agent-loop file with the tests' evaluator settings (CPU target, no torch.compile)."""
-    from cudagym.train.launch import AGENT_LOOPS
-
-    entries = OmegaConf.to_container(OmegaConf.load(AGENT_LOOPS))
-    entries[0]["evaluator"] = SPEC.model_dump()
-    path = tmp / "agent_loops.yaml"
-    OmegaConf.save(OmegaConf.create(entries), path)
-    return path
+        steps = self.global_steps + turn * self.steps_per_turn
+        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed", num_preempted=0,
+                           extra_fields={"global_steps": steps, "min_global_steps": steps, "max_global_steps": steps})
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +131,10 @@ def loop_env(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, tokenize
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     tmp = tmp_path_factory.mktemp("verl-loop")
-    cfg = resolve_config("grpo", [f"actor_rollout_ref.model.path={model_dir}",
-                                  f"actor_rollout_ref.rollout.agent.agent_loop_config_path={_agent_loop_file(tmp)}",
+    cfg = resolve_config("grpo", [f"actor_rollout_ref.model.path={model_dir}", *EVAL_OVERRIDES,
                                   f"data.train_files={data_dir / 'train.parquet'}",
-                                  f"data.val_files={data_dir / 'val.parquet'}",
+                                  f"data.val_files={data_dir / 'val.parquet'}", "data.train_batch_size=2",
+                                  "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                   "data.max_prompt_length=8192", "data.max_response_length=16384"])
     validate_config(cfg)
     rows: dict[str, dict[str, Any]] = {}
@@ -309,3 +307,129 @@ def test_dry_run_rejects_bad_configs(model_dir: Path) -> None:
     assert runner.invoke(app, ["train", "grpo", "not-an-override", "--dry-run"]).exit_code == 2
     help_text = runner.invoke(app, ["train", "--help"]).output
     assert "prepare" in help_text and "CONFIG" in help_text
+
+
+def _dataset_rows(rows: dict[str, dict[str, Any]], task_ids: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [rows[t] for t in task_ids]
+
+
+async def test_finished_episodes_through_verl_v0_worker_and_metrics(loop_env: Any, tokenizer: Any) -> None:
+    """verl's v0 `AgentLoopWorker.generate_sequences` (the loop built from the registry, its
+    `_agent_loop_postprocess` padding and `_postprocess` batching), then verl's GRPO advantage and
+    `compute_data_metrics`: the servers' extra_fields come through (the first turn's
+    ``global_steps``/``min_global_steps``, the last turn's ``max_global_steps``, as verl's tool
+    loop merges them), the reward sits on each episode's last token, the episode metrics are columns."""
+    import numpy as np
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.metric_utils import compute_data_metrics
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    cfg, rows = loop_env
+    server = ReplayServer(tokenizer, global_steps=5, steps_per_turn=1)
+    worker = AgentLoopWorker(cfg, llm_client=server)
+    batch = DataProto.from_single_dict(collate_fn(_dataset_rows(rows, TASKS)))
+    batch.meta_info = {"global_steps": 5, "validate": False}
+    out = await worker.generate_sequences(batch)
+
+    nt = out.non_tensor_batch
+    assert list(nt["global_steps"]) == [5, 5] and list(nt["min_global_steps"]) == [5, 5]
+    assert list(nt["max_global_steps"]) == [9, 9]  # five turns, the weights moved on each turn
+    assert [len(t) for t in nt["turn_scores"]] == [5, 5] and list(nt["tool_rewards"]) == [[], []]
+    assert set(METRIC_KEYS) <= set(out.meta_info["reward_extra_keys"]) and list(nt["correct"]) == [1.0, 1.0]
+    assert [c["task_id"] for c in nt["cudagym"]] == list(TASKS)
+    rewards = [c["verdict"]["reward"] for c in nt["cudagym"]]
+    last = out.batch["attention_mask"][:, out.batch["prompts"].size(1):].sum(-1) - 1
+    assert out.batch["rm_scores"][[0, 1], last].tolist() == rewards and out.batch["rm_scores"].sum().item() == sum(rewards)
+    assert [m["num_preempted"] for m in out.meta_info["metrics"]] == [0, 0]
+
+    out.batch["token_level_scores"] = out.batch["rm_scores"]
+    out.batch["token_level_rewards"] = out.batch["rm_scores"]
+    out.non_tensor_batch["uid"] = np.array(["a", "a"], dtype=object)  # one GRPO group
+    out = compute_advantage(out, adv_estimator="grpo", num_repeat=2)
+    metrics = compute_data_metrics(batch=out, use_critic=False)
+    assert metrics["critic/score/mean"] == pytest.approx(sum(rewards) / 2)
+    assert metrics["num_turns/mean"] == 10  # assistant + tool turns
+
+
+@pytest.fixture(scope="module")
+def transfer_queue(tmp_path_factory: pytest.TempPathFactory):
+    """verl v1's TransferQueue (controller and storage actors) on a local Ray instance."""
+    ray = pytest.importorskip("ray")
+    tq = pytest.importorskip("transfer_queue")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        tq.init()
+        yield tq
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+async def test_finished_episodes_through_verl_v1_worker_and_training_metrics(
+        loop_env: Any, tokenizer: Any, transfer_queue: Any) -> None:
+    """verl's v1 path: `AgentLoopWorkerTQ._run_agent_loop` puts each episode into the
+    TransferQueue (its tags: ``min_global_steps``/``max_global_steps`` from the loop's
+    extra_fields, which verl reads as ints), then the trainer's own `_compute_advantage` and
+    `_compute_metrics` (cudagym's `KernelTrainer`, registered as verl trainer mode
+    ``cudagym_sync``): verl's staleness metrics, and the episodes' outcomes in the step's metrics."""
+    from verl.single_controller.ray.base import ResourcePoolManager
+    from verl.trainer.ppo.metric_utils import RolloutMoELoadBalanceMetricsAccumulator
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    from cudagym.train.runner import KernelTrainer
+
+    tq = transfer_queue
+    cfg, rows = loop_env
+    cfg = cfg.copy()
+    cfg.actor_rollout_ref.rollout.n = 2
+    assert cfg.trainer.v1.trainer_mode == "cudagym_sync" and get_trainer_cls("cudagym_sync") is KernelTrainer
+    server = ReplayServer(tokenizer, global_steps=5, steps_per_turn=1)
+    worker = AgentLoopWorkerTQ.__ray_actor_class__(cfg, llm_client=server)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    for i, task_id in enumerate(TASKS):
+        row = {k: v for k, v in rows[task_id].items() if k != "agent_name" and not hasattr(v, "shape")}
+        for session in range(2):
+            await worker._run_agent_loop(dict(params), {"step": 5, "sample_index": i, "rollout_n": session,
+                                                        "validate": False},
+                                         agent_name=AGENT_NAME, uid=f"uid-{task_id}", session_id=session,
+                                         global_steps=5, **row)
+    listing = tq.kv_list(partition_id="train")["train"]
+    keys = sorted(listing)
+    assert len(keys) == 4
+    tags = [listing[k] for k in keys]
+    assert all(t["min_global_steps"] == 5 and t["max_global_steps"] == 9 and t["global_steps"] == 5 for t in tags)
+    batch = tq.KVBatchMeta(keys=keys, tags=tags, partition_id="train")
+
+    trainer = object.__new__(KernelTrainer)  # verl's trainer without its workers: the metric code only
+    trainer.config, trainer.use_critic = cfg, False
+    trainer._rollout_moe_lb_metrics_accumulator = RolloutMoELoadBalanceMetricsAccumulator(
+        model_config=cfg.actor_rollout_ref.model)
+    trainer.resource_pool_manager = ResourcePoolManager(resource_pool_spec={"global_pool": [6]}, mapping={})
+    # what the actor's forward pass puts before the advantage (same weights: the rollout's log-probs)
+    from tensordict import TensorDict
+
+    logprobs = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rollout_log_probs"])
+    tq.kv_batch_put(keys=keys, partition_id="train",
+                    fields=TensorDict({"old_log_probs": logprobs["rollout_log_probs"]}, batch_size=len(keys)))
+    metrics: dict[str, Any] = {}
+    trainer._compute_advantage(batch, metrics)
+    trainer._compute_metrics(batch, metrics, {"step": 1.0, "gen": 0.5}, 6, 0)
+    assert metrics["training/off_policy/trajectory_spans/max"] == 5  # versions 5..9
+    assert metrics["training/off_policy/trajectory_staleness_worst/max"] == 0  # (6 - 1) - 5
+    # the episodes as they ended (on a loaded CPU a check may fail: the metrics follow the episodes)
+    fields = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["extra_fields"])["extra_fields"]
+    fields = fields.tolist() if hasattr(fields, "tolist") else list(fields)
+    infos = [f["reward_extra_info"] for f in fields]
+    rewards = [f["cudagym"]["verdict"]["reward"] for f in fields]
+    assert metrics["num_turns/mean"] == 2 * sum(i["turns"] for i in infos) / 4
+    assert metrics["critic/score/mean"] == pytest.approx(sum(rewards) / 4)
+    assert metrics["episode/count"] == 4 and metrics["episode/pass_rate"] == sum(i["correct"] for i in infos) / 4
+    assert metrics["episode/turns/mean"] == sum(i["turns"] for i in infos) / 4
+    assert metrics["episode/tool_errors/mean"] == sum(i["tool_errors"] for i in infos) / 4
+    assert metrics["episode/compiled_rate"] == sum(i["compiled"] for i in infos) / 4
+    if any(i["correct"] for i in infos):
+        assert metrics["episode/speedup_vs_eager/geomean"] > 0

@@ -76,6 +76,9 @@ class PoolConfig(BaseModel):
     # actors hold only CPUs, and share the node's cores
     cpus_per_device_actor: float = Field(default=1.0, gt=0)
     cpus_per_compile_actor: float = Field(default=1.0, gt=0)
+    # Ray custom resources each device actor also asks for, e.g. {"cudagym_eval": 1}: a resource
+    # only the evaluation GPUs' nodes offer keeps device actors off the trainer's GPUs
+    device_resources: dict[str, float] = Field(default_factory=dict)
     max_jobs_per_actor: int = Field(default=256, ge=1)  # the actor's max_concurrency
     start_timeout_s: float = 600.0  # every actor must answer its first ping within this
     readmit_timeout_s: float = 600.0  # how long a failed actor may take to come back
@@ -134,10 +137,14 @@ class EvalPool:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def start(cls, config: PoolConfig | None = None, *, address: str | None = None,
-              ray_init: dict[str, Any] | None = None) -> EvalPool:
+              ray_init: dict[str, Any] | None = None, name: str | None = None,
+              namespace: str | None = None) -> EvalPool:
         """Start the pool's actors on the cluster at `address` (``ray start --head`` gives it;
         ``auto`` finds the local one), or on a new local Ray instance when `address` is None and
-        Ray is not initialized in this process; `ray_init` adds arguments of ``ray.init``."""
+        Ray is not initialized in this process; `ray_init` adds arguments of ``ray.init``.
+        With `name`, the actors are named ``NAME:device-0``, ... in Ray `namespace`, so that
+        other processes of the cluster reach this one pool with `connect` (they live as long
+        as the process that started them, or until `close`)."""
         config = config or PoolConfig()
         owns_ray = False
         if not ray.is_initialized():
@@ -164,13 +171,21 @@ class EvalPool:
                 raise PoolError("the CUDA target needs GPUs in the Ray cluster; it has none")
             remote = ray.remote(EvaluatorActor)
             gpu = {"num_gpus": 1 if target == Target.CUDA else 0, "num_cpus": config.cpus_per_device_actor}
+            if config.device_resources:
+                gpu["resources"] = dict(config.device_resources)
             opts = {"max_restarts": -1, "max_concurrency": config.max_jobs_per_actor}
-            members += [_Member(remote.options(**gpu, **opts).remote(ev), f"device-{i}", "device") for i in range(n_dev)]
+
+            def named(member: str) -> dict[str, Any]:
+                return {"name": f"{name}:{member}", "namespace": namespace} if name else {}
+
+            members += [_Member(remote.options(**gpu, **opts, **named(f"device-{i}")).remote(ev), f"device-{i}", "device")
+                        for i in range(n_dev)]
             infos = ray.get([m.handle.info.remote() for m in members], timeout=config.start_timeout_s)
             if target == Target.CUDA:  # compile actors see no GPU: give them the devices' architecture
                 ev = ev.model_copy(update={"toolchain": ev.toolchain.model_copy(
                     update={"cuda_arch": ev.toolchain.cuda_arch or infos[0]["cuda_arch"]})})
-            members += [_Member(remote.options(num_cpus=config.cpus_per_compile_actor, num_gpus=0, **opts).remote(ev),
+            members += [_Member(remote.options(num_cpus=config.cpus_per_compile_actor, num_gpus=0, **opts,
+                                               **named(f"compile-{i}")).remote(ev),
                                 f"compile-{i}", "compile") for i in range(config.compile_actors)]
             ray.get([m.handle.info.remote() for m in members[n_dev:]], timeout=config.start_timeout_s)
         except BaseException:
@@ -180,6 +195,29 @@ class EvalPool:
                 ray.shutdown()
             raise
         return cls(config, members, target, owns_actors=True, owns_ray=owns_ray)
+
+    @classmethod
+    def connect(cls, name: str, config: PoolConfig | None = None, *, namespace: str | None = None,
+                address: str | None = "auto") -> EvalPool:
+        """A client of the pool that another process started with ``start(name=NAME)``: its
+        named actors, found in Ray `namespace`; this client starts and stops nothing. Connects
+        to the cluster at `address` first where Ray is not initialized in this process (a Ray
+        actor, e.g. a trainer's rollout worker, already is). `config` gives the client's own
+        settings (reward, timeouts); raises `PoolError` when no actor of that name exists."""
+        config = config or PoolConfig()
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False)
+        prefix = f"{name}:"
+        found = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].startswith(prefix) and (namespace is None or a.get("namespace") == namespace))
+        members = [_Member(ray.get_actor(n, namespace=namespace), n[len(prefix):], n[len(prefix):].split("-")[0])
+                   for n in found]
+        devices = [m for m in members if m.kind == "device"]
+        if not devices:
+            raise PoolError(f"no evaluation pool named {name!r} in Ray namespace {namespace!r}: it is started once "
+                            "per run (`cudagym train` starts it before verl's workers), not by its clients")
+        target = Target(ray.get(devices[0].handle.info.remote(), timeout=config.start_timeout_s)["target"])
+        return cls(config, members, target, owns_actors=False, owns_ray=False)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy for another process (a rollout worker): the same actors, its own bookkeeping;

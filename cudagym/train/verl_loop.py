@@ -20,25 +20,31 @@ builds one instance per sample and awaits ``run(sampling_params, **row)``; it re
   budget, which is verl's: the prompt as rendered plus ``rollout.response_length``, declared to
   the env with each turn's generated token count, so the env trims observations to what is left
   and ends the episode where verl would), plus any shaping the env config pays;
-- ``extra_fields["reward_extra_info"]`` holds per-episode metrics with a fixed set of keys
-  (turns, tool calls and errors, compile/verify/profile seconds, speedups, why it ended), which
-  verl logs next to the reward.
+- ``extra_fields`` carries what verl's built-in loops carry: the servers' per-turn
+  ``TokenOutput.extra_fields`` merged as `ToolAgentLoop` merges them (``global_steps``,
+  ``min_global_steps``, ``max_global_steps``: verl's v1 trainer reads them as ints),
+  ``turn_scores`` (the env's reward of each turn) and ``tool_rewards``; and
+  ``reward_extra_info``, per-episode metrics with a fixed set of keys (turns, tool calls and
+  errors, compile/verify/profile seconds, speedups, why it ended), which verl logs with
+  validation and `cudagym.train.runner`'s trainer logs with each training step.
 
 The env parses each turn with its own parser (`cudagym.env.parsing`: Hermes ``<tool_call>``
 blocks or bare JSON); verl's tool registry and tool parser are not used. Checks go through an
-evaluator client (`EvaluatorSpec`): an `Evaluator` in the rollout worker's process, or the Ray
-evaluation pool (`cudagym.pool.EvalPool`), which every env of the process shares.
+evaluator client (the stage config's ``cudagym.evaluator``, `EvaluatorSpec`): a client of the
+run's one Ray evaluation pool on GPUs of its own (`cudagym.train.settings`), or, on the CPU
+target, an `Evaluator` in the rollout worker's process; every env of the process shares it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.experimental.agent_loop.tool_agent_loop import SPEC_DECODE_EXTRA_KEYS
 
 from cudagym.agent.prompt import tool_response
 from cudagym.env.kernel_env import EnvConfig, KernelEnv
@@ -46,6 +52,7 @@ from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
 from cudagym.tasks.model import Task
 from cudagym.train import AGENT_NAME
+from cudagym.train.settings import EvaluatorSpec, RunSettings
 from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_overhead
 
 TOOL_NAMES = ("write_file", "edit_file", "read_file", "list_files", "compile", "verify", "profile", "submit")
@@ -58,28 +65,11 @@ METRIC_KEYS = (
 )
 
 
-class EvaluatorSpec(BaseModel):
-    """Which evaluator the episodes of a rollout worker use (one per process, shared)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Literal["local", "ray"] = "local"
-    target: Literal["auto", "cuda", "cpu"] = "auto"
-    mode: Literal["strict", "permissive"] = "strict"
-    compile_baseline: bool = True  # the +3 milestone needs torch.compile timings
-    ray_address: str | None = "auto"  # backend ray: the cluster verl already runs on
-    compile_actors: int = Field(default=2, ge=0)
-
-    def key(self) -> str:
-        return self.model_dump_json()
-
-
 class LoopSettings(BaseModel):
     """The ``cudagym_kernel`` entry of the agent-loop config (``configs/agent_loops.yaml``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    evaluator: EvaluatorSpec = Field(default_factory=EvaluatorSpec)
     # KernelEnv budgets and tool options (`EnvConfig`); target and mode come from `evaluator`
     env: dict[str, Any] = Field(default_factory=dict)
     max_tokens_per_turn: int | None = Field(default=None, ge=1)  # None: what is left of response_length
@@ -115,14 +105,15 @@ def release_evaluator(spec: EvaluatorSpec) -> EvaluatorAPI | None:
 
 
 def _start_evaluator(spec: EvaluatorSpec) -> EvaluatorAPI:
-    from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-
-    config = EvaluatorConfig(target=spec.target, mode=spec.mode, compile_baseline=spec.compile_baseline)
+    """backend local: an `Evaluator` of this process; ray: a client of the run's one pool, which
+    ``cudagym train``'s task runner started (`cudagym.train.runner`): never a pool of its own."""
     if spec.backend == "ray":
-        from cudagym.pool import EvalPool, PoolConfig
+        from cudagym.pool import EvalPool
 
-        return EvalPool.start(PoolConfig(evaluator=config, compile_actors=spec.compile_actors), address=spec.ray_address)
-    return Evaluator(config)
+        return EvalPool.connect(spec.pool.name, spec.pool_config(), namespace=spec.pool.namespace)
+    from cudagym.rewards.evaluator import Evaluator
+
+    return Evaluator(spec.evaluator_config())
 
 
 class HFTokenCounter:
@@ -152,22 +143,40 @@ def row_task(extra_info: dict[str, Any]) -> Task:
     return resolve_task(task_id)
 
 
+def merge_server_fields(fields: dict[str, Any], turn: dict[str, Any]) -> None:
+    """Fold one generation's `TokenOutput.extra_fields` into the episode's, as verl's
+    `ToolAgentLoop` does: the first turn's fields as they are (``global_steps``,
+    ``min_global_steps``, ...), then each later turn's ``max_global_steps`` (the newest weights
+    the episode saw) and its speculative-decoding counts added up. verl's v1 worker tags each
+    episode with min/max_global_steps and its metrics read them as ints (staleness)."""
+    if not fields:
+        fields.update(turn)
+        return
+    if turn.get("max_global_steps"):
+        fields["max_global_steps"] = turn["max_global_steps"]
+    for key in SPEC_DECODE_EXTRA_KEYS:
+        if key in turn and key in fields:
+            fields[key] = int(fields[key]) + int(turn[key])
+
+
 @register(AGENT_NAME)
 class KernelAgentLoop(AgentLoopBase):
     """Plays one KernelEnv episode per sample with verl's server manager (see the module doc)."""
 
-    def __init__(self, *args: Any, evaluator: Any = None, env: Any = None, max_tokens_per_turn: int | None = None,
+    def __init__(self, *args: Any, env: Any = None, max_tokens_per_turn: int | None = None,
                  tools_in_template: bool = True, **kwargs: Any):
         kwargs.pop("tools", None)  # verl's tool registry: unused, the env owns the tools
         kwargs.pop("name", None)  # the agent-loop config entry's own name
         super().__init__(*args, **kwargs)
         self.settings = LoopSettings.model_validate({
-            "evaluator": _plain(evaluator) or {}, "env": _plain(env) or {},
-            "max_tokens_per_turn": max_tokens_per_turn, "tools_in_template": tools_in_template})
+            "env": _plain(env) or {}, "max_tokens_per_turn": max_tokens_per_turn,
+            "tools_in_template": tools_in_template})
+        # where checks run is the run's, not the loop's: the stage config's cudagym.evaluator
+        self.evaluator_spec = RunSettings.of(_plain(self.config.get("cudagym"))).evaluator
         self.response_length = int(self.rollout_config.response_length)
 
     def make_env(self, task: Task) -> KernelEnv:
-        spec = self.settings.evaluator
+        spec = self.evaluator_spec
         counter = HFTokenCounter(self.tokenizer)
         config = EnvConfig.model_validate({**self.settings.env, "target": spec.target, "mode": spec.mode})
         overhead = observation_overhead(self.tokenizer, counter.count) + OBSERVATION_MARGIN_TOKENS
@@ -202,6 +211,9 @@ class KernelAgentLoop(AgentLoopBase):
                  "profile_s": 0.0, "submit_s": 0.0, "env_s": 0.0, "generate_s": 0.0}
         submitted = truncated = budget_hit = False
         verdict: dict[str, Any] | None = None
+        server_fields: dict[str, Any] = {}  # the servers' per-turn extra_fields, merged as verl's tool loop merges them
+        preempted: int | None = None
+        turn_scores: list[float] = []
         while True:
             room = self.response_length - len(mask)
             if room <= 0:
@@ -212,6 +224,11 @@ class KernelAgentLoop(AgentLoopBase):
             out = await self.server_manager.generate(request_id=request_id, prompt_ids=ids,
                                                      sampling_params={**sampling_params, "max_tokens": cap})
             tally["generate_s"] += time.perf_counter() - t0
+            merge_server_fields(server_fields, out.extra_fields)
+            if preempted is None:  # as verl's loops count it: -1 where the server does not report it
+                preempted = out.num_preempted if out.num_preempted is not None else -1
+            else:
+                preempted += out.num_preempted or 0
             keep_logprobs = bool(logprobs or out.log_probs)
             merged, mask, new_lp = await self.ct_merge_assistant_token(
                 ids, out.token_ids, mask, logprobs if keep_logprobs else None,
@@ -224,6 +241,7 @@ class KernelAgentLoop(AgentLoopBase):
             obs, r, terminated, env_truncated, step = await env.astep(text, action_tokens=len(out.token_ids))
             tally["env_s"] += time.perf_counter() - t0
             reward += r
+            turn_scores.append(float(r))
             tally["parse_errors"] += bool(step.get("parse_error"))
             for call in step.get("calls", []):
                 tally["tool_calls"] += 1
@@ -266,10 +284,12 @@ class KernelAgentLoop(AgentLoopBase):
             response_logprobs=logprobs[: self.response_length] if logprobs else None,
             reward_score=float(reward),
             num_turns=2 * turns,
-            metrics={"generate_sequences": tally["generate_s"], "tool_calls": tally["env_s"]},
-            extra_fields={"reward_extra_info": metrics, "cudagym": {
-                "task_id": task.id, "source": task.source, "verdict": verdict,
-                "reward_reasons": list((verdict or {}).get("reasons", []))}},
+            metrics={"generate_sequences": tally["generate_s"], "tool_calls": tally["env_s"],
+                     "num_preempted": -1 if preempted is None else preempted},
+            extra_fields={**server_fields, "turn_scores": turn_scores, "tool_rewards": [],
+                          "reward_extra_info": metrics, "cudagym": {
+                              "task_id": task.id, "source": task.source, "verdict": verdict,
+                              "reward_reasons": list((verdict or {}).get("reasons", []))}},
         )
 
     @staticmethod
