@@ -330,8 +330,13 @@ class Evaluator:
             shutil.rmtree(staging, ignore_errors=True)
 
     # -- verify -----------------------------------------------------------------------------
-    async def averify(self, task: Task, workspace: Workspace) -> VerifyResult:
-        """Correctness over fresh secret-seeded trials plus the op audit, in a fresh worker."""
+    async def averify(self, task: Task, workspace: Workspace,
+                      params: Literal["seed", "state_dict"] = "seed") -> VerifyResult:
+        """Correctness over fresh secret-seeded trials plus the op audit, in a fresh worker.
+
+        ModelNew runs with its own same-seed parameters; only where they differ from Model's under
+        the same names and the outputs are wrong does a second verify load Model's state_dict
+        (`harness.Problem`); `VerifyResult.params_path` says which decided."""
         t0 = time.perf_counter()
         task = task.for_target(self._target)
         built = await self.toolchain.abuild(workspace, self._target)
@@ -356,7 +361,8 @@ class Evaluator:
                     trial_orders=orders)
         # the candidate's worker learns each trial's inputs only when the trial starts
         feed = TrialFeed(plan["trial_seeds"], plan["trial_scales"], plan["trial_orders"])
-        cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, trials=n)
+        cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, trials=n,
+                             params=params)
         ref_job = self._job("reference", task, None, init_seed=init_seed, **plan)
         outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device, feed),
                                             self.sandbox.run(ref_job, self.device))
@@ -379,7 +385,14 @@ class Evaluator:
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
                      "compare_s": time.perf_counter() - t_jobs}
-        return result.model_copy(update={"breakdown": breakdown, "seconds": time.perf_counter() - t0})
+        result = result.model_copy(update={"breakdown": breakdown, "seconds": time.perf_counter() - t0,
+                                           "params_path": params})
+        if params == "seed" and result.error_kind == ErrorKind.MISMATCH and (outcome.final or {}).get("params_retry"):
+            second = await self.averify(task, workspace, params="state_dict")
+            if second.ok:
+                return second.model_copy(update={"seconds": result.seconds + second.seconds})
+            result.reasons.append("also wrong with Model's state_dict loaded into ModelNew")
+        return result
 
     def _verify_failure(self, o: JobOutcome, kind: ErrorKind, msg: str) -> VerifyResult:
         audit = AuditResult(mode=self.config.mode, passed=False, reasons=[msg]) if kind in (
@@ -549,10 +562,12 @@ class Evaluator:
         built = await self.toolchain.abuild(workspace, self._target)
         if not built.ok:
             return ProfileResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors))
-        result = await self._timed_profile(task, workspace, built, self.config.timing, t0, measured)
+        params = measured.params_path if measured is not None else "seed"
+        result = await self._timed_profile(task, workspace, built, self.config.timing, t0, measured, params)
+        params = result.params_path
         server = self.config.server_timing()
         if result.ok and server is not None and server.idle_ms is not None:
-            s = await self._timed_profile(task, workspace, built, server, time.perf_counter(), measured)
+            s = await self._timed_profile(task, workspace, built, server, time.perf_counter(), measured, params)
             if not s.ok or s.candidate is None:
                 why = [f"server mode ({server.idle_ms[0]:g}-{server.idle_ms[1]:g} ms gaps): {r}" for r in s.reasons]
                 return s.model_copy(update={"reasons": why or ["server mode failed"], "seconds": time.perf_counter() - t0})
@@ -567,8 +582,11 @@ class Evaluator:
         return result.model_copy(update={"seconds": time.perf_counter() - t0})
 
     async def _timed_profile(self, task: Task, workspace: Workspace, built: Any, timing: TimingConfig,
-                             t0: float, measured: VerifyResult | None = None) -> ProfileResult:
-        """One profile job under `timing` against its baselines, with every check of `aprofile`."""
+                             t0: float, measured: VerifyResult | None = None,
+                             params: Literal["seed", "state_dict"] = "seed") -> ProfileResult:
+        """One profile job under `timing` against its baselines, with every check of `aprofile`;
+        ModelNew's parameters as `averify` decides them (`params`; without a verify of the same
+        build, a second try with Model's state_dict where the first's re-checked outputs are wrong)."""
         t_built = time.perf_counter()
         base = await self.abaselines(task, timing)
         t_base = time.perf_counter()
@@ -577,7 +595,8 @@ class Evaluator:
                                  seconds=time.perf_counter() - t0)
         init_seed = secrets.randbits(62) | 1
         feed = CallFeed(timing, ("candidate",))
-        job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, timing=timing)
+        job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, timing=timing,
+                        params=params)
         o = await self.sandbox.run(job, self.device, feed)
         t_job = time.perf_counter()
         failure = _outcome_failure(o, "profile")
@@ -593,6 +612,9 @@ class Evaluator:
         why = await self._recheck(task, o, feed, init_seed, timing.recheck_calls)
         _release_later(o)
         t_cmp = time.perf_counter()
+        if why and why[0] == ErrorKind.MISMATCH and params == "seed" and measured is None \
+                and (o.final or {}).get("params_retry"):
+            return await self._timed_profile(task, workspace, built, timing, t0, None, "state_dict")
         if why:
             return ProfileResult(ok=False, error_kind=why[0], error=why[1], reasons=[why[1]],
                                  seconds=time.perf_counter() - t0)
@@ -630,8 +652,10 @@ class Evaluator:
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             harness_overhead_ns=diag.get("harness_overhead_ns"), close_timeouts=diag.get("candidate_close_timeouts") or 0,
-            clock_gap_ms=gap,
+            clock_gap_ms=gap, params_path=params,
         )
+        if params == "state_dict":
+            reasons.append("parameters: " + str(final.get("params") or "Model's state_dict loaded into ModelNew"))
         if self._target == Target.CUDA:
             result.late_launches, result.host_ms = feed.late_launches("candidate")
             if result.late_launches * 2 > len(times):

@@ -96,7 +96,9 @@ class VerifyResult(BaseModel):
     trials_passed: int = 0
     max_abs_error: float | None = None
     audit: AuditResult | None = None
-    params: str | None = None  # how ModelNew got its parameters (the reference's state_dict, or the same seed)
+    params: str | None = None  # how ModelNew got its parameters, in words
+    # which path decided: its own same-seed build, or Model's state_dict loaded on a second try
+    params_path: Literal["seed", "state_dict"] = "seed"
     error_kind: ErrorKind | None = None
     error: str | None = None  # the candidate's own traceback / crash message, trimmed
     reasons: list[str] = Field(default_factory=list)
@@ -121,6 +123,7 @@ class ServerTiming(BaseModel):
 
 class ProfileResult(BaseModel):
     ok: bool
+    params_path: Literal["seed", "state_dict"] = "seed"  # ModelNew's parameters in the timed job (`VerifyResult`)
     candidate: TimingStats | None = None
     eager: TimingStats | None = None
     compiled: TimingStats | None = None  # torch.compile baseline

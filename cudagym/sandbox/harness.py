@@ -298,10 +298,18 @@ def check_tamper() -> None:
 class Problem:
     """Reference and candidate models built from the same init inputs, plus input generation.
 
-    Parameters follow KernelBench's convention: both models are built right after the same
-    `init_seed`; if the reference's `state_dict` loads into ModelNew it is loaded (same values
-    whatever ModelNew's initialization), otherwise ModelNew keeps what it built (fused, renamed
-    or dropped parameters) and the outputs decide. `params` says which.
+    Built as KernelBench builds them: the secret `init_seed`, the init inputs (tensors moved to the
+    device), then `Model(*init)` on the default device and moved to the job's device; `ModelNew`
+    the same way after the same seed. So the legacy `torch.Tensor(...)` constructor, extra random
+    buffers and constants folded into weights in `__init__` behave as under KernelBench.
+
+    ModelNew's parameters are its own same-seed build (`job.params == "seed"`), never overwritten:
+    where its state_dict has the reference's keys with other values (folded constants, another
+    order of random draws) and that build is wrong, the evaluator tries once more with the
+    reference's state_dict loaded (`job.params == "state_dict"`). Either way the candidate must be
+    correct on fresh secret inputs with the parameters it runs with, so the second try gains it
+    nothing it could not have by building those parameters itself. `params` says which path ran;
+    `params_retry` whether a second try could differ.
     """
 
     def __init__(self, job: Job, with_candidate: bool):
@@ -314,11 +322,12 @@ class Problem:
         self._ref_api = {k: getattr(self.ref_mod, k) for k in ("Model", "get_inputs", "get_init_inputs")}
         self.init_seed = job.init_seed or secrets.randbits(62)
         torch.manual_seed(self.init_seed)
-        with torch.device(self.device):
-            self._init = list(self.ref_mod.get_init_inputs())
-            self.ref = self.ref_mod.Model(*self._init)
+        self._init = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self.ref_mod.get_init_inputs()]
+        torch.manual_seed(self.init_seed)
+        self.ref = self.ref_mod.Model(*self._init).to(self.device)
         self.cand = None
         self.params = ""
+        self.params_retry = False
         if with_candidate:
             self.load_candidate()
 
@@ -333,35 +342,48 @@ class Problem:
             raise CandidateError("audit", "ModelNew must not be (a subclass of) the reference Model")
         torch.manual_seed(self.init_seed)
         try:
-            with torch.device(self.device):
-                self.cand = cls(*self._init)
+            self.cand = cls(*self._init)
         except Exception as e:  # noqa: BLE001
             raise CandidateError(_failure_kind(e), "ModelNew(*get_init_inputs()) failed:\n"
                                  + candidate_traceback(e, [job.workspace])) from None
         if not isinstance(self.cand, torch.nn.Module):
             raise CandidateError("exception", f"ModelNew(...) built a {type(self.cand).__name__}, not an nn.Module")
-        ref_state = self.ref.state_dict()
-        try:
-            cand_keys = set(self.cand.state_dict())
-            missing, unexpected = sorted(set(ref_state) - cand_keys), sorted(cand_keys - set(ref_state))
-            if missing or unexpected:
-                why = "; ".join(part for part in (
-                    f"ModelNew lacks {', '.join(missing[:8])}" if missing else "",
-                    f"has {', '.join(unexpected[:8])} instead" if unexpected else "") if part)
-            else:
-                self.cand.load_state_dict(ref_state)
-                why = ""
-        except Exception as e:  # noqa: BLE001 - shapes differ, or ModelNew's state_dict hooks fail
-            why = " ".join(str(e).split())[-300:] or type(e).__name__
-        self.params = ("the reference's state_dict was loaded into ModelNew" if not why else
-                       "ModelNew's parameters differ from Model's, so both were built after the same seed and "
-                       f"the outputs decide ({why})")
         try:
             self.cand.to(self.device)
         except Exception as e:  # noqa: BLE001
             raise CandidateError(_failure_kind(e), "ModelNew.to(device) failed:\n"
                                  + candidate_traceback(e, [job.workspace])) from None
+        self.params = self._settle_parameters()
         check_tamper()
+
+    def _settle_parameters(self) -> str:
+        """Compare ModelNew's state_dict with Model's; load Model's on a second try. The description."""
+        ref_state = self.ref.state_dict()
+        try:
+            cand_state = self.cand.state_dict()
+            missing, unexpected = sorted(set(ref_state) - set(cand_state)), sorted(set(cand_state) - set(ref_state))
+            if missing or unexpected:
+                why = "; ".join(part for part in (
+                    f"ModelNew lacks {', '.join(missing[:8])}" if missing else "",
+                    f"has {', '.join(unexpected[:8])} instead" if unexpected else "") if part)
+                return f"ModelNew's own parameters, built after the same seed ({why})"
+            differ = [k for k, v in ref_state.items()
+                      if not (isinstance(v, torch.Tensor) and isinstance(cand_state[k], torch.Tensor)
+                              and v.shape == cand_state[k].shape and torch.equal(v, cand_state[k].to(v.device)))]
+            if not differ:
+                return "ModelNew's own parameters, built after the same seed: equal to Model's"
+            self.params_retry = True
+            if self.job.params != "state_dict":
+                return ("ModelNew's own parameters, built after the same seed (they differ from Model's in "
+                        f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''})")
+            self.cand.load_state_dict(ref_state)
+        except Exception as e:  # noqa: BLE001 - shapes differ, or ModelNew's state_dict hooks fail
+            if self.job.params == "state_dict":
+                raise CandidateError(_failure_kind(e), "loading Model's state_dict into ModelNew failed: "
+                                     + " ".join(str(e).split())[-300:]) from None
+            return f"ModelNew's own parameters, built after the same seed ({' '.join(str(e).split())[-200:]})"
+        return ("Model's state_dict loaded into ModelNew (second try: with its own same-seed parameters, which "
+                "differ from Model's, it was wrong)")
 
     def intact(self) -> None:
         """Raise if the candidate rebound the reference's functions or this object's methods."""
@@ -652,7 +674,7 @@ def run_verify(job: Job, ch: Channel) -> None:
     if problems := inline_problems():  # an extension verify had to do without, named
         raise CandidateError("compile_error", "\n".join(problems))
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
-              "own_kernel_share": own_share, "params": p.params, "phases": ph.times, "kernels": kernels,
+              "own_kernel_share": own_share, "params": p.params, "params_retry": p.params_retry, "phases": ph.times, "kernels": kernels,
               "share_kernels": share_kernels, "kernel_watch_error": _KWATCH_ERROR[0] if _KWATCH_ERROR else None,
               "own_objects": _own_objects(job)})
 
@@ -977,7 +999,7 @@ def run_profile(job: Job, ch: Channel) -> None:
     ph.mark("telemetry")
     if problems := inline_problems():
         raise CandidateError("compile_error", "\n".join(problems))
-    ch.final({"ok": True, "calls": calls, "params": p.params, "telemetry": {"before": tele0, "after": tele1},
+    ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry, "telemetry": {"before": tele0, "after": tele1},
               "phases": ph.times, "diagnostics": ph.extra})
 
 

@@ -123,6 +123,9 @@ class Job(BaseModel):
     # worker, which runs no candidate code, gets the whole plan here. Its outputs are the ones
     # compared (correctness cannot be forged in-process).
     init_seed: int = 0
+    # ModelNew's parameters: its own same-seed build, or Model's state_dict loaded (a second try;
+    # `harness.Problem`)
+    params: Literal["seed", "state_dict"] = "seed"
     trials: int = 0
     trial_seeds: list[int] = Field(default_factory=list)
     trial_scales: list[float] = Field(default_factory=list)
