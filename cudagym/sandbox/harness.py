@@ -18,6 +18,7 @@ import json
 import math
 import mmap
 import os
+import random
 import secrets
 import subprocess
 import sys
@@ -90,6 +91,10 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "os.write": (os, "write"),
     "os.read": (os, "read"),
     "os.urandom": (os, "urandom"),
+    # the seeds of each timed call's sampled positions and projection weights, and the CPU close's page reads
+    "secrets.randbits": (secrets, "randbits"),
+    "random._urandom": (random, "_urandom"),
+    "torch.Tensor.sum": (torch.Tensor, "sum"),
     # input generation: a hook here would reveal a timed call's inputs before its timer starts
     "torch.manual_seed": (torch, "manual_seed"),
     "torch.random.manual_seed": (torch.random, "manual_seed"),
