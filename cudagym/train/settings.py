@@ -66,7 +66,7 @@ class EvaluatorSpec(BaseModel):
         """The `PoolConfig` the run's pool is started with (and its clients use)."""
         from cudagym.pool import PoolConfig
 
-        resources = {self.pool.gpu_resource: 1.0} if self.pool.gpu_resource and self.target != "cpu" else {}
+        resources = {self.pool.gpu_resource: 1.0} if self.pool.gpu_resource else {}
         return PoolConfig(evaluator=self.evaluator_config(), device_actors=self.pool.gpus,
                           compile_actors=self.pool.compile_actors, device_resources=resources)
 
@@ -132,10 +132,10 @@ def check_cluster(settings: RunSettings, resources: dict[str, float], train_gpus
     """At launch, on the live cluster (``ray.cluster_resources()``): enough GPUs for training and
     evaluation together, and the evaluation resource offered for every evaluation GPU."""
     ev = settings.evaluator
-    if ev.backend != "ray" or ev.target == "cpu":
+    if ev.backend != "ray":
         return
     gpus = resources.get("GPU", 0)
-    if gpus < train_gpus + ev.pool.gpus:
+    if ev.target != "cpu" and gpus < train_gpus + ev.pool.gpus:
         raise ConfigError(f"the Ray cluster has {gpus:g} GPUs; training takes {train_gpus} and evaluation "
                           f"{ev.pool.gpus}: they would overlap")
     res = ev.pool.gpu_resource

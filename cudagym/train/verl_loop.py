@@ -93,6 +93,11 @@ class _Evaluators:
         return ev
 
 
+def evaluator_for(spec: EvaluatorSpec) -> EvaluatorAPI:
+    """This process's evaluator for `spec`: made on first use, then shared by every env of the process."""
+    return _Evaluators.get(spec)
+
+
 def install_evaluator(spec: EvaluatorSpec, evaluator: EvaluatorAPI) -> None:
     """Make `evaluator` the one that loops configured with `spec` use in this process (for
     embedding the loop in a process that already holds an evaluator or pool client, and tests)."""
@@ -181,7 +186,7 @@ class KernelAgentLoop(AgentLoopBase):
         config = EnvConfig.model_validate({**self.settings.env, "target": spec.target, "mode": spec.mode})
         overhead = observation_overhead(self.tokenizer, counter.count) + OBSERVATION_MARGIN_TOKENS
         config = config.model_copy(update={"message_overhead_tokens": max(config.message_overhead_tokens, overhead)})
-        return KernelEnv(task, config=config, evaluator=_Evaluators.get(spec), token_counter=counter)
+        return KernelEnv(task, config=config, evaluator=evaluator_for(spec), token_counter=counter)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         extra_info = _plain(kwargs.get("extra_info")) or {}
