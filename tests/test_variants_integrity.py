@@ -166,3 +166,22 @@ def test_a_book_file_with_an_oversize_line_is_read_without_it(tmp_path: Path) ->
     book = VariantBook(path)
     assert [v.files["model_new.py"][:4] for v in book.best("t", 5)] == ["# 1\n"]
     assert path.stat().st_size < 1 << 20  # rewritten with what it keeps
+
+
+def test_a_snapshot_never_opens_a_fifo_or_follows_a_symlink(tmp_path: Path) -> None:
+    import os
+
+    from cudagym.env.variants import snapshot_files
+    from cudagym.sandbox.workspace import Workspace
+
+    ws = Workspace.create(tmp_path / "ws", bundled_task(TASK))
+    ws.write("model_new.py", "import torch\n")
+    os.mkfifo(ws.root / "kernels" / "a.h")  # a job can make one; reading it would block the env
+    (tmp_path / "secret").write_text("outside the workspace\n")
+    os.symlink(tmp_path / "secret", ws.root / "kernels" / "b.h")
+    snap = snapshot_files(ws)
+    assert snap.files == {"model_new.py": "import torch\n"}
+    assert snap.left_out == ["kernels/b.h (not a regular file)"]  # the FIFO is not even listed
+    os.unlink(ws.root / "kernels" / "b.h")
+    (ws.root / "kernels" / "b.h").write_text("now a file\n")
+    assert snap.changed_in(ws) == ["kernels/b.h"]
