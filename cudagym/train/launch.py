@@ -7,9 +7,13 @@ the user's whose ``defaults`` name one of them. `resolve_config` composes it wit
 packaged ``agent_loops.yaml`` unless the config names its own. `validate_config` runs verl's
 ``validate_config`` and builds verl's dataclasses for the rollout, actor, model and data
 sections (``omega_conf_to_dataclass``), then cudagym's own checks: multi-turn async rollout,
-the ``cudagym_kernel`` loop and its settings, and a context (prompt + response) within the
-rollout's ``max_model_len`` and the env's token budget. `launch` hands the config to verl's
-``run_ppo`` (Ray underneath), as ``python -m verl.trainer.main_ppo`` would.
+the ``cudagym_kernel`` loop and its settings, a context (prompt + response) within the
+rollout's ``max_model_len`` and the env's token budget, evaluation GPUs apart from the trainer's
+(`cudagym.train.settings.check_gpu_layout`), a ``max_model_len`` the named model reaches (its
+config.json, local or in the Hugging Face cache, never downloaded: `check_model_context`), and at
+least one step per epoch of the prepared data (`check_train_data`). `launch` hands the config to
+verl's ``run_ppo`` (Ray underneath), as ``python -m verl.trainer.main_ppo`` would, with cudagym's
+task runner (`cudagym.train.runner`: the run's evaluation pool, the episodes in the step metrics).
 """
 
 from __future__ import annotations
