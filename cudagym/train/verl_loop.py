@@ -70,7 +70,7 @@ class LoopSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # KernelEnv budgets and tool options (`EnvConfig`); target and mode come from `evaluator`
+    # KernelEnv budgets and tool options (`EnvConfig`); target and mode come from the stage config's cudagym.evaluator
     env: dict[str, Any] = Field(default_factory=dict)
     max_tokens_per_turn: int | None = Field(default=None, ge=1)  # None: what is left of response_length
     tools_in_template: bool = True  # hand the tool schemas to the chat template (Hermes-style templates list them)
