@@ -247,7 +247,8 @@ class ModelNew(nn.Module):
     def __init__(self, features, scale):
         super().__init__()
         self.scale = scale
-        self.bias = nn.Parameter(torch.empty(features, device="cuda"))
+        # Model's own draw after the same seed (so the outputs are right), on the GPU for the capture
+        self.bias = nn.Parameter((torch.randn(features) * 0.5).cuda())
         self._x = torch.zeros(BATCH, features, device="cuda")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -300,7 +301,7 @@ class ModelNew(nn.Module):
     def __init__(self, features, scale):
         super().__init__()
         self.scale = scale
-        self.bias = nn.Parameter(torch.empty(features))
+        self.bias = nn.Parameter(torch.randn(features) * 0.5)  # Model's draw after the same seed
 
     def forward(self, x):
         v = torch.addcmul(self.bias, x, torch.full_like(x[:1], self.scale))  # torch's kernel
