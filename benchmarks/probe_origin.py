@@ -91,6 +91,30 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"armed={armed}: {(time.perf_counter() - t) / 20000 * 1e6:.2f} us per launch (ctypes call included)")
     watch.disarm()
+    gpu_time(lib, watch)
+
+
+def gpu_time(lib, watch=None) -> None:
+    """GPU time per kernel of 200 back-to-back launches (events around the whole run): the
+    callbacks run on the host, so the kernels' own time should not move."""
+    import torch
+
+    x = torch.ones(1 << 22, device="cuda")
+    p, s = ctypes.c_void_p(x.data_ptr()), torch.cuda.current_stream().cuda_stream
+    for armed in ((False, True) * 3 if watch else (False,) * 3):
+        if watch:
+            (watch.arm if armed else watch.disarm)()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(200):
+            lib.launch_own(p, x.numel(), ctypes.c_void_p(s))
+        b.record()
+        torch.cuda.synchronize()
+        label = "no watcher" if watch is None else f"armed={armed}"
+        print(f"GPU {label}: {a.elapsed_time(b) / 200 * 1e3:.2f} us per kernel (4M-element scale)")
+    if watch:
+        watch.disarm()
 
 
 def bare() -> None:
@@ -111,6 +135,7 @@ def bare() -> None:
             lib.launch_own(p, 256, ctypes.c_void_p(s))
         torch.cuda.synchronize()
         print(f"no watcher: {(time.perf_counter() - t) / 20000 * 1e6:.2f} us per launch (ctypes call included)")
+    gpu_time(lib)
 
 
 if __name__ == "__main__":

@@ -355,6 +355,23 @@ bool runtime_launch(const void* func, bool is_handle, const char* symbol, uint64
   return true;
 }
 
+// Disarmed (most launches of a worker's life): nothing is recorded, and the lock is not taken; a
+// kernel launched by handle is learnt once per thread (its module's origin, which a graph's
+// kernel nodes are named by).
+bool disarmed(const void* func, bool is_handle) {
+  if (armed.load(std::memory_order_relaxed)) return false;
+  if (is_handle) {
+    thread_local std::unordered_map<const void*, bool> seen;
+    if (seen.emplace(func, true).second) {
+      std::lock_guard<std::mutex> lock(mu);
+      uint32_t origin, name;
+      auto k = reinterpret_cast<CUkernel>(const_cast<void*>(func));
+      if (kernel_info(k, &origin, &name)) learn_kernel(k, origin);
+    }
+  }
+  return true;
+}
+
 // Matches the signature of CUDA 13's __cudaLaunchKernel (what <<<>>> compiles to), whose
 // parameter struct the CUPTI headers do not declare.
 struct RtLaunchByHandle {
@@ -399,6 +416,7 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
         if (!enter) { --in_runtime_launch; runtime_origin = UINT32_MAX; time_end(stream_of(p->stream, pt)); return; }
         ++in_runtime_launch;
         if (probing) { probe_hits.fetch_add(1); return; }
+        if (disarmed(p->func, false)) return;
         std::lock_guard<std::mutex> lock(mu);
         if (runtime_launch(p->func, false, cb->symbolName,
                            threads_of(p->gridDim.x, p->gridDim.y, p->gridDim.z, p->blockDim.x, p->blockDim.y, p->blockDim.z)))
@@ -413,6 +431,7 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
         if (!enter) { --in_runtime_launch; runtime_origin = UINT32_MAX; time_end(stream_of(c ? c->stream : nullptr, pt)); return; }
         ++in_runtime_launch;
         if (probing) { probe_hits.fetch_add(1); return; }
+        if (disarmed(p->func, false)) return;
         std::lock_guard<std::mutex> lock(mu);
         if (runtime_launch(p->func, false, cb->symbolName,
                            c ? threads_of(c->gridDim.x, c->gridDim.y, c->gridDim.z, c->blockDim.x, c->blockDim.y, c->blockDim.z) : 0))
@@ -426,6 +445,7 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
         if (!enter) { --in_runtime_launch; runtime_origin = UINT32_MAX; time_end(stream_of(p->stream, pt)); return; }
         ++in_runtime_launch;
         if (probing) { probe_hits.fetch_add(1); return; }
+        if (disarmed(p->kernel, true)) return;
         std::lock_guard<std::mutex> lock(mu);
         if (runtime_launch(p->kernel, true, cb->symbolName,
                            threads_of(p->gridDim.x, p->gridDim.y, p->gridDim.z, p->blockDim.x, p->blockDim.y, p->blockDim.z)))
