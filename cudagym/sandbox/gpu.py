@@ -89,11 +89,13 @@ def peaks_for(device_name: str) -> tuple[float, float]:
     return _UNKNOWN_GPU
 
 
-def foreign_gpu_use(index: int, ours: set[int], since_us: int = 0, allow: tuple[str, ...] = ()) -> str | None:
+def foreign_gpu_use(index: int, ours: set[int], since_us: int = 0, allow: tuple[str, ...] = (),
+                    idle_ok: frozenset[int] = frozenset()) -> str | None:
     """What processes other than `ours` do on visible GPU `index`, or None if nothing: compute or
     graphics processes on it now (NVML's process lists), and processes with SM utilization in
     NVML's per-process samples since `since_us` (its timestamps, µs of the wall clock; 0: the
-    last samples) where the GPU keeps them. `allow` names processes that count as ours (e.g.
+    last samples) where the GPU keeps them. `idle_ok` may hold a context but not use the SMs
+    (the evaluator's own process). `allow` names processes that count as ours (e.g.
     "nvidia-cuda-mps-server" where GPUs are shared through MPS on purpose). None too where NVML
     cannot tell (no driver)."""
     import psutil
@@ -123,14 +125,15 @@ def foreign_gpu_use(index: int, ours: set[int], since_us: int = 0, allow: tuple[
         return None
     foreign = []
     for pid, mib, sm in found:
-        if pid in ours:
+        if pid in ours or pid in idle_ok and not sm:
             continue
         try:
-            name = psutil.Process(pid).name()
+            proc = psutil.Process(pid)
+            name, cmd = proc.name(), " ".join(proc.cmdline())[:100]
         except psutil.Error:
-            name = "?"
+            name = cmd = "?"
         if name in allow:
             continue
-        what = [name] + ([f"{mib} MiB"] if mib is not None else []) + ([f"SM {sm}%"] if sm is not None else [])
+        what = [cmd] + ([f"{mib} MiB"] if mib is not None else []) + ([f"SM {sm}%"] if sm is not None else [])
         foreign.append(f"pid {pid} ({', '.join(what)})")
     return "; ".join(foreign) or None

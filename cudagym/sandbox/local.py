@@ -404,10 +404,11 @@ class LocalSandbox(SpareWorkerSandbox):
 
     async def _device_check(self, device: str, since_us: int = 0) -> str | None:
         """What processes other than the sandboxes' (`_ours`) do on `device` (a GPU) now, or
-        since `since_us`; None if nothing."""
+        since `since_us`; None if nothing. The evaluator's own process may hold an idle context
+        (a test, a trainer's), not run kernels."""
         index = int(device.split(":")[1]) if ":" in device else 0
-        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours(), since_us,
-                                                               self.config.gpu_sharing_allow))
+        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours(), since_us, self.config.gpu_sharing_allow,
+                                                               idle_ok=frozenset({os.getpid()})))
 
     async def _ready(self, device: str) -> _Worker:
         """A spare of `device` that is ready (started spares start its replacement now; a
@@ -464,7 +465,8 @@ class LocalSandbox(SpareWorkerSandbox):
         foreign_since = 0
         if timing and device.startswith("cuda") and self.config.gpu_sharing != "allow":
             waited = time.perf_counter()
-            while (foreign := await self._device_check(device)) is not None and self.config.gpu_sharing == "refuse":
+            while (foreign := await self._device_check(device, int(time.time() * 1e6) - 1_000_000)) is not None \
+                    and self.config.gpu_sharing == "refuse":  # (its last second of utilization samples)
                 if time.perf_counter() - waited >= self.config.device_busy_wait_s:
                     refused = f"another process is on {device}: {foreign} (waited {time.perf_counter() - waited:.0f} s)"
                     break
