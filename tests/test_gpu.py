@@ -52,7 +52,7 @@ class ModelNew(nn.Module):
     def __init__(self, features, scale):
         super().__init__()
         self.scale = scale
-        self.bias = nn.Parameter(torch.empty(features))
+        self.bias = nn.Parameter(torch.randn(features) * 0.5)  # as Model draws it
 '''
 
 

@@ -389,7 +389,7 @@ class Evaluator:
                                            "params_path": params})
         if params == "seed" and result.error_kind == ErrorKind.MISMATCH and (outcome.final or {}).get("params_retry"):
             second = await self.averify(task, workspace, params="state_dict")
-            if second.ok:
+            if second.error_kind != ErrorKind.MISMATCH:  # right with Model's parameters: that try decides
                 return second.model_copy(update={"seconds": result.seconds + second.seconds})
             result.reasons.append("also wrong with Model's state_dict loaded into ModelNew")
         return result
