@@ -241,3 +241,23 @@ def test_an_inline_build_job_reads_a_clean_copy_of_the_workspace(tmp_path: Path)
     held = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
     assert held == ["kernels/ext.cxx", "kernels/ext.h", "model_new.py"]
     shutil.rmtree(staging)
+
+
+def test_an_inline_request_on_workspace_files_is_keyed_by_their_names(tmp_path: Path) -> None:
+    ws = make_ws(tmp_path / "ws", {"model_new.py": "# uses load()\n", "kernels/ext.cxx": "int f();\n"})
+    cache = InlineBuildCache(tmp_path / "cache")
+    on_files = {"kind": "load", "args": {"name": "ext", "sources": ["kernels/ext.cxx"]}, "site": "model_new.py:1"}
+    inline = {"kind": "load_inline", "args": {"name": "ext", "cpp_sources": ["int f();"]}, "site": "model_new.py:1"}
+
+    def keys() -> tuple[str, str]:
+        return cache.prepare(on_files, ws.root).key, cache.prepare(inline, ws.root).key
+
+    first = keys()
+    (ws.root / "kernels" / "flag.h").write_text("")  # read by nothing: __has_include("flag.h") sees it
+    flagged = keys()
+    assert flagged[0] != first[0] and flagged[1] == first[1]  # a request on no workspace file is not affected
+    (ws.root / "kernels" / "flag.h").unlink()
+    (ws.root / "kernels" / "cmath.gch").write_bytes(b"gpch+014")  # never copied, so not in the key either
+    (ws.root / "kernels" / "__pycache__").mkdir()
+    (ws.root / "kernels" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert keys() == first

@@ -28,10 +28,10 @@ it lies in it (so identical files in another workspace match), absolute otherwis
 
 Not covered here, as in ccache's direct mode: a file whose mere existence changed the build
 without being read (`__has_include`, or a header created in an include directory searched before
-the one the recorded header came from). The compile tool covers it by putting the names of every
-file of its build's copy of `kernels/` in the first key (`cudagym.sandbox.toolchain`); for
-`load_inline` modules whose include paths lead into the workspace, the cache reuses the variant
-built before such a file appeared.
+the one the recorded header came from). The compile tool and the `load_inline` cache cover it
+for the workspace by putting the names of every file their build's copy holds in the first key
+(`cudagym.sandbox.toolchain.source_listing`); outside the workspace and trusted roots (an
+absolute include path), the cache reuses the variant built before such a file appeared.
 """
 
 from __future__ import annotations

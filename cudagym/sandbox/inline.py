@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from cudagym.sandbox.deps import Roots, VariantStore, parse_depfile, record, system_roots
-from cudagym.sandbox.toolchain import CacheBound, copy_sources, parse_diagnostics, relativize, trim_log
+from cudagym.sandbox.toolchain import (CacheBound, copy_sources, parse_diagnostics, relativize, source_listing,
+                                       trim_log)
 
 INLINE_FORMAT = "cudagym-inline-v3"
 INLINE_DIR = "inline"  # under the build cache
@@ -69,6 +70,7 @@ MAX_REQUESTS_PER_PASS = 3  # requests a compile pass reports (the rest come in t
 MAX_SOURCE_BYTES = 64 << 20  # of the workspace files a build job gets (its copy of kernels/, model_new.py)
 MAX_SOURCE_FILES = 1024
 SOURCE_COPY = "ws"  # under a build job's staging directory
+COPIED_FILES = ("model_new.py",)  # with kernels/, what of the workspace a build job's copy holds
 KINDS = ("load_inline", "load")
 
 _NOT_KEYED = frozenset({"build_directory", "verbose", "keep_intermediates", "use_pch"})  # do not change the module
@@ -165,13 +167,30 @@ def _arch_list(with_cuda: bool) -> str:
     return ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}))
 
 
-def inline_key(kind: str, args: dict[str, Any], identity: str) -> str:
-    """The first-level cache key of a request (canonical `args`; `identity` of its compilers)."""
+def inline_key(kind: str, args: dict[str, Any], identity: str, workspace: Path | None = None) -> str:
+    """The first-level cache key of a request (canonical `args`; `identity` of its compilers).
+    A request whose sources or include paths lie in `workspace` is keyed by the names of the
+    files its build job's copy would hold too (`workspace_listing`): a file's mere existence can
+    change a build (`__has_include`, a header found earlier on the search path)."""
     import torch
 
     payload = {"format": INLINE_FORMAT, "kind": kind, "args": args, "torch": torch.__version__,
                "python": sys.version, "arch": _arch_list(with_cuda_of(kind, args)), "compilers": identity}
+    if workspace is not None and _reads_workspace(args, workspace):
+        payload["workspace_files"] = workspace_listing(workspace)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def workspace_listing(workspace: Path) -> str:
+    """The names of the files a build job's copy of `workspace` holds (see `job_request`)."""
+    return source_listing(Path(workspace), files=COPIED_FILES)
+
+
+def _reads_workspace(args: dict[str, Any], workspace: Path) -> bool:
+    """Whether canonical `args` name a source or an include directory in `workspace` (relative)
+    or the workspace itself."""
+    ws = str(workspace)
+    return any(not os.path.isabs(p) or p == ws for k in _PATHS for p in args.get(k, []))
 
 
 # -- which requests are built --------------------------------------------------------------------
@@ -398,7 +417,7 @@ class InlineLoader:
         with_cuda = with_cuda_of(kind, canon)
         if with_cuda not in self._identity:
             self._identity[with_cuda] = compiler_identity(with_cuda)
-        key = inline_key(kind, canon, self._identity[with_cuda])
+        key = inline_key(kind, canon, self._identity[with_cuda], self.workspace)
         if key in self._modules:
             return self._modules[key]
         name = canon["name"]
@@ -616,7 +635,7 @@ class InlineBuildCache:
         with_cuda = with_cuda_of(kind, args)
         if with_cuda not in self._identity:
             self._identity[with_cuda] = compiler_identity(with_cuda)
-        return InlineBuild(kind, args, site, inline_key(kind, args, self._identity[with_cuda]))
+        return InlineBuild(kind, args, site, inline_key(kind, args, self._identity[with_cuda], Path(workspace)))
 
     def cached(self, build: InlineBuild, workspace: Path) -> bool:
         return self._variants.find(build.key, workspace) is not None
@@ -633,7 +652,7 @@ class InlineBuildCache:
         all of the workspace the build reads; InlineCompileError when that copy is over its bounds."""
         root = Path(workspace)
         if staging is not None:
-            copy = copy_sources(root, staging / SOURCE_COPY, files=("model_new.py",), max_bytes=MAX_SOURCE_BYTES,
+            copy = copy_sources(root, staging / SOURCE_COPY, files=COPIED_FILES, max_bytes=MAX_SOURCE_BYTES,
                                 max_files=MAX_SOURCE_FILES)
             if copy.error:
                 raise InlineCompileError(f"{build.kind} module '{build.name}' ({build.site}): {copy.error}")

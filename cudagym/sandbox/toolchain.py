@@ -259,22 +259,7 @@ def copy_sources(workspace: Path, root: Path, dirs: tuple[str, ...] = ("kernels"
     out = SourceCopy(root)
     root.mkdir(parents=True)
     total = 0
-    wanted: list[str] = list(files)
-    for d in dirs:
-        top = workspace / d
-        if top.is_symlink() or not top.is_dir():
-            continue
-        for cur, subdirs, names in os.walk(top, followlinks=False):
-            rel_dir = Path(cur).relative_to(workspace).as_posix()
-            for sd in sorted(subdirs):
-                path = Path(cur) / sd
-                if sd in SKIPPED_DIRS:
-                    subdirs.remove(sd)
-                elif path.is_symlink() or sd.endswith(PCH_SUFFIXES):
-                    subdirs.remove(sd)
-                    out.left_out.append(f"{rel_dir}/{sd}/ ({'a symlink' if path.is_symlink() else 'precompiled headers'})")
-            wanted.extend(f"{rel_dir}/{n}" for n in sorted(names))
-    for rel in wanted:
+    for rel in _candidates(workspace, dirs, files, out.left_out):
         if len(out.files) >= max_files:
             out.error = f"kernels/ holds more than {max_files} files; a build reads at most {max_files}"
             return out
@@ -294,12 +279,45 @@ def copy_sources(workspace: Path, root: Path, dirs: tuple[str, ...] = ("kernels"
         dest.chmod(0o444)
         total += len(data)
         out.files.append(rel)
-    out.listing = _sha256(*out.files)
+    out.listing = _sha256(*sorted(out.files))
     return out
 
 
-def _read_source(path: Path, room: int) -> tuple[str | None, bytes]:
-    """(why it is left out, or None; its bytes) for one file of a source copy."""
+def source_listing(workspace: Path, dirs: tuple[str, ...] = ("kernels",), files: tuple[str, ...] = ()) -> str:
+    """`copy_sources(...).listing` without copying (bounds aside): the names it would copy."""
+    names = []
+    for rel in _candidates(workspace, dirs, files, []):
+        why, _ = _read_source(workspace / rel, len(max(PCH_MAGIC, key=len)), head=True)
+        if why is None:
+            names.append(rel)
+    return _sha256(*sorted(names))
+
+
+def _candidates(workspace: Path, dirs: tuple[str, ...], files: tuple[str, ...], left_out: list[str]) -> list[str]:
+    """`files` and the files under `dirs` (not under symlinked, `__pycache__` or `.gch` directories,
+    which go to `left_out`), relative to `workspace`, sorted."""
+    wanted: list[str] = list(files)
+    for d in dirs:
+        top = workspace / d
+        if top.is_symlink() or not top.is_dir():
+            continue
+        for cur, subdirs, names in os.walk(top, followlinks=False):
+            rel_dir = Path(cur).relative_to(workspace).as_posix()
+            subdirs.sort()
+            for sd in list(subdirs):
+                path = Path(cur) / sd
+                if sd in SKIPPED_DIRS:
+                    subdirs.remove(sd)
+                elif path.is_symlink() or sd.endswith(PCH_SUFFIXES):
+                    subdirs.remove(sd)
+                    left_out.append(f"{rel_dir}/{sd}/ ({'a symlink' if path.is_symlink() else 'precompiled headers'})")
+            wanted.extend(f"{rel_dir}/{n}" for n in sorted(names))
+    return wanted
+
+
+def _read_source(path: Path, room: int, head: bool = False) -> tuple[str | None, bytes]:
+    """(why it is left out, or None; its bytes) for one file of a source copy (`head`: only its
+    first `room` bytes are wanted)."""
     if path.name.endswith(PCH_SUFFIXES):
         return "a precompiled header", b""
     try:
@@ -312,13 +330,13 @@ def _read_source(path: Path, room: int) -> tuple[str | None, bytes]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file", b""
-        if st.st_size > room:
+        if st.st_size > room and not head:
             return "over", b""
         with os.fdopen(os.dup(fd), "rb") as fh:
             data = fh.read(room + 1)
     finally:
         os.close(fd)
-    if len(data) > room:
+    if len(data) > room and not head:
         return "over", b""
     if data.startswith(PCH_MAGIC):
         return "a precompiled header", b""
