@@ -29,7 +29,8 @@ never compiles and never writes the cache. Three parties:
   `#pragma GCC system_header`), `.d` files kept, and GNU as's `--MD` for `.incbin`.
 
 The key hashes the canonical arguments (sources, functions, flags, include paths; paths
-relative to the workspace when inside it), torch and Python versions, the CUDA arch list and
+relative to the workspace when inside it; for a request on workspace files, the names of the
+files a build job's copy holds), torch and Python versions, the CUDA arch list and
 the compilers' identities (`c++` on PATH and CUDA_HOME's nvcc, which the build job uses: it
 drops CC, CXX and PYTORCH_NVCC). The manifest holds every file the build read outside trusted
 roots (torch's, CUDA's and Python's include directories, /usr/include, /usr/lib/gcc and the
