@@ -266,16 +266,17 @@ class ModelNew(nn.Module):
         return self._y.clone()
 """
 
-# Permissive, third-party style: torch does the affine part, the own kernel the GELU.
+# Permissive, third-party style: torch scales the input (one vectorized kernel), the own kernel
+# adds the bias and applies the erf-GELU.
 PERMISSIVE_MIXED_CU = r"""
 #include <cstdint>
 #include <cuda_runtime.h>
-__global__ void gelu_kernel(const float* v, float* out, int64_t n) {
+__global__ void bias_gelu_kernel(const float* v, const float* bias, float* out, int64_t n, int64_t cols) {
     int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i < n) { float a = v[i]; out[i] = 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
+    if (i < n) { float a = v[i] + bias[i % cols]; out[i] = 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
 }
-extern "C" int gelu(const float* v, float* out, int64_t n, cudaStream_t stream) {
-    gelu_kernel<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(v, out, n);
+extern "C" int bias_gelu(const float* v, const float* bias, float* out, int64_t n, int64_t cols, cudaStream_t stream) {
+    bias_gelu_kernel<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(v, bias, out, n, cols);
     return (int)cudaGetLastError();
 }
 """
@@ -287,13 +288,13 @@ import torch.nn.functional as F
 from cudagym.runtime import kernel_library, ptr, stream
 
 _lib = kernel_library()
-_lib.gelu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-_lib.gelu.restype = ctypes.c_int
+_lib.bias_gelu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+_lib.bias_gelu.restype = ctypes.c_int
 
 
-def own_gelu(v):
+def own_bias_gelu(v, bias):
     out = torch.empty_like(v)
-    _lib.gelu(ptr(v), ptr(out), v.numel(), stream())
+    _lib.bias_gelu(ptr(v), ptr(bias), ptr(out), v.numel(), v.size(-1), stream())
     return out
 
 
@@ -304,14 +305,14 @@ class ModelNew(nn.Module):
         self.bias = nn.Parameter(torch.randn(features) * 0.5)  # Model's draw after the same seed
 
     def forward(self, x):
-        v = torch.addcmul(self.bias, x, torch.full_like(x[:1], self.scale))  # torch's kernel
+        v = x * self.scale  # torch's kernel
 {tail}
 """
-HONEST_TAIL = "        return own_gelu(v)\n"
+HONEST_TAIL = "        return own_bias_gelu(v, self.bias)\n"
 PROFILER_AWARE_TAIL = """\
         if torch.autograd._profiler_enabled():
-            return own_gelu(v)
-        return F.gelu(v)
+            return own_bias_gelu(v, self.bias)
+        return F.gelu(v + self.bias)
 """
 
 
@@ -348,7 +349,7 @@ def test_gpu_permissive_third_party_style_passes_and_profiler_aware_does_not(tmp
     task, ws = gpu_ws(tmp_path / "honest", PERMISSIVE_MIXED.format(tail=HONEST_TAIL),
                       {"kernels/gelu.cu": PERMISSIVE_MIXED_CU})
     honest = gpu_permissive.evaluate(task, ws)
-    assert honest.reward >= 1, honest.summary()
+    assert honest.reward >= 1, (honest.reasons, honest.audit)
     assert 0 < honest.verify_result.audit.own_kernel_share < 1, honest.verify_result.audit
     task, ws = gpu_ws(tmp_path / "aware", PERMISSIVE_MIXED.format(tail=PROFILER_AWARE_TAIL),
                       {"kernels/gelu.cu": PERMISSIVE_MIXED_CU})
