@@ -692,6 +692,8 @@ class Evaluator:
                 return ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
                         + " (only your own kernels plus allocation/view ops are allowed)")
             if self._target == Target.CUDA:
+                if not records:  # the probes among the calls launch kernels: none recorded, no watcher
+                    return "the kernel-origin audit could not run in the timed calls: no kernel records came back"
                 foreign = foreign_kernels(records, self._origins(artifact_dir, self._import_audit(artifact_dir, [])))
                 if foreign:
                     return ("strict mode: during timed calls, ModelNew.forward launched kernels that are not your own: "
