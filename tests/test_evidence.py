@@ -1,7 +1,8 @@
 """The evidence of timed calls, attacked for real: it leaves the candidate's reach before the
 candidate's code runs again, cannot be forged without computing the whole output (GPU: the close
 kernel's projections), and an output is complete when its call's interval ends (CPU: its pages
-are read inside the interval; GPU: the close kernel projects every element).
+are read inside the interval; GPU: the close kernel projects every element). Hooks that run the
+candidate's code at the harness's steps after a call: `test_evidence_hooks.py`.
 
 CPU-target classes run in CI; `@pytest.mark.gpu` ones on a GPU. Each attack earns no positive
 reward, or (the lazily filled output) is timed with the work it deferred.
@@ -82,9 +83,10 @@ def test_the_read_phase_left_out_grows_with_what_the_close_projects_and_no_more(
 
 
 def test_the_cpu_close_reads_every_page_of_the_output_inside_the_interval() -> None:
-    """`touch_pages` runs between the call's return and the end of its interval: a fault handler
-    or a lazy mapping is served there (here: the pages it read, seen from a tensor whose reads
-    are counted by torch's dispatch)."""
+    """The close runs between the call's return and the end of its interval, after `after` has
+    registered the outputs: a fault handler or a lazy mapping is served there. A worker's timer
+    closes with the harness's native `cudagym_cpu_close` (`tests/test_evidence_hooks.py`); a timer
+    without it (tools, tests) with `touch_pages` and torch's draw, in the same place."""
     timer = DeviceTimer(torch.device("cpu"), flush_l2=False)
     order: list[str] = []
     timer._perf = lambda: order.append("clock") or 0.0  # type: ignore[method-assign]
@@ -97,10 +99,10 @@ def test_the_cpu_close_reads_every_page_of_the_output_inside_the_interval() -> N
 
     timing.touch_pages = counted
     try:
-        timer.call(lambda a: a + 1, [torch.zeros(5000)], after=lambda o: order.append("after"))
+        timer.call(lambda a: a + 1, [torch.zeros(5000)], after=lambda o: (order.append("after"), timer.read_at_end(o)))
     finally:
         timing.touch_pages = real
-    assert order == ["clock", "touch", "clock", "after"]
+    assert order == ["clock", "after", "touch", "clock"]
 
 
 # -- attacks on the CPU target -------------------------------------------------------------------

@@ -40,8 +40,8 @@ from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, KernelWatch, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
-from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, drive_calls, gate_kernels,
-                                    harness_calibration, projection)
+from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, TimerTampered, drive_calls,
+                                    foreign_hooks, gate_kernels, harness_calibration, projection, use_native_close)
 from cudagym.sandbox.wire import WIRE_DTYPES
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
@@ -103,8 +103,26 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     "torch.randint": (torch, "randint"),
     "torch.Tensor.uniform_": (torch.Tensor, "uniform_"),
     "torch.Tensor.normal_": (torch.Tensor, "normal_"),
+    # the timed loop's check that no dispatch or function mode of the candidate's sees its ops
+    "torch._C._len_torch_dispatch_stack": (torch._C, "_len_torch_dispatch_stack"),
+    "torch._C._len_torch_function_stack": (torch._C, "_len_torch_function_stack"),
 }
 _ORIGINALS = {name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()}
+
+# Python's hooks that run someone's code at the harness's next call or line (profile, trace,
+# monitoring callbacks) or at its next audited event: a worker refuses them all, through an audit
+# hook of its own installed before any candidate code (`prewarm_host`; audit hooks cannot be
+# removed, and a later one is refused). A hook that ran at the harness's calls after a timed call's
+# close could do the call's work untimed, or rewrite the evidence before it is sent; C code that
+# writes the interpreter's thread state directly bypasses this (`timing.foreign_hooks` then sees
+# a Python-level one; a C-level one is left: see docs/protection.md).
+_HOOK_ATTEMPTS: list[str] = []
+
+
+def _refuse_hooks(event: str, args: tuple, _seen: list[str] = _HOOK_ATTEMPTS) -> None:
+    if event in ("sys.setprofile", "sys.settrace", "sys.addaudithook", "sys.monitoring.register_callback"):
+        _seen.append(event)
+        raise RuntimeError(f"{event} is refused in a cudagym worker (a hook would run code outside the timed calls)")
 
 class CandidateError(Exception):
     """The candidate's own code failed; `kind` is an ErrorKind value."""
@@ -118,6 +136,8 @@ def _failure_kind(e: BaseException) -> str:
     """Sandbox refusals (writes outside the workspace, network) are named as such."""
     import errno
 
+    if _HOOK_ATTEMPTS:  # the refusal of a profile/trace/audit hook (`_refuse_hooks`) surfaced here
+        return "tamper"
     if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EROFS)):
         return "sandbox_violation"
     if isinstance(e, BlockingIOError) or (isinstance(e, OSError) and e.errno == errno.EAGAIN):
@@ -282,7 +302,12 @@ def load_candidate(job: Job) -> types.ModuleType:
 
 
 def check_tamper() -> None:
-    """Raise if a watched function, a harness function (or its code) or method was replaced."""
+    """Raise if a watched function, a harness function (or its code) or method was replaced, or a
+    Python profile, trace or audit hook was set or tried."""
+    if _HOOK_ATTEMPTS:
+        raise CandidateError("tamper", f"the candidate tried to set a Python hook ({_HOOK_ATTEMPTS[0]})")
+    if hooks := foreign_hooks():
+        raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
     if _PAUSE_ATTEMPTS:
         raise CandidateError("tamper", f"the candidate tried to pause the profiler's op recording ({_PAUSE_ATTEMPTS[0]})")
     for name, (obj, attr) in _WATCHED.items():
@@ -492,6 +517,9 @@ def premap_results(shm_fd: int, mb: int) -> None:
     _PREMAPPED.append(mm)
 
 
+_AUDITING: list[bool] = []  # `_refuse_hooks` installed (once per process)
+_OPWATCH_CALLBACKS: list[Any] = []  # RecordFunction callbacks registered so far (opwatch.cpp), bound at prewarm
+_CALLBACKS_BEFORE: list[int] = []  # their number before the candidate's code loaded (`job_timer`)
 _OPWATCH: list[Any] = []  # the op counter, loaded by `prewarm_host` (built by the parent beforehand)
 _OPWATCH_CHANGES: list[Any] = []  # its C library's count of arms, disarms and resets
 
@@ -521,6 +549,11 @@ def prewarm_host() -> None:
     _live_helpers()
     _OPWATCH.append(OpWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home())))
     _OPWATCH_CHANGES.append(_OPWATCH[0]._lib.opwatch_state_changes)  # bound before any candidate code
+    _OPWATCH_CALLBACKS.append(_OPWATCH[0]._lib.opwatch_callbacks_registered)
+    use_native_close(_OPWATCH[0].cpu_close)  # the CPU timers' close: native code of the harness's own
+    if not _AUDITING:
+        sys.addaudithook(_refuse_hooks)
+        _AUDITING.append(True)
     _snapshot_originals()
 
 
@@ -865,7 +898,12 @@ def job_timer(p: Problem, job: Job) -> DeviceTimer:
     shorter than it then read 0. Without the flush the output the close reads is hot, as a
     call's is."""
     calibration = harness_calibration.__wrapped__() if p.device.type == "cuda" else None
-    return DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us, calibration=calibration)
+    native = op_watch().cpu_close if p.device.type == "cpu" else None
+    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
+                        calibration=calibration, native_close=native)
+    if _OPWATCH_CALLBACKS:  # before any candidate code loads (`_timing_run` compares after each call)
+        _CALLBACKS_BEFORE[:] = [_OPWATCH_CALLBACKS[0]()]
+    return timer
 
 
 def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer) -> int:
@@ -924,15 +962,34 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
         return {}
 
     def next_call(report: dict[str, Any]) -> tuple[int, bool] | None:
-        # the evidence of the call goes on the pipe before the candidate's code runs again
+        # the evidence of the call goes on the pipe before the candidate's code runs again; the
+        # CPU close's as raw bytes (`Evidence.raw`): no ATen op, so no RecordFunction callback or
+        # kernel of anyone's, runs between the close and the pipe
         for j, (shape, ev) in enumerate(pending):
+            if ev.raw is not None:
+                for what, t, raw, extra in (("sample", ev.values, ev.raw[0], {"full_shape": list(shape)}),
+                                            ("positions", ev.positions, ev.raw[1], {})):
+                    if t is not None:
+                        ch.send({"type": "tensor", "role": what, "trial": made[0] - 1, "index": j,
+                                 "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), **extra}, raw)
+                continue
             ch.send_tensor("sample", made[0] - 1, j, ev.values, pipe=True, full_shape=list(shape))
             if ev.positions is not None:
                 ch.send_tensor("positions", made[0] - 1, j, ev.positions, pipe=True)
             if ev.projections is not None:
                 ch.send_tensor("projection", made[0] - 1, j, ev.projections[:PROJECTIONS], pipe=True, seed=ev.seed)
         pending.clear()
+        # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
+        # they are generated (before its clock starts), the evidence's reads
+        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+            raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
         if made[0]:
+            if _HOOK_ATTEMPTS or (hooks := foreign_hooks()):
+                raise CandidateError("tamper", "a Python hook the harness did not set was tried or is active: "
+                                     + (_HOOK_ATTEMPTS[0] if _HOOK_ATTEMPTS else hooks))
+            if role == "candidate" and _CALLBACKS_BEFORE and _OPWATCH_CALLBACKS[0]() != _CALLBACKS_BEFORE[0]:
+                raise CandidateError("tamper", "the candidate registered a RecordFunction callback (an observer of the "
+                                     "harness's own ops; `at::addGlobalCallback` or `addThreadLocalCallback`)")
             _watch_alive(watch, changes + 2 * made[0])
             _kernels_alive(kwatch, p)
             if threading.active_count() > threads:
@@ -961,7 +1018,10 @@ def _timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phase
             watch.disarm()
 
     with torch.no_grad():
-        n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
+        try:
+            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
+        except TimerTampered as e:
+            raise CandidateError("tamper", str(e)) from None
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = calibration.overhead_ns

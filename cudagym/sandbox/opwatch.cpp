@@ -11,10 +11,13 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -197,6 +200,115 @@ int opwatch_alive() {
   }
   probing = false;
   return probe_hits > 0 ? 0 : 2;
+}
+
+
+// Handles of RecordFunction callbacks (global or thread-local) that code other than this function
+// registered so far in this process: torch numbers every registration from one counter, so a
+// probe registration (ours, removed at once, not counted) tells how many there were. The harness
+// reads it before any candidate code loads and after each timed call: a callback the candidate
+// registered in between (an observer of the harness's own ops) shows, even if it was removed or
+// disabled since. Not seen: code that edits RecordFunction's lists or torch's counter in memory.
+uint64_t opwatch_callbacks_registered() {
+  static std::atomic<uint64_t> own{0};
+  at::CallbackHandle h = at::INVALID_CALLBACK_HANDLE;
+  try {
+    h = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+          return nullptr;
+        }).scopes({at::RecordScope::USER_SCOPE}));
+  } catch (...) {
+    return ~0ull;
+  }
+  at::removeCallback(h);
+  return static_cast<uint64_t>(h) - own.fetch_add(1) - 1;
+}
+
+// The CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): one call,
+// inside the call's interval, with no ATen op, no Python and no callback of anyone's in it. For
+// each of `n` outputs it reads every page of a contiguous output (a byte per 4 KB, and its last
+// byte) or every element of a strided one, so that pages a fault handler fills on first read are
+// filled here; then it draws `count` positions in [0, numel) from getrandom() (kept in this
+// function's memory until the values are read: nothing else sees them first) and copies the
+// element at each (all elements in row-major order, and no positions, if count == numel) into
+// `values` (count * elem_size bytes) and the positions into `positions` (int64), buffers the
+// harness allocated. Sizes and strides in elements; dtype-agnostic (elements are elem_size bytes).
+// Returns 0, or -1 if getrandom failed.
+struct CpuClose {
+  uint64_t src, values, positions;
+  int64_t numel, count, elem_size, ndim;
+  int64_t sizes[64], strides[64];
+};
+
+static int64_t offset_of(const CpuClose& o, uint64_t flat) {
+  int64_t off = 0;
+  for (int64_t d = o.ndim - 1; d >= 0; --d) {
+    uint64_t size = static_cast<uint64_t>(o.sizes[d]);
+    off += static_cast<int64_t>(flat % size) * o.strides[d];
+    flat /= size;
+  }
+  return off;
+}
+
+static bool random_bytes(void* buf, size_t n) {
+  auto* p = static_cast<unsigned char*>(buf);
+  while (n) {
+    long got = syscall(SYS_getrandom, p, n, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+int cudagym_cpu_close(CpuClose* outs, int64_t n) {
+  volatile unsigned char sink = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const CpuClose& o = outs[k];
+    if (o.numel <= 0) continue;
+    const volatile unsigned char* src = reinterpret_cast<const volatile unsigned char*>(o.src);
+    bool contiguous = o.ndim == 1 && o.strides[0] == 1;
+    if (contiguous) {
+      uint64_t bytes = static_cast<uint64_t>(o.numel) * static_cast<uint64_t>(o.elem_size);
+      for (uint64_t b = 0; b < bytes; b += 4096) sink ^= src[b];
+      sink ^= src[bytes - 1];
+    } else {
+      int64_t idx[64] = {0};
+      int64_t off = 0;
+      for (int64_t i = 0; i < o.numel; ++i) {
+        sink ^= src[off * o.elem_size];
+        for (int64_t d = o.ndim - 1; d >= 0; --d) {  // the next element in row-major order
+          if (++idx[d] < o.sizes[d]) { off += o.strides[d]; break; }
+          off -= (o.sizes[d] - 1) * o.strides[d];
+          idx[d] = 0;
+        }
+      }
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const CpuClose& o = outs[k];
+    if (o.numel <= 0 || o.count <= 0) continue;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(o.src);
+    auto* values = reinterpret_cast<unsigned char*>(o.values);
+    auto* positions = reinterpret_cast<int64_t*>(o.positions);
+    const bool everything = o.count >= o.numel;
+    uint64_t draws[256];
+    for (int64_t i = 0; i < o.count; ++i) {
+      uint64_t flat = static_cast<uint64_t>(i);
+      if (!everything) {
+        if (i % 256 == 0 && !random_bytes(draws, sizeof draws)) return -1;
+        flat = draws[i % 256] % static_cast<uint64_t>(o.numel);
+        if (positions) positions[i] = static_cast<int64_t>(flat);
+      }
+      std::memcpy(values + i * o.elem_size, src + offset_of(o, flat) * o.elem_size, static_cast<size_t>(o.elem_size));
+    }
+    std::memset(draws, 0, sizeof draws);
+  }
+  (void)sink;
+  return 0;
 }
 
 }  // extern "C"

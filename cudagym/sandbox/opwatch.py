@@ -32,7 +32,14 @@ code (a compiled region shows as `Torch-Compiled Region: 0/0` and `TorchDynamo C
 which are no ATen ops, plus the ATen ops it still calls, such as `aten::mm`); and ops on a
 thread whose C++ switched RecordFunction off. `check_alive()` tells, after a call, whether the
 callback is still installed and RecordFunction is on for the calling thread, and whether anyone
-but this object armed, disarmed or reset the counter.
+but this object armed, disarmed or reset the counter. `callbacks_registered()` counts the
+RecordFunction callbacks anyone registered in the process (a candidate's observer of the
+harness's ops shows there even once removed).
+
+The library also holds the CPU target's close of a timed call (`cpu_close`, see
+`cudagym.sandbox.timing`): native code of the harness's own, with no ATen op and no Python in it,
+so that nothing the candidate hooks into either runs between the draw of a call's sample
+positions and the read of its values.
 """
 
 from __future__ import annotations
@@ -175,6 +182,8 @@ class OpWatch:
             ("opwatch_state_changes", ctypes.c_uint64, []),
             ("opwatch_dump", ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
             ("opwatch_alive", ctypes.c_int, []),
+            ("opwatch_callbacks_registered", ctypes.c_uint64, []),
+            ("cudagym_cpu_close", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64]),
         ):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -182,6 +191,9 @@ class OpWatch:
             raise ToolchainError("torch refused to register the op watcher's RecordFunction callback")
         self.library = library
         self._lib = lib
+        # the CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): plain
+        # native code of the harness's, not the op counter's; here because this is the harness's library
+        self.cpu_close = lib.cudagym_cpu_close
         self._state_changes = lib.opwatch_state_changes()
 
     @classmethod
@@ -233,6 +245,12 @@ class OpWatch:
             if not op.decomposes:
                 out[op.name] += op.count
         return out
+
+    def callbacks_registered(self) -> int:
+        """RecordFunction callbacks (global or thread-local) registered in this process so far by
+        anyone but this method, this library's own included (see opwatch.cpp); removed or
+        disabled ones too."""
+        return int(self._lib.opwatch_callbacks_registered())
 
     def check_alive(self) -> str | None:
         """None while the watcher works on the calling thread; else the reason it does not.

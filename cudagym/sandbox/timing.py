@@ -76,9 +76,27 @@ every stream) instruments kernels: it slowed kernels of many short-lived blocks 
 H200 and left torch's, cuBLAS's and Triton's alone (`benchmarks/probe_ncu_gap.py`), a bias
 against honest candidates of a common style.
 
-CPU: the wall clock around the call, after reading a buffer larger than the LLC; the interval
-ends once every page of the output has been read (`touch_pages`), so a page filled when first
-read (a fault handler, a lazy mapping) is filled inside it.
+CPU: the wall clock around the call, after reading a buffer larger than the LLC. The interval
+holds the call, then the *CPU close*: `after` (the harness's: it checks the outputs and registers
+each with `read_at_end`, which allocates its evidence buffers), then one call into the harness's
+own native library (`cudagym_cpu_close` in opwatch.cpp, compiled by the parent, bound by ctypes
+before any candidate code loads) that reads every page of every output (every element of a
+strided one), draws the sample positions with getrandom() and gathers the values there into
+those buffers. The clock stops when it returns. Why in one native call, inside the interval:
+before, the positions were drawn after the clock stopped with `torch.randint` and the values
+gathered with ATen ops, in the candidate's process; a RecordFunction callback or a Python profile
+hook the candidate left behind ran there, and either did the whole call's work untimed (+3 with
+nothing computed inside the call) or computed only the 2048 positions it read from randint's
+output. Now (1) no code but the harness's native code runs between the draw and the read: no
+Python (a ctypes call releases the GIL and makes no profile event), no ATen op, so no callback,
+dispatcher kernel or hook of anyone's sees a position before its value is taken; (2) anything a
+hook does after the call returns and before the close runs inside the interval, and is timed;
+(3) pages a fault handler fills on first read are filled, and timed, in the close. After it the
+harness sends the evidence's raw bytes (`Evidence.raw`) with no ATen op, and a Python profile,
+trace or monitoring hook found right after the call (`foreign_hooks`) is `TimerTampered`. Left:
+a native thread of the candidate's that rewrites the evidence buffers between the close and the
+pipe write (it must find them and know the positions: they are in the buffer only after the
+close), and native code that edits the interpreter's or torch's state directly.
 
 Evidence (what the parent re-checks, `cudagym.rewards.compare`): each output's samples, their
 positions and (GPU) its projections are sent on the pipe before the worker asks for the next
@@ -102,6 +120,8 @@ import gc
 import os
 import secrets
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -110,11 +130,12 @@ import torch
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
+# 12: the CPU target's close (page reads, sample draw and reads) is one native call inside the interval;
 # 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
 # are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-11"
+PROTOCOL_VERSION = "gated-events-12"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 CALIBRATION_ELEMENTS = 1 << 18  # the fp32 output those calls' close reads (and projects)
@@ -495,8 +516,9 @@ def projection(t: torch.Tensor, seed: int, index: int) -> torch.Tensor:
 
 
 def touch_pages(out: Any) -> None:
-    """Read every page of each CPU tensor in `out` (a tensor, or a list or tuple of them): the
-    CPU target's close, inside the call's interval, so that an output whose pages are filled when
+    """Read every page of each CPU tensor in `out` (a tensor, or a list or tuple of them), with
+    torch: the CPU close of a timer without the harness's native close (tools, tests; a worker's
+    timer has it), inside the call's interval, so that an output whose pages are filled when
     first read (a fault handler, a lazy mapping) is filled, and timed, there. A contiguous
     tensor is read one byte per 4 KB; any other tensor, in full."""
     for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -509,6 +531,46 @@ def touch_pages(out: Any) -> None:
             t.detach().abs().sum() if not t.is_complex() else torch.view_as_real(t.detach()).abs().sum()
 
 
+MAX_CPU_DIMS = 64  # dimensions of a strided output the CPU close reads (more: made contiguous first)
+
+
+class _CpuClose(ctypes.Structure):
+    """One output of the CPU close (`cpu_close` in opwatch.cpp; sizes and strides in elements)."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
+                ("numel", ctypes.c_int64), ("count", ctypes.c_int64), ("elem_size", ctypes.c_int64),
+                ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_CPU_DIMS),
+                ("strides", ctypes.c_int64 * MAX_CPU_DIMS)]
+
+
+_NATIVE_CLOSE: list[Any] = []  # the harness's `cudagym_cpu_close` (`use_native_close`), for CPU timers made after
+
+
+def use_native_close(fn: Any) -> None:
+    """CPU timers made from now on close their calls with `fn` (the harness's own native
+    `cudagym_cpu_close` from opwatch.cpp, through ctypes: `OpWatch.cpu_close`)."""
+    _NATIVE_CLOSE[:] = [fn]
+
+
+class TimerTampered(Exception):
+    """Something the candidate set up would run between a call's close and its evidence's send."""
+
+
+def foreign_hooks() -> str:
+    """The Python hooks that run code of someone else's at the harness's next Python call or
+    line, on this thread or (`threading`) on threads started later: profile and trace functions,
+    and (Python 3.12+) `sys.monitoring` callbacks of any tool. The harness sets none, so any is
+    the candidate's (names joined; "" for none)."""
+    found = [name for name, hook in (("sys.setprofile", sys.getprofile()), ("sys.settrace", sys.gettrace()),
+                                     ("threading.setprofile", getattr(threading, "_profile_hook", None)),
+                                     ("threading.settrace", getattr(threading, "_trace_hook", None)))
+             if hook is not None]
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is not None:
+        found += [f"sys.monitoring tool {i} ({monitoring.get_tool(i)})" for i in range(6) if monitoring.get_tool(i)]
+    return ", ".join(found)
+
+
 class Evidence(NamedTuple):
     """What `DeviceTimer.read_at_end` read of one output at a call's end."""
 
@@ -516,6 +578,9 @@ class Evidence(NamedTuple):
     positions: torch.Tensor | None  # their flat (row-major) positions
     projections: torch.Tensor | None  # GPU: `PROJECTIONS` float64 sums (`projection`); None on the CPU target
     seed: int  # the call's secret seed of the positions and weights, drawn after the call returned
+    # CPU target: the raw bytes of values and positions (the buffers the close fills), to send
+    # without an ATen op between the close and the pipe
+    raw: tuple[memoryview, memoryview | None] | None = None
 
 
 class _Reading:
@@ -528,6 +593,32 @@ class _Reading:
         self.outputs = 0  # outputs read so far (each one's index in the weights' hash)
         self.dense = 0  # what the close kernel projects: contiguous elements (max(elements, bytes / 4) per output)
         self.strided = 0  # and others
+        # the CPU close's outputs: its native entries (`_CpuClose`) and each one's tensor and evidence
+        self.cpu: list[tuple[_CpuClose, tuple[torch.Tensor, Evidence | None]]] = []
+
+    def add_cpu(self, t: torch.Tensor, count: int) -> Evidence:
+        """Register CPU output `t` for the close (`DeviceTimer.call`): its pages are read, then
+        `count` values at positions drawn by the close (all values, in `t`'s shape, and no
+        positions, if `t` has no more than `count` elements) are gathered into buffers allocated
+        here, before the close; the evidence holds them (filled once `call` returns) and their raw
+        bytes (sent without an ATen op: nothing hooked into torch runs between close and send)."""
+        if t.dim() > MAX_CPU_DIMS and not t.is_contiguous():
+            t = t.contiguous()
+        numel = t.numel()
+        n = numel if numel <= count else count
+        values = torch.empty(n, dtype=t.dtype)
+        positions = None if n == numel else torch.empty(n, dtype=torch.int64)
+        shape, strides = ((numel,), (1,)) if t.is_contiguous() else (tuple(t.shape), tuple(t.stride()))
+        entry = _CpuClose(src=t.data_ptr() if numel else 0, values=values.data_ptr(),
+                          positions=0 if positions is None else positions.data_ptr(), numel=numel,
+                          count=n if count else 0, elem_size=t.element_size(), ndim=len(shape))
+        for d, (size, stride) in enumerate(zip(shape, strides)):
+            entry.sizes[d], entry.strides[d] = size, stride
+        raw = (memoryview(values.view(torch.uint8).numpy()) if n else memoryview(b""),
+               None if positions is None else memoryview(positions.view(torch.uint8).numpy()))
+        ev = Evidence(values.view(t.shape) if positions is None else values, positions, None, 0, raw)
+        self.cpu.append((entry, (t, ev if count else None)))  # t: alive until the close has read it
+        return ev
 
 
 class Calibration(NamedTuple):
@@ -567,8 +658,10 @@ class DeviceTimer:
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, native_close: Any = None):
         self.device = device
+        # the CPU close (`_close_cpu`): the harness's native one (a worker's timer always has it)
+        self._native_close = None if device.type == "cuda" else native_close or (_NATIVE_CLOSE[0] if _NATIVE_CLOSE else None)
         self.cuda = device.type == "cuda"
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self._perf = time.perf_counter
@@ -621,22 +714,38 @@ class DeviceTimer:
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
              after: Callable[[Any], None] | None = None, copies: torch.Tensor | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
-        once the call has returned, to read its outputs with `read_at_end` (on a GPU: on the
-        timer's stream, before the close kernel, which reads them; on the CPU: after the timed
-        interval). `copies` (`copy_plan`; GPU): what the open gate copies at the window's end,
-        before the start event."""
+        once the call has returned, to register its outputs with `read_at_end`, inside the
+        interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
+        reads them; on the CPU: before the native close, which reads them; see the module's text).
+        `copies` (`copy_plan`; GPU): what the open gate copies at the window's end, before the
+        start event. CPU: raises `TimerTampered` after the interval if a Python hook that is not
+        the harness's was active when the call returned."""
         if not self.cuda:
+            # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
+            # then one native call that reads every page, draws the positions and gathers the
+            # values, all inside the interval. Nothing the candidate hooks into Python or ATen
+            # can run between the draw and the read, and what it runs before the draw is timed.
             self.flush()
+            reading = _Reading(0, None)
             t0 = self._perf()
             out = fn(*args)
-            touch_pages(out)  # the close: every page of the output is there, within the interval
-            ms = self.host_ms = (self._perf() - t0) * 1e3
-            if after is not None:
-                self._reading = _Reading(_randbits(64), None)  # drawn after the call returned
-                try:
+            hooks = foreign_hooks()  # read inside the interval: a hook found here is never trusted
+            self._reading = reading
+            try:
+                if after is not None:
                     after(out)
-                finally:
-                    self._reading = None
+                else:
+                    for t in out if isinstance(out, (list, tuple)) else (out,):
+                        if type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided:
+                            reading.add_cpu(t, 0)  # read every page, sample none
+            finally:
+                self._reading = None
+            failed = self._close_cpu(reading)
+            ms = self.host_ms = (self._perf() - t0) * 1e3
+            if failed:
+                raise RuntimeError("the timer's CPU close failed (getrandom)")
+            if hooks:
+                raise TimerTampered(f"a Python hook the harness did not set was active after the call: {hooks}")
             return out, ms
         # one stream for the gates, the events and the call (see the module's text): the caller's
         stream = torch.cuda.current_stream(self.device)
@@ -699,10 +808,17 @@ class DeviceTimer:
         come from a seed drawn after the call returned. The tensors hold them once `call`
         returns. Elsewhere, and for outputs past `MAX_SAMPLED_OUTPUTS` in one call or of a dtype
         the close kernel does not project, they are read at once (on a GPU, still inside the
-        call's interval)."""
+        call's interval).
+
+        On the CPU target, from `call`'s `after`: registers `t` for the CPU close, which draws the
+        positions and reads the values in one native call inside the interval; the evidence's
+        tensors (and `raw` bytes) hold them once `call` returns (`_Reading.add_cpu`). Outside a
+        call, read at once with torch."""
+        reading = self._reading
+        if reading is not None and not self.cuda:
+            return reading.add_cpu(t, count)
         t = t.detach()
         everything = t.numel() <= count
-        reading = self._reading
         seed = reading.samples.seed if reading is not None else _randbits(64)
         index = reading.outputs if reading is not None else 0
         if reading is not None:
@@ -737,6 +853,27 @@ class DeviceTimer:
             reading.strided += t.numel()
         reading.kept.append(t)  # alive until the close kernel has read it
         return Evidence(values.view(t.shape) if everything else values, positions, projections, seed)
+
+    def _close_cpu(self, reading: _Reading) -> int:
+        """The CPU close of `reading`'s outputs: the harness's native `cpu_close` where the timer
+        has it (every worker's timer), else the same steps in torch (tests and tools only: its
+        draw and reads are ATen ops, which a candidate's RecordFunction callback sees)."""
+        entries = reading.cpu
+        if self._native_close is not None:
+            array = (_CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
+            return int(self._native_close(ctypes.addressof(array), len(entries)))
+        for entry, (t, ev) in entries:
+            touch_pages(t)
+            if ev is None or entry.count == 0:
+                continue
+            flat = t.reshape(-1)
+            if ev.positions is None:
+                ev.values.copy_(t)
+            else:
+                gen = torch.Generator().manual_seed(_randbits(62))
+                ev.positions.copy_(torch.randint(t.numel(), (entry.count,), generator=gen))
+                ev.values.copy_(flat[ev.positions])
+        return 0
 
     def _launch_close(self, samples: _Samples, stream: torch.cuda.Stream) -> None:
         """The close kernel on `stream` (launched here: torch's kernel handles pass no structs
@@ -866,7 +1003,11 @@ def drive_calls(
     try:
         report: dict[str, Any] = {}
         i = 0
+        out: Any = None
         while (asked := next_call(report)) is not None:
+            # the previous call's output was held until `next_call` sent its evidence: a finalizer
+            # the candidate tied to it (`weakref.finalize`, a storage's deleter) runs only now
+            out = None
             seed, is_probe, idle_s = asked
             if idle_s > 0:
                 time.sleep(idle_s)  # server mode: the call arrives after a gap (nothing is timed here)
@@ -876,7 +1017,7 @@ def drive_calls(
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
             spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8, device=timer.device)
                       if timer.cuda else None)
-            _, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k])
+            out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k])
             del spacer
             report = {"ms": ms, "host_ms": timer.host_ms, **seen}
             i += 1
