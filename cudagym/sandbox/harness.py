@@ -106,8 +106,15 @@ _WATCHED: dict[str, tuple[Any, str]] = {
     # the timed loop's check that no dispatch or function mode of the candidate's sees its ops
     "torch._C._len_torch_dispatch_stack": (torch._C, "_len_torch_dispatch_stack"),
     "torch._C._len_torch_function_stack": (torch._C, "_len_torch_function_stack"),
+    # the dispatcher check's own readers (`dispatch_table`)
+    "torch._C._dispatch_dump": (torch._C, "_dispatch_dump"),
+    "torch._C._dispatch_get_all_op_names": (torch._C, "_dispatch_get_all_op_names"),
 }
 _ORIGINALS = {name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()}
+# Dispatch keys whose kernels compute (or route to the kernel that does) on the job's devices
+_COMPUTE_KEYS = ("CPU:", "CUDA:", "BackendSelect:", "CompositeExplicitAutograd:", "CompositeImplicitAutograd:",
+                 "CompositeExplicitAutogradNonFunctional:", "Autograd:", "AutogradCPU:", "AutogradCUDA:")
+_DISPATCH: dict[str, tuple[str, ...]] = {}  # `dispatch_table()` before any candidate code ran
 
 # Python's hooks that run someone's code at the harness's next call or line (profile, trace,
 # monitoring callbacks) or at its next audited event: a worker refuses them all, through an audit
@@ -313,6 +320,9 @@ def check_tamper() -> None:
     for name, (obj, attr) in _WATCHED.items():
         if getattr(obj, attr, None) is not _ORIGINALS[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
+    if _DISPATCH and (changed := sorted(n for n, k in dispatch_table().items() if n in _DISPATCH and _DISPATCH[n] != k)):
+        raise CandidateError("tamper", "the candidate registered kernels of its own for torch's ops with the "
+                             f"dispatcher ({', '.join(changed[:4])}): the harness runs torch's ops between calls")
     g = globals()
     for name, obj in _HARNESS_NAMES.items():
         if g.get(name) is not obj:
@@ -580,8 +590,22 @@ def prewarm_device() -> None:
 def _snapshot_originals() -> None:
     """Torch rebinds some functions as it loads parts of itself (dynamo rebinds
     torch.manual_seed, for one): the identity snapshot is retaken after each prewarm step, still
-    before any candidate code runs."""
+    before any candidate code runs; the dispatcher's table with it."""
     _ORIGINALS.update({name: getattr(obj, attr) for name, (obj, attr) in _WATCHED.items()})
+    _DISPATCH.clear()
+    _DISPATCH.update(dispatch_table())
+
+
+def dispatch_table() -> dict[str, tuple[str, ...]]:
+    """For every op the dispatcher knows, where its kernels at the compute keys were registered
+    (~70 ms for ~3600 ops). A candidate that registers its own kernel for one of torch's ops
+    (`TORCH_LIBRARY_IMPL(aten, CPU, m)`, `torch.library.Library("aten", "IMPL")`) would run inside
+    the harness's own work between calls (input generation, refills), where it sees the next
+    call's inputs before the timer starts; `check_tamper` compares this table with the one taken
+    before candidate code ran (new ops of the candidate's own namespaces are its business)."""
+    dump, names = _ORIGINALS["torch._C._dispatch_dump"], _ORIGINALS["torch._C._dispatch_get_all_op_names"]
+    return {n: tuple(line.split(" :: ")[0] for line in dump(n).splitlines() if line.startswith(_COMPUTE_KEYS))
+            for n in names()}
 
 
 class Phases:
