@@ -439,11 +439,32 @@ def test_other_candidate_formats_accepted(tmp_path, ev, task_id, fmt):
 
 
 # -- reward integrity on the GPU: attacks that keep the GPU busy -------------------------------
-def busy_model(attack: str, answer: str, cycles: int) -> str:
+# The candidate's own busy kernel (`own_spin=True` in `busy_model`; kernels/spin.cu): a spin of
+# `cycles` SM clock cycles on the current stream, as torch.cuda._sleep does with torch's kernel
+# (which strict mode's origin audit rightly calls foreign).
+SPIN_CU = r"""
+#include <cuda_runtime.h>
+__global__ void own_spin_kernel(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+extern "C" int own_spin(long long cycles, cudaStream_t stream) {
+    own_spin_kernel<<<1, 1, 0, stream>>>(cycles);
+    return (int)cudaGetLastError();
+}
+"""
+
+
+def busy_model(attack: str, answer: str, cycles: int, own_spin: bool = False) -> str:
     """The honest solution, plus `attack` run once timed (no verify recorder on the mode stack),
     after which each call keeps the GPU busy `cycles` and returns `answer` (`out`: the honest
-    output)."""
+    output). The busy work is torch's `_sleep` kernel, or with `own_spin` the candidate's own
+    (`SPIN_CU`, to be written to kernels/spin.cu)."""
     honest = (SOLUTIONS / HONEST / "cuda" / "model_new.py").read_text().replace("class ModelNew(", "class _Honest(")
+    if own_spin:
+        honest += "\n_lib.own_spin.argtypes = [ctypes.c_longlong, ctypes.c_void_p]\n_lib.own_spin.restype = ctypes.c_int\n"
+    spin = f"_lib.own_spin({cycles}, stream())" if own_spin else f"torch.cuda._sleep({cycles})"
     return honest + f"""
 
 class ModelNew(_Honest):
@@ -456,7 +477,7 @@ class ModelNew(_Honest):
         out = _Honest.forward(self, x)
         if not timed:
             return out
-        torch.cuda._sleep({cycles})
+        {spin}
 {textwrap.indent(textwrap.dedent(answer), " " * 8)}
 """
 
@@ -471,10 +492,12 @@ def test_rebinding_the_reference_once_timed_is_caught_on_the_gpu(tmp_path, ev):
 
 def test_forged_call_times_with_blinded_identity_checks_are_caught_on_the_gpu(tmp_path, ev):
     """A tenth of each call's time reported, the identity snapshot made to agree, and the GPU kept
-    busy ~2 ms per call: only the parent's clock disagrees."""
+    busy ~2 ms per call by the candidate's own spin kernel (strict mode's origin audit passes it:
+    only the times are forged): only the parent's clock disagrees."""
     attack = FORGE_TIMES
     task, ws = workspace(tmp_path, HONEST, "cuda", ev)
-    ws.write("model_new.py", busy_model(attack, "return out", 4_000_000))
+    ws.write("kernels/spin.cu", SPIN_CU)
+    ws.write("model_new.py", busy_model(attack, "return out", 4_000_000, own_spin=True))
     v = ev.evaluate(task, ws)
     assert v.reward < 0 and v.error_kind == ErrorKind.TAMPER, v.summary()
     assert "own clock" in " ".join(v.reasons), v.reasons

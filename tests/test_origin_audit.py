@@ -38,7 +38,19 @@ def test_forbidden_imports_name_torch_compute_below_the_dispatcher() -> None:
     assert forbidden_import("at::_ops::add_Tensor::call(at::Tensor const&, at::Tensor const&, c10::Scalar const&)")
     assert forbidden_import("torch::jit::load(std::string const&, std::optional<c10::Device>, bool)")
     # what honest bindings import: allocation, views, streams, cuBLAS
+    # run-time lookup (what the imports cannot show) and RecordFunction switches (what the op
+    # counter cannot see within a call)
+    for sym in ("dlsym", "dlvsym", "dlopen", "dlmopen", "dladdr", "dl_iterate_phdr",
+                "c10::DynamicLibrary::sym(char const*)", "at::enableRecordFunction(bool)",
+                "at::clearCallbacks()", "at::disableCallback(unsigned long)",
+                "at::set_record_function_tls_(at::RecordFunctionTLS const&)",
+                "at::ThreadLocalState::setThreadLocalState(at::ThreadLocalState const&)"):
+        why = forbidden_import(sym)
+        assert why and "no need for it" in why, sym
+    assert "run-time symbol lookup" in (forbidden_import("dlsym") or "")
     for ok in ("at::_ops::empty_like::call(at::Tensor const&, std::optional<c10::ScalarType>)",
+               "at::RecordFunction::RecordFunction(at::RecordScope)", "at::getStepCallbacksUnlessEmpty(at::RecordScope)",
+               "at::isRecordFunctionEnabled()", "dlerror",
                "at::_ops::empty_memory_format::call(c10::ArrayRef<c10::SymInt>)",
                "at::_ops::contiguous::call(at::Tensor const&, c10::MemoryFormat)",
                "at::_ops::view::call(at::Tensor const&, c10::ArrayRef<c10::SymInt>)",
@@ -127,6 +139,107 @@ def test_cpu_kernel_called_below_the_dispatcher_is_rejected_in_strict(evaluator:
     assert evaluator.compile(GELU, ws).ok
     v = evaluator.evaluate(GELU, ws)
     assert_rejected(v, ErrorKind.AUDIT, "strict mode", "at::cpu::gelu", "below the dispatcher")
+
+
+# The same GELU reached at run time: the binding looks up torch's CPU kernel by a mangled name it
+# assembles itself, so no import names it; only the lookup shows.
+RUNTIME_LOOKUP_BINDING = r"""
+#include <torch/extension.h>
+#include <dlfcn.h>
+#include <string>
+
+using Gelu = at::Tensor (*)(const at::Tensor&, c10::string_view);
+
+torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias, double scale) {
+    static Gelu gelu = nullptr;
+    if (!gelu) {
+        const std::string ns = "_ZN2at3cpu";
+        gelu = reinterpret_cast<Gelu>(dlsym(RTLD_DEFAULT, (ns + "4geluERKNS_6TensorESt17basic_string_viewIcSt11char_traitsIcEE").c_str()));
+        TORCH_CHECK(gelu != nullptr, "lookup failed");
+    }
+    torch::Tensor v = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* bp = bias.data_ptr<float>();
+    float* vp = v.data_ptr<float>();
+    const int64_t cols = x.size(-1), n = x.numel();
+    for (int64_t i = 0; i < n; ++i) vp[i] = xp[i] * static_cast<float>(scale) + bp[i % cols];
+    return gelu(v, "none");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }
+"""
+
+# RecordFunction switched off around torch's own ops inside one call, on again before it returns:
+# the op counter (a RecordFunction callback) would see none of them.
+RECORD_FUNCTION_SWITCH_BINDING = r"""
+#include <torch/extension.h>
+#include <ATen/record_function.h>
+
+void watched(bool on) { at::enableRecordFunction(on); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("watched", &watched); }
+"""
+RECORD_FUNCTION_SWITCH_MODEL = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import kernel_ext
+
+
+class ModelNew(nn.Module):
+    def __init__(self, features, scale):
+        super().__init__()
+        self.scale = scale
+        self.bias = nn.Parameter(torch.randn(features) * 0.5)
+
+    def forward(self, x):
+        kernel_ext.watched(False)
+        try:
+            return F.gelu(x * self.scale + self.bias)
+        finally:
+            kernel_ext.watched(True)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_cpu_kernel_found_at_run_time_with_dlsym_is_rejected_in_strict(evaluator: Evaluator, build_ws) -> None:
+    ws = build_ws(GELU, BINDING_MODEL, {"kernels/gelu_binding.cpp": RUNTIME_LOOKUP_BINDING})
+    assert evaluator.compile(GELU, ws).ok
+    v = evaluator.evaluate(GELU, ws)
+    assert_rejected(v, ErrorKind.AUDIT, "strict mode", "dlsym", "run-time symbol lookup", "no need for it")
+
+
+@pytest.mark.timeout(900)
+def test_cpu_record_function_switched_off_within_a_call_is_rejected_in_strict(evaluator: Evaluator,
+                                                                              build_ws) -> None:
+    ws = build_ws(GELU, RECORD_FUNCTION_SWITCH_MODEL, {"kernels/rf_binding.cpp": RECORD_FUNCTION_SWITCH_BINDING})
+    assert evaluator.compile(GELU, ws).ok
+    v = evaluator.evaluate(GELU, ws)
+    assert_rejected(v, ErrorKind.AUDIT, "strict mode", "at::enableRecordFunction", "recordfunction")
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("layout", [("ew_scale_bias_gelu", "cpu_binding"), ("ew_residual_relu_clamp", "cpu_inline")])
+def test_honest_torch_bindings_import_no_lookup_and_pass_strict(evaluator: Evaluator, eval_cache: Path, tmp_path: Path,
+                                                                layout: tuple[str, str]) -> None:
+    """torch's and pybind11's headers pull no run-time lookup or RecordFunction switch into an
+    honest binding's object, whether the toolchain or load_inline built it."""
+    from cudagym.sandbox.origin import candidate_objects, import_audit
+    from conftest import make_workspace, task_of
+
+    task = task_of(layout[0])
+    src = Path(__file__).resolve().parent.parent / "examples" / "solutions" / layout[0] / layout[1]
+    files = {str(p.relative_to(src)): p.read_text() for p in src.rglob("*") if p.is_file()}
+    ws = make_workspace(tmp_path / "ws", task, files.pop("model_new.py"), files)
+    built = evaluator.compile(task, ws)
+    assert built.ok, built.errors
+    v = evaluator.evaluate(task, ws)
+    assert v.reward >= 1 and v.audit and v.audit.passed, (v.reward, v.reasons, v.error)
+    inline = [p for p in candidate_objects([eval_cache / "build" / "inline"]) if "residual_relu_clamp" in p.name]
+    objects = candidate_objects([Path(built.artifact_dir)] if built.artifact_dir else []) + inline
+    assert objects if layout[1] == "cpu_binding" else inline, (built.artifact_dir, inline)
+    audit = import_audit(objects)
+    assert not audit.forbidden, audit.reasons()
 
 
 # Own kernel while a profiler records (verify's trials, the share's measurement), torch otherwise.
@@ -266,17 +379,27 @@ class ModelNew(nn.Module):
         return self._y.clone()
 """
 
-# Permissive, third-party style: torch scales the input (one vectorized kernel), the own kernel
-# adds the bias and applies the erf-GELU.
+# Permissive, third-party style: torch prepares the parameter (bias / scale, one small kernel over
+# the features), the own kernel does the whole pass over the input, gelu((x + bias / scale) * scale):
+# the own kernel carries most of the GPU time (16M elements against 4096), so the share is far
+# above permissive mode's threshold and below 1.
 PERMISSIVE_MIXED_CU = r"""
 #include <cstdint>
 #include <cuda_runtime.h>
-__global__ void bias_gelu_kernel(const float* v, const float* bias, float* out, int64_t n, int64_t cols) {
-    int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i < n) { float a = v[i] + bias[i % cols]; out[i] = 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
+__global__ void shift_scale_gelu_kernel(const float* x, const float* shift, float* out, int64_t rows, int cols,
+                                        float s) {
+    const int64_t n = rows * cols;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        float a = (x[i] + shift[static_cast<int>(i % cols)]) * s;
+        out[i] = 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
+    }
 }
-extern "C" int bias_gelu(const float* v, const float* bias, float* out, int64_t n, int64_t cols, cudaStream_t stream) {
-    bias_gelu_kernel<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(v, bias, out, n, cols);
+extern "C" int shift_scale_gelu(const float* x, const float* shift, float* out, int64_t rows, int cols, float s,
+                                cudaStream_t stream) {
+    int64_t n = rows * cols;
+    unsigned blocks = static_cast<unsigned>((n + 255) / 256 < 65535 * 8 ? (n + 255) / 256 : 65535 * 8);
+    shift_scale_gelu_kernel<<<blocks, 256, 0, stream>>>(x, shift, out, rows, cols, s);
     return (int)cudaGetLastError();
 }
 """
@@ -288,13 +411,15 @@ import torch.nn.functional as F
 from cudagym.runtime import kernel_library, ptr, stream
 
 _lib = kernel_library()
-_lib.bias_gelu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
-_lib.bias_gelu.restype = ctypes.c_int
+_lib.shift_scale_gelu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float,
+                                                          ctypes.c_void_p]
+_lib.shift_scale_gelu.restype = ctypes.c_int
 
 
-def own_bias_gelu(v, bias):
-    out = torch.empty_like(v)
-    _lib.bias_gelu(ptr(v), ptr(bias), ptr(out), v.numel(), v.size(-1), stream())
+def own_shift_scale_gelu(x, shift, scale):
+    out = torch.empty_like(x)
+    cols = x.size(-1)
+    _lib.shift_scale_gelu(ptr(x), ptr(shift), ptr(out), x.numel() // cols, cols, scale, stream())
     return out
 
 
@@ -305,14 +430,15 @@ class ModelNew(nn.Module):
         self.bias = nn.Parameter(torch.randn(features) * 0.5)  # Model's draw after the same seed
 
     def forward(self, x):
-        v = x * self.scale  # torch's kernel
+        x = x.contiguous()
+        shift = self.bias / self.scale  # torch's kernel, over the features only
 {tail}
 """
-HONEST_TAIL = "        return own_bias_gelu(v, self.bias)\n"
+HONEST_TAIL = "        return own_shift_scale_gelu(x, shift, self.scale)\n"
 PROFILER_AWARE_TAIL = """\
         if torch.autograd._profiler_enabled():
-            return own_bias_gelu(v, self.bias)
-        return F.gelu(v + self.bias)
+            return own_shift_scale_gelu(x, shift, self.scale)
+        return F.gelu(x * self.scale + self.bias)
 """
 
 
@@ -350,7 +476,8 @@ def test_gpu_permissive_third_party_style_passes_and_profiler_aware_does_not(tmp
                       {"kernels/gelu.cu": PERMISSIVE_MIXED_CU})
     honest = gpu_permissive.evaluate(task, ws)
     assert honest.reward >= 1, (honest.reasons, honest.audit)
-    assert 0 < honest.verify_result.audit.own_kernel_share < 1, honest.verify_result.audit
+    share = honest.verify_result.audit.own_kernel_share
+    assert share is not None and 0.5 < share < 1, honest.verify_result.audit  # own kernel: most of the time
     task, ws = gpu_ws(tmp_path / "aware", PERMISSIVE_MIXED.format(tail=PROFILER_AWARE_TAIL),
                       {"kernels/gelu.cu": PERMISSIVE_MIXED_CU})
     v = gpu_permissive.evaluate(task, ws)
@@ -368,3 +495,170 @@ def test_gpu_cpp_binding_calling_torch_ops_through_the_dispatcher_named_too(tmp_
     v = gpu_ev.evaluate(task, ws)
     assert_rejected(v, ErrorKind.AUDIT, "strict mode", "aten::gelu")
 
+
+
+# -- a kernel of torch's registered under a host stub of the candidate's own library ------------
+# The candidate registers the fatbin of one of libtorch_cuda's translation units with the CUDA
+# runtime itself (__cudaRegisterFatBinary on that unit's wrapper, whose address it computes from
+# the library's mapping), names one of torch's kernels in it under a host function of its own
+# library (__cudaRegisterFunction), and launches that function with cudaLaunchKernel: the stub is
+# the candidate's, the kernel's module image is torch's. Pure CUDA runtime API (no torch headers).
+# Its own kernel is launched the same way (cudaLaunchKernel on its own stub), the control for the
+# stub path. Strict mode must name torch's kernel, with libtorch_cuda.so, and not the own one.
+BORROWED_STUB_CU = r"""
+#include <cstdint>
+#include <cstring>
+#include <cuda_runtime.h>
+
+extern "C" void** __cudaRegisterFatBinary(void* fatCubin);
+extern "C" void __cudaRegisterFatBinaryEnd(void** fatCubinHandle);
+extern "C" void __cudaRegisterFunction(void** fatCubinHandle, const char* hostFun, char* deviceFun,
+                                       const char* deviceName, int thread_limit, uint3* tid, uint3* bid,
+                                       dim3* bDim, dim3* gDim, int* wSize);
+
+__global__ void own_scale_bias_gelu(const float* x, const float* bias, float* out, int64_t n, int64_t cols, float s) {
+    int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float a = x[i] * s + bias[i % cols];
+        out[i] = 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
+    }
+}
+
+// A host function of this library that will stand for a kernel of torch's.
+extern "C" __attribute__((noinline)) void stand_in() { __asm__ volatile(""); }
+
+static char kernel_name[2048];
+
+extern "C" int borrow(const void* wrapper, const char* mangled) {
+    size_t n = std::strlen(mangled);
+    if (n >= sizeof kernel_name) return -1;
+    std::memcpy(kernel_name, mangled, n + 1);
+    void** handle = __cudaRegisterFatBinary(const_cast<void*>(wrapper));
+    __cudaRegisterFunction(handle, reinterpret_cast<const char*>(&stand_in), kernel_name, kernel_name, -1,
+                           nullptr, nullptr, nullptr, nullptr, nullptr);
+    __cudaRegisterFatBinaryEnd(handle);
+    cudaFuncAttributes attr;
+    return static_cast<int>(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(&stand_in)));
+}
+
+extern "C" int launch_own(const float* x, const float* bias, float* out, int64_t rows, int64_t cols, float scale,
+                          cudaStream_t stream) {
+    int64_t n = rows * cols;
+    void* args[] = {&x, &bias, &out, &n, &cols, &scale};
+    return static_cast<int>(cudaLaunchKernel(reinterpret_cast<const void*>(&own_scale_bias_gelu),
+                                             dim3(static_cast<unsigned>((n + 255) / 256)), dim3(256), args, 0, stream));
+}
+
+// torch's softmax forward kernel: (out, in, classes), one block per row.
+extern "C" int launch_borrowed(float* dst, const float* src, int64_t classes, int index64, unsigned rows,
+                               unsigned block, unsigned smem, cudaStream_t stream) {
+    int c32 = static_cast<int>(classes);
+    void* args[] = {&dst, &src, index64 ? static_cast<void*>(&classes) : static_cast<void*>(&c32)};
+    return static_cast<int>(cudaLaunchKernel(reinterpret_cast<const void*>(&stand_in), dim3(rows), dim3(block), args,
+                                             smem, stream));
+}
+"""
+BORROWED_STUB_MODEL = """\
+import ctypes
+import torch
+import torch.nn as nn
+from cudagym.runtime import kernel_library, ptr, stream
+
+BORROW = {borrow!r}  # wrapper: offset of the unit's fatbin wrapper in libtorch_cuda.so; name; index64
+
+_lib = kernel_library()
+_lib.borrow.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_lib.launch_own.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p]
+_lib.launch_borrowed.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_uint] * 3 + [
+    ctypes.c_void_p]
+
+
+def _torch_cuda_base():
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[-1].endswith("/libtorch_cuda.so") and int(parts[2], 16) == 0:
+                return int(parts[0].split("-")[0], 16)
+    raise RuntimeError("libtorch_cuda.so is not mapped")
+
+
+class ModelNew(nn.Module):
+    def __init__(self, features, scale):
+        super().__init__()
+        self.scale = scale
+        self.bias = nn.Parameter(torch.randn(features) * 0.5)  # Model's draw after the same seed
+        self._registered = False
+
+    def forward(self, x):
+        if BORROW and not self._registered:
+            rc = _lib.borrow(_torch_cuda_base() + BORROW["wrapper"], BORROW["name"].encode())
+            if rc:
+                raise RuntimeError(f"registration failed: {{rc}}")
+            self._registered = True
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        cols = x.size(-1)
+        err = _lib.launch_own(ptr(x), ptr(self.bias), ptr(out), x.numel() // cols, cols, self.scale, stream())
+        if err:
+            raise RuntimeError(f"own launch failed: {{err}}")
+        if BORROW:
+            src = torch.zeros(8, 256, device=x.device)
+            dst = torch.empty_like(src)
+            err = _lib.launch_borrowed(ptr(dst), ptr(src), 256, BORROW["index64"], 8, 128, 16384, stream())
+            if err:
+                raise RuntimeError(f"borrowed launch failed: {{err}}")
+        return out
+"""
+
+
+def torch_softmax_kernel() -> dict:
+    """A softmax forward kernel of libtorch_cuda.so's (out, in, classes) and its translation unit's
+    fatbin wrapper, from the library's symbol table: {"wrapper": offset, "name": mangled, "index64"}."""
+    import re
+    import subprocess
+
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    listing = subprocess.run(f"readelf -sW '{lib}' | grep -E ' FILE |fatDeviceText|SoftMaxForward'", shell=True,
+                             capture_output=True, text=True, timeout=600).stdout
+    unit, wrappers, kernels = None, {}, []
+    for line in listing.splitlines():
+        p = line.split()
+        if len(p) < 8:
+            continue
+        if p[3] == "FILE":
+            unit = p[7]
+        elif "fatDeviceText" in p[7]:  # the unit's static wrapper (`_ZL15__fatDeviceText` once mangled)
+            wrappers.setdefault(unit, int(p[1], 16))
+        elif p[3] == "FUNC" and not p[7].startswith("__device_stub"):
+            kernels.append((p[7], unit))
+    names = subprocess.run(["c++filt"], input="\n".join(k for k, _ in kernels), capture_output=True, text=True,
+                           timeout=120).stdout.splitlines()
+    found = {}
+    for (mangled, unit), name in zip(kernels, names):
+        m = re.search(r"::cunn_SoftMaxForward(Reg)?<float, float, float, .*\(float\*, float const\*, (int|long)\)$", name)
+        if m and unit in wrappers:
+            found.setdefault(bool(m.group(1)), {"wrapper": wrappers[unit], "name": mangled,
+                                                "index64": int(m.group(2) == "long")})
+    if not found:
+        pytest.skip("no softmax forward kernel with its unit's fatbin wrapper in libtorch_cuda.so's symbol table")
+    return found.get(False) or found[True]
+
+
+@pytest.mark.gpu
+def test_gpu_torch_kernel_registered_under_an_own_stub_is_foreign(tmp_path, gpu_ev) -> None:
+    """A kernel's origin is the file its module image came from, never its launching stub's."""
+    task, ws = gpu_ws(tmp_path / "control", BORROWED_STUB_MODEL.format(borrow={}), {"kernels/stub.cu": BORROWED_STUB_CU})
+    c = gpu_ev.compile(task, ws)
+    assert c.ok, c.errors
+    control = gpu_ev.evaluate(task, ws)
+    assert control.reward >= 1, control.summary()
+    kernels = records_from_counts(control.verify_result.audit.ops_seen)
+    assert kernels and all(k.origin.endswith("libkernels.so") for k in kernels), kernels  # the own stub: own
+
+    task, ws = gpu_ws(tmp_path / "borrowed", BORROWED_STUB_MODEL.format(borrow=torch_softmax_kernel()),
+                      {"kernels/stub.cu": BORROWED_STUB_CU})
+    v = gpu_ev.evaluate(task, ws)
+    assert_rejected(v, ErrorKind.AUDIT, "strict mode", "not your own", "libtorch_cuda.so", "softmax")
+    assert not any("own_scale_bias_gelu" in f for f in v.audit.forbidden_ops), v.audit.forbidden_ops

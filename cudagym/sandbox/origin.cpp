@@ -10,7 +10,11 @@
 //   - module and library loads (cuModuleLoad*, cuLibraryLoad*: cudart's lazy loading of every
 //     registered fatbin goes through them) map CUmodule / CUlibrary -> the file the image lies in
 //     ("<memory>" for an image in no file: NVRTC, Triton; the path for a file loaded by name);
-//   - runtime launches by host stub (cudaLaunchKernel*) are named by the stub's file; by handle
+//   - runtime launches by host stub (cudaLaunchKernel*) are named by the module of the function
+//     the stub launched, never by the stub's own file (a stub of the candidate's can be registered,
+//     with __cudaRegisterFunction, for a kernel of torch's fatbin): the function is the one the
+//     nested driver launch receives, else the runtime's cudaGetFuncBySymbol(stub) after the
+//     launch; its module's origin was learnt when the module or library was loaded. By handle
 //     (CUDA 13's __cudaLaunchKernel, a cudaKernel_t) through cuKernelGetLibrary;
 //   - driver launches (cuLaunchKernel*) through cuKernelGetLibrary (a CUkernel cast to a
 //     CUfunction) or cuFuncGetModule; a driver launch nested in a runtime one is the same launch;
@@ -22,7 +26,9 @@
 #include <cuda.h>
 #include <cupti.h>
 #include <dlfcn.h>
+#include <link.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -87,7 +93,7 @@ uint32_t origin_of_address(const void* p) {
 
 std::unordered_map<CUmodule, uint32_t> module_origin;
 std::unordered_map<CUlibrary, uint32_t> library_origin;
-std::unordered_map<const void*, uint32_t> stub_origin;
+std::unordered_map<const void*, bool> is_stub;  // launch argument -> lies in a mapped file (a host stub)
 
 struct NodeKernel {
   uint32_t name, origin, via;
@@ -122,7 +128,18 @@ std::atomic<uint64_t> probe_hits{0};
 thread_local bool probing = false;
 thread_local int in_runtime_launch = 0;  // a driver launch inside a runtime launch is the same launch
 thread_local int in_runtime_graph = 0;
-thread_local uint32_t runtime_origin = UINT32_MAX;  // the enclosing runtime launch's origin, to learn its module
+
+// An armed runtime launch by host stub, between its ENTER and EXIT on this thread: recorded at EXIT,
+// by the module of the function it launched (`f`: the nested driver launch's, if one was seen).
+struct StubLaunch {
+  bool active = false;
+  const void* stub = nullptr;
+  uint32_t name = 0;
+  uint64_t threads = 0;
+  CUfunction f = nullptr;
+  long timed_index = -1;  // its entry in `timed` (timing mode), keyed at EXIT
+};
+thread_local StubLaunch stub_launch;
 
 uint32_t V_LAUNCH, V_GRAPH, V_HOST;  // via ids, set at install
 
@@ -174,11 +191,6 @@ void learn_kernel(CUkernel k, uint32_t origin) {
   }
 }
 
-void learn_module(CUfunction f, uint32_t origin) {
-  CUmodule m = nullptr;
-  if (drv.funcGetModule && drv.funcGetModule(&m, f) == CUDA_SUCCESS && m) module_origin.emplace(m, origin);
-}
-
 uint32_t function_name(CUfunction f, const char* symbol) {
   if (symbol && symbol[0]) return intern(symbol);
   const char* n = nullptr;
@@ -192,14 +204,16 @@ void tally(uint32_t via, uint32_t name, uint32_t origin, uint64_t threads) {
   last_key = {via, name, origin};
 }
 
-// Timing mode: the start event of the launch just tallied (`last_key`), on its stream.
-void time_start(CUstream stream) {
-  if (!timing.load(std::memory_order_relaxed)) return;
+// Timing mode: the start event of the launch just tallied (`last_key`), on its stream. Returns its
+// index in `timed` (-1 if untimed), whose key a stub launch sets at its EXIT.
+long time_start(CUstream stream) {
+  if (!timing.load(std::memory_order_relaxed)) return -1;
   size_t pair = timed.size();
-  if (2 * pair + 1 >= event_pool.size()) return;  // more launches than events: left untimed
-  if (drv.eventRecord(event_pool[2 * pair], stream) != CUDA_SUCCESS) return;
+  if (2 * pair + 1 >= event_pool.size()) return -1;  // more launches than events: left untimed
+  if (drv.eventRecord(event_pool[2 * pair], stream) != CUDA_SUCCESS) return -1;
   timed.push_back({last_key, pair});
   pending_pair = static_cast<long>(pair);
+  return static_cast<long>(timed.size() - 1);
 }
 
 void time_end(CUstream stream) {
@@ -322,37 +336,110 @@ void taint(CUgraphExec exec) {
   execs[exec].kernels.assign(1, {intern("<graph changed after instantiation>"), unknown("graph"), V_GRAPH, 0});
 }
 
-// Runtime launch by host stub (or, since CUDA 12, by a cudaKernel_t handle).
-uint32_t stub_origin_of(const void* func) {
-  auto it = stub_origin.find(func);
-  if (it != stub_origin.end()) return it->second;
-  Dl_info info;
-  uint32_t origin;
-  uint32_t name;
-  if (func && dladdr(func, &info) && info.dli_fname && info.dli_fname[0]) {
-    origin = intern(info.dli_fname);
-  } else if (!kernel_info(reinterpret_cast<CUkernel>(const_cast<void*>(func)), &origin, &name)) {
-    origin = unknown("kernel");
-  }
-  stub_origin.emplace(func, origin);
-  return origin;
+bool is_unknown(uint32_t id) { return strings[id].rfind("<unknown", 0) == 0; }
+
+// The origin of a function a driver launch received: its library (a CUkernel cast to a
+// CUfunction) or its module, as learnt when they were loaded.
+uint32_t launched_function_origin(CUfunction f) {
+  uint32_t origin, name;
+  if (kernel_info(reinterpret_cast<CUkernel>(f), &origin, &name)) return origin;
+  return function_origin(f);
 }
 
-bool runtime_launch(const void* func, bool is_handle, const char* symbol, uint64_t threads) {
-  uint32_t origin, name;
-  if (is_handle) {
-    auto k = reinterpret_cast<CUkernel>(const_cast<void*>(func));
-    if (kernel_info(k, &origin, &name)) learn_kernel(k, origin);
-    else origin = name = unknown("kernel");
-  } else {
-    origin = stub_origin_of(func);
+// The runtime's function for a host stub: cudaGetFuncBySymbol of every CUDA runtime in the
+// process (called after the launch, outside the lock: the module is loaded by then). Runtimes are
+// found by their mapped files (`libcudart`); looked for again when none knows the stub.
+using GetFuncBySymbol = int (*)(void**, const void*);
+std::mutex cudart_mu;
+std::vector<GetFuncBySymbol> cudarts;
+
+int add_cudart(struct dl_phdr_info* info, size_t, void* out) {
+  if (!info->dlpi_name || !std::strstr(info->dlpi_name, "libcudart")) return 0;
+  void* h = dlopen(info->dlpi_name, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
+  if (!h) return 0;
+  auto fn = reinterpret_cast<GetFuncBySymbol>(dlsym(h, "cudaGetFuncBySymbol"));
+  auto* v = static_cast<std::vector<GetFuncBySymbol>*>(out);
+  if (fn && std::find(v->begin(), v->end(), fn) == v->end()) v->push_back(fn);
+  return 0;  // the handle stays open: the runtime is in use
+}
+
+CUfunction function_by_symbol(const void* stub) {
+  std::vector<GetFuncBySymbol> fns;
+  {
+    std::lock_guard<std::mutex> lock(cudart_mu);
+    fns = cudarts;
   }
-  if (symbol && symbol[0]) name = intern(symbol);
-  else if (!is_handle) name = intern("?");
-  runtime_origin = origin;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (GetFuncBySymbol fn : fns) {
+      void* f = nullptr;
+      if (fn(&f, stub) == 0 && f) return static_cast<CUfunction>(f);
+    }
+    if (pass == 0) {
+      std::vector<GetFuncBySymbol> found;
+      dl_iterate_phdr(add_cudart, &found);
+      std::lock_guard<std::mutex> lock(cudart_mu);
+      for (GetFuncBySymbol fn : found)
+        if (std::find(cudarts.begin(), cudarts.end(), fn) == cudarts.end()) cudarts.push_back(fn);
+      if (cudarts.size() == fns.size()) break;
+      fns = cudarts;
+    }
+  }
+  return nullptr;
+}
+
+// Whether a runtime launch's argument is a host stub (code in a mapped file) rather than a
+// cudaKernel_t handle (driver memory).
+bool stub_address(const void* func) {
+  auto it = is_stub.find(func);
+  if (it != is_stub.end()) return it->second;
+  Dl_info info;
+  bool stub = func && dladdr(func, &info) && info.dli_fname && info.dli_fname[0];
+  is_stub.emplace(func, stub);
+  return stub;
+}
+
+// Runtime launch (armed) by a cudaKernel_t handle (CUDA 13's __cudaLaunchKernel, or one passed to
+// cudaLaunchKernel*): recorded at once. By host stub: begun here, recorded at EXIT (`end_stub_launch`).
+// Returns whether a launch was recorded or begun (then timed in timing mode).
+bool runtime_launch(const void* func, bool is_handle, const char* symbol, uint64_t threads) {
   if (!armed.load(std::memory_order_relaxed)) return false;
+  uint32_t origin, name;
+  if (!is_handle && stub_address(func)) {
+    if (stub_launch.active) {  // a stub launch begun inside another's callbacks: not expected
+      tally(V_LAUNCH, intern(symbol && symbol[0] ? symbol : "?"), unknown("nested stub launch"), threads);
+      return true;
+    }
+    stub_launch = StubLaunch{true, func, intern(symbol && symbol[0] ? symbol : "?"), threads, nullptr, -1};
+    last_key = {V_LAUNCH, stub_launch.name, unknown("stub module")};
+    return true;
+  }
+  auto k = reinterpret_cast<CUkernel>(const_cast<void*>(func));
+  if (kernel_info(k, &origin, &name)) learn_kernel(k, origin);
+  else origin = name = unknown("kernel");
+  if (symbol && symbol[0]) name = intern(symbol);
   tally(V_LAUNCH, name, origin, threads);
   return true;
+}
+
+// EXIT of a runtime launch: a stub launch begun at ENTER is recorded under its function's module.
+// Called without the lock.
+void end_stub_launch() {
+  if (!stub_launch.active) return;
+  StubLaunch s = stub_launch;
+  stub_launch = StubLaunch{};
+  std::unique_lock<std::mutex> lock(mu);
+  uint32_t origin = s.f ? launched_function_origin(s.f) : unknown("stub module");
+  if (is_unknown(origin)) {
+    lock.unlock();
+    CUfunction f = function_by_symbol(s.stub);
+    lock.lock();
+    if (f) {
+      uint32_t o = launched_function_origin(f);
+      if (!is_unknown(o) || !s.f) origin = o;
+    }
+  }
+  tally(V_LAUNCH, s.name, origin, s.threads);
+  if (s.timed_index >= 0 && size_t(s.timed_index) < timed.size()) timed[s.timed_index].key = last_key;
 }
 
 // Disarmed (most launches of a worker's life): nothing is recorded, and the lock is not taken; a
@@ -413,14 +500,16 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
         const auto* p = static_cast<const cudaLaunchKernel_v7000_params*>(cb->functionParams);
         const bool pt = cbid == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_ptsz_v7000 ||
                         cbid == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchCooperativeKernel_ptsz_v9000;
-        if (!enter) { --in_runtime_launch; runtime_origin = UINT32_MAX; time_end(stream_of(p->stream, pt)); return; }
+        if (!enter) { --in_runtime_launch; time_end(stream_of(p->stream, pt)); end_stub_launch(); return; }
         ++in_runtime_launch;
         if (probing) { probe_hits.fetch_add(1); return; }
         if (disarmed(p->func, false)) return;
         std::lock_guard<std::mutex> lock(mu);
         if (runtime_launch(p->func, false, cb->symbolName,
-                           threads_of(p->gridDim.x, p->gridDim.y, p->gridDim.z, p->blockDim.x, p->blockDim.y, p->blockDim.z)))
-          time_start(stream_of(p->stream, pt));
+                           threads_of(p->gridDim.x, p->gridDim.y, p->gridDim.z, p->blockDim.x, p->blockDim.y, p->blockDim.z))) {
+          long i = time_start(stream_of(p->stream, pt));
+          if (stub_launch.active) stub_launch.timed_index = i;
+        }
         return;
       }
       case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060:
@@ -428,21 +517,28 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
         const auto* p = static_cast<const cudaLaunchKernelExC_v11060_params*>(cb->functionParams);
         const cudaLaunchConfig_t* c = p->config;
         const bool pt = cbid == CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_ptsz_v11060;
-        if (!enter) { --in_runtime_launch; runtime_origin = UINT32_MAX; time_end(stream_of(c ? c->stream : nullptr, pt)); return; }
+        if (!enter) {
+          --in_runtime_launch;
+          time_end(stream_of(c ? c->stream : nullptr, pt));
+          end_stub_launch();
+          return;
+        }
         ++in_runtime_launch;
         if (probing) { probe_hits.fetch_add(1); return; }
         if (disarmed(p->func, false)) return;
         std::lock_guard<std::mutex> lock(mu);
         if (runtime_launch(p->func, false, cb->symbolName,
-                           c ? threads_of(c->gridDim.x, c->gridDim.y, c->gridDim.z, c->blockDim.x, c->blockDim.y, c->blockDim.z) : 0))
-          time_start(stream_of(c ? c->stream : nullptr, pt));
+                           c ? threads_of(c->gridDim.x, c->gridDim.y, c->gridDim.z, c->blockDim.x, c->blockDim.y, c->blockDim.z) : 0)) {
+          long i = time_start(stream_of(c ? c->stream : nullptr, pt));
+          if (stub_launch.active) stub_launch.timed_index = i;
+        }
         return;
       }
       case CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_v13000:
       case CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_ptsz_v13000: {
         const auto* p = static_cast<const RtLaunchByHandle*>(cb->functionParams);
         const bool pt = cbid == CUPTI_RUNTIME_TRACE_CBID___cudaLaunchKernel_ptsz_v13000;
-        if (!enter) { --in_runtime_launch; runtime_origin = UINT32_MAX; time_end(stream_of(p->stream, pt)); return; }
+        if (!enter) { --in_runtime_launch; time_end(stream_of(p->stream, pt)); return; }
         ++in_runtime_launch;
         if (probing) { probe_hits.fetch_add(1); return; }
         if (disarmed(p->kernel, true)) return;
@@ -484,11 +580,8 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
     case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel:
     case CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz: {
       const auto* p = static_cast<const cuLaunchKernel_params*>(cb->functionParams);
-      if (in_runtime_launch) {  // the runtime launch already counted: learn its module's origin
-        if (enter && runtime_origin != UINT32_MAX) {
-          std::lock_guard<std::mutex> lock(mu);
-          learn_module(p->f, runtime_origin);
-        }
+      if (in_runtime_launch) {  // the runtime launch's own: the function a stub launch launched
+        if (enter && stub_launch.active && !stub_launch.f) stub_launch.f = p->f;
         return;
       }
       if (!enter) { time_end(p->hStream); return; }
@@ -505,10 +598,7 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
       const auto* p = static_cast<const cuLaunchKernelEx_params*>(cb->functionParams);
       const CUlaunchConfig* c = p->config;
       if (in_runtime_launch) {
-        if (enter && runtime_origin != UINT32_MAX) {
-          std::lock_guard<std::mutex> lock(mu);
-          learn_module(p->f, runtime_origin);
-        }
+        if (enter && stub_launch.active && !stub_launch.f) stub_launch.f = p->f;
         return;
       }
       if (!enter) { time_end(c ? c->hStream : nullptr); return; }

@@ -7,7 +7,9 @@ CUPTI's *callback* API for the launch entry points (runtime and driver, CUDA 13'
 armed, every kernel a call launches as (how, kernel name, origin file) with launches and threads
 (grid x block). The origin is the file the kernel's module image was loaded from (read from the
 image's address when the module or library is loaded), never the kernel's name, so a candidate
-cannot pass torch's kernel off as its own by naming its own kernel like it; a CUDA graph's
+cannot pass torch's kernel off as its own by naming its own kernel like it; nor the launching host
+stub's file: a launch by stub is named by the module of the function it launched, so a kernel of
+torch's fatbin registered under a stub of the candidate's library counts as torch's; a CUDA graph's
 kernel nodes are read when it is instantiated and recorded at each replay. Callbacks run on the
 host at launch, not on the device, so kernels run exactly as untraced (CUPTI's *activity*
 tracing, which the profiler uses, slowed some kernels 5-12%); the harness arms it in every call
@@ -27,9 +29,12 @@ undefined dynamic symbols of the candidate's built objects (`nm -D`): torch's co
 points reached below the dispatcher (`at::native::*`, `at::cpu::*`/`at::cuda::*` per-backend
 ops, `at::_ops::<compute op>`, TorchScript's runtime) are forbidden in strict mode; cuBLAS and
 cuDNN are allowed from the candidate's own C++ (DESIGN.md), and their kernels then count as
-allowed too. It cannot see what is resolved at run time (`dlsym`, ctypes from Python): on the GPU
-the kernel records still do, on the CPU the op counter does for anything that enters the
-dispatcher.
+allowed too. What is resolved at run time shows only as the lookup itself, so strict mode forbids
+run-time lookup (`dlsym`, `dlopen`, `dladdr`, `dl_iterate_phdr`, ...: a kernel library needs none),
+and RecordFunction's switches (the op counter would not see torch ops between a switch off and on
+within one call). Not seen: ctypes from Python into torch's libraries, and addresses found without a
+lookup import; on the GPU the kernel records still see their kernels, on the CPU the op counter sees
+anything that enters the dispatcher.
 """
 
 from __future__ import annotations
@@ -269,6 +274,21 @@ _PER_BACKEND = re.compile(r"^at::(cpu|cuda|meta|mps|compositeexplicitautograd|co
 _OPS = re.compile(r"^at::_ops::(\w+)::(call|redispatch)\(")
 _NATIVE = re.compile(r"^at::native::")
 _SCRIPT = re.compile(r"^torch::jit::")
+# Run-time symbol and library lookup: code found this way never shows among the imports (a mangled
+# name built at run time reaches at::cpu::gelu_ through dlsym). A kernel library needs none of it:
+# its launchers call their kernels, and the runtime it links finds the driver itself.
+_RUNTIME_LOOKUP = re.compile(r"^(dlsym|dlvsym|dlopen|dlmopen|dladdr|dladdr1|dlinfo|dl_iterate_phdr|_dl_find_object|"
+                             r"_r_debug|__libc_dlsym|__libc_dlvsym|__libc_dlopen_mode|"
+                             r"(c10|at)::DynamicLibrary::\w+)$")
+# What switches RecordFunction (the op counter's source) off and on, or removes or disables its
+# callbacks: torch ops run between such a switch and its reverse within one call are invisible to
+# the op counter, which checks its state only between calls. Annotations (RECORD_FUNCTION:
+# RecordFunction's constructor, before, end) stay allowed; a callback the candidate adds is the
+# harness's concern (it counts registrations: TAMPER).
+_RECORD_FUNCTION_SWITCH = re.compile(
+    r"^at::(enableRecordFunction|set_record_function_tls_|removeCallback|disableCallback|reenableCallback|"
+    r"clearCallbacks|clearGlobalCallbacks|clearThreadLocalCallbacks|ThreadLocalState::setThreadLocalState|"
+    r"RecordFunctionGuard::\w+|DisableRecordFunctionGuard::\w+)\b")
 # Libraries the candidate's own C++ may call (DESIGN.md), by symbol prefix and by the file name
 # their kernels' modules come from.
 ALLOWED_LIBRARIES = {"cublasLt": "libcublasLt", "cublas": "libcublas", "cudnn": "libcudnn"}
@@ -321,6 +341,12 @@ def undefined_symbols(path: Path) -> list[str]:
 
 def forbidden_import(symbol: str) -> str | None:
     """Why strict mode forbids the candidate's objects to import `symbol`; None if allowed."""
+    if _RUNTIME_LOOKUP.match(symbol.split("(")[0]):
+        return ("run-time symbol lookup, which reaches code (torch's below the dispatcher) that no import shows; "
+                "a kernel library has no need for it")
+    if _RECORD_FUNCTION_SWITCH.match(symbol):
+        return ("switches RecordFunction or its callbacks, which the op counter watches torch ops through; "
+                "a kernel library has no need for it")
     if _NATIVE.match(symbol):
         return "torch's native kernel, called below the dispatcher"
     if _SCRIPT.match(symbol):
