@@ -346,7 +346,7 @@ class Evaluator:
         t_built = time.perf_counter()
         imports = self._import_audit(built.artifact_dir, [])
         if self.config.mode == "strict" and imports.forbidden:
-            why = ("strict mode: your built code imports torch's compute below the dispatcher: "
+            why = ("strict mode: your built code imports what strict mode forbids (torch's compute below the dispatcher, run-time symbol lookup, RecordFunction's switches): "
                    + "; ".join(imports.reasons()))
             return VerifyResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
                                 audit=AuditResult(mode="strict", passed=False, reasons=[why],
@@ -424,7 +424,7 @@ class Evaluator:
         reasons: list[str] = []
         if self.config.mode == "strict" and imports.forbidden:
             forbidden += [s for s, _, _ in imports.forbidden]
-            reasons.append("strict mode: your built code imports torch's compute below the dispatcher: "
+            reasons.append("strict mode: your built code imports what strict mode forbids (torch's compute below the dispatcher, run-time symbol lookup, RecordFunction's switches): "
                            + "; ".join(imports.reasons()))
         if self._target != Target.CUDA:
             return forbidden, reasons, None
