@@ -660,5 +660,10 @@ def test_gpu_torch_kernel_registered_under_an_own_stub_is_foreign(tmp_path, gpu_
     task, ws = gpu_ws(tmp_path / "borrowed", BORROWED_STUB_MODEL.format(borrow=torch_softmax_kernel()),
                       {"kernels/stub.cu": BORROWED_STUB_CU})
     v = gpu_ev.evaluate(task, ws)
+    if v.error_kind == ErrorKind.EXCEPTION and "registration failed" in (v.error or ""):
+        # torch 2.11 / CUDA 13 on an H100 refused the borrowed fatbin's registration (error 500,
+        # 2026-11-26): the attack cannot be mounted there, and it gains nothing
+        assert v.reward < 0, v.summary()
+        return
     assert_rejected(v, ErrorKind.AUDIT, "strict mode", "not your own", "libtorch_cuda.so", "softmax")
     assert not any("own_scale_bias_gelu" in f for f in v.audit.forbidden_ops), v.audit.forbidden_ops

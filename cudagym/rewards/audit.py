@@ -96,7 +96,13 @@ def foreign_kernels(records: Iterable[Any], origins: Origins) -> list[str]:
 
 
 def own_time_share(records: Iterable[Any], origins: Origins) -> float:
-    """The candidate's own kernels' share of the GPU time of a measured call (permissive mode)."""
+    """The candidate's own kernels' share of the GPU time of a measured call (permissive mode).
+
+    Where the measured call's launches carry no GPU time (a launch path whose events the watcher
+    could not place; seen on an H100 for kernels launched through a host stub), the share is
+    taken in threads launched (grid x block, summed) instead: a coarser measure of work, but one
+    the candidate cannot shrink for torch's kernels without shrinking their work."""
+    records = list(records)
     total = mine = 0
     for r in records:
         if r.name == "<graph launch>":  # a graph's time: its nodes are recorded beside it, untimed
@@ -106,7 +112,11 @@ def own_time_share(records: Iterable[Any], origins: Origins) -> float:
         total += r.time_ns
         if origins.is_own(r.origin):
             mine += r.time_ns
-    return mine / total if total > 0 else 0.0
+    if total > 0:
+        return mine / total
+    threads = [(r.threads, origins.is_own(r.origin)) for r in records if r.name != "<graph launch>"]
+    total = sum(t for t, _ in threads)
+    return sum(t for t, own in threads if own) / total if total > 0 else 0.0
 
 
 def unmeasured_work(measured: Mapping[str, float], measured_calls: int, timed: Mapping[str, float],

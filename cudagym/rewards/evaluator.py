@@ -442,6 +442,8 @@ class Evaluator:
                                + "; ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else ""))
         elif final.get("share_kernels") is not None:
             share = own_time_share(records_from_counts(final["share_kernels"]), origins)
+            if not share:  # the measured call came back without timed records: the trials' launches, in threads
+                share = own_time_share(records, origins)
         return forbidden, reasons, share
 
     def _verify_result(self, o: JobOutcome, cmp: Comparison, artifact_dir: str | None = None) -> VerifyResult:

@@ -561,6 +561,10 @@ def prewarm_host() -> None:
     _OPWATCH_CHANGES.append(_OPWATCH[0]._lib.opwatch_state_changes)  # bound before any candidate code
     _OPWATCH_CALLBACKS.append(_OPWATCH[0]._lib.opwatch_callbacks_registered)
     use_native_close(_OPWATCH[0].cpu_close)  # the CPU timers' close: native code of the harness's own
+    try:  # filelock (inductor's and Triton's caches) adds an audit hook of its own when first imported
+        import filelock  # noqa: F401  (on Python >= 3.12): before the refusal, not at a candidate's compile
+    except ImportError:
+        pass
     if not _AUDITING:
         sys.addaudithook(_refuse_hooks)
         _AUDITING.append(True)
