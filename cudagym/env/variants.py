@@ -312,7 +312,8 @@ class VariantBook:
                     continue
                 shown = text if len(text) <= budget else text[:budget] + f"\n... ({len(text) - budget} more characters)"
                 budget -= len(shown)
-                lines.append(f"{name}:\n```\n{shown.rstrip()}\n```")
+                fence = "`" * max(3, longest_backtick_run(shown) + 1)  # the file cannot close it
+                lines.append(f"{name}:\n{fence}\n{shown.rstrip()}\n{fence}")
             parts.append("\n".join(lines))
         return "\n\n".join(parts)
 
@@ -367,3 +368,8 @@ def variant_from_result(task_id: str, episode: str, turn: int, measured: Measure
 def analysis_instruction() -> str:
     return ("Before each turn's tool call, write a performance analysis inside <analysis>...</analysis>: "
             "which variant so far was fastest and why, and what you will change next.")
+
+
+def longest_backtick_run(text: str) -> int:
+    """The longest run of backticks in `text` (a code fence around it must be longer)."""
+    return max((len(m) for m in re.findall(r"`+", text)), default=0)

@@ -762,11 +762,21 @@ class Evaluator:
     # -- the whole pipeline -----------------------------------------------------------------
     async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:
         """compile → verify → profile → milestone reward (what `submit` does)."""
+        before = workspace.source_digest()
         c = await self.acompile(task, workspace)
         if not c.ok:
             return milestone_verdict(c, None, None, self.config.reward)
         v = await self.averify(task, workspace)
+        # verify ran the candidate's code with its workspace writable: a solution that rewrote itself
+        # there would have its profile build and time other code than the code verified
+        if v.ok and workspace.source_digest() != before:
+            why = "the solution's code rewrote its own source files while it was verified"
+            v = v.model_copy(update={"ok": False, "error_kind": ErrorKind.TAMPER, "error": why,
+                                     "reasons": [*v.reasons, why]})
         p = await self.aprofile(task, workspace, measured=v) if v.ok else None
+        if p is not None and p.ok and workspace.source_digest() != before:
+            why = "the solution's code rewrote its own source files while it was profiled"
+            p = p.model_copy(update={"ok": False, "error_kind": ErrorKind.TAMPER, "error": why, "reasons": [why]})
         return milestone_verdict(c, v, p, self.config.reward)
 
     # -- sync forms ---------------------------------------------------------------------------

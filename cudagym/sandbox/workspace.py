@@ -14,6 +14,7 @@ Only `model_new.py` and files under `kernels/` are writable through this API.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -125,6 +126,25 @@ class Workspace:
             if p.is_file() and not rel.parts[0].startswith("."):
                 out.append(rel.as_posix())
         return out
+
+    SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".cc", ".c", ".h", ".hpp", ".inl")
+
+    def source_digest(self) -> str:
+        """A digest of the workspace's source files (code a build or `model_new.py` may read; build
+        scratch excluded): equal before and after a job unless the job rewrote the solution. Files
+        over 16 MiB count by size and mtime."""
+        h = hashlib.sha256()
+        for rel in self.list():
+            path = self.root / rel
+            if path.suffix not in self.SOURCE_SUFFIXES or path.is_symlink():
+                continue
+            st = path.stat()
+            h.update(f"{rel}\0{st.st_size}\0".encode())
+            if st.st_size <= 16 << 20:
+                h.update(hashlib.sha256(path.read_bytes()).digest())
+            else:
+                h.update(str(st.st_mtime_ns).encode())
+        return h.hexdigest()
 
     def kernel_sources(self) -> list[Path]:
         """Compilable sources under kernels/ (headers excluded), sorted."""
