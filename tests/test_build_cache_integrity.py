@@ -261,3 +261,109 @@ def test_an_inline_request_on_workspace_files_is_keyed_by_their_names(tmp_path: 
     (ws.root / "kernels" / "__pycache__").mkdir()
     (ws.root / "kernels" / "__pycache__" / "x.pyc").write_bytes(b"\0")
     assert keys() == first
+
+
+# -- files whose contents depend on the process that reads them (red team 2, A4 and A8) -------------
+
+VALUE = 'extern "C" float value() {{ return VALUE; }}\n'
+
+
+def value_of(result) -> float:
+    f = ctypes.CDLL(str(Path(result.artifact_dir) / "libkernels.so")).value
+    f.restype = ctypes.c_float
+    return f()
+
+
+def test_an_include_through_proc_self_cwd_is_a_compile_error_and_poisons_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiler reads /proc/self/cwd/... in its own working directory (the build's copy of the
+    # workspace); the evaluator would hash it in its own. Run from a directory holding the honest
+    # header, as the evaluator might be: once, the attacker's header went unrecorded there.
+    tc = Toolchain(tmp_path / "cache")
+    src = '#include "/proc/self/cwd/kernels/impl.h"\n' + VALUE.format()
+    honest_dir = make_ws(tmp_path / "evaluator_cwd", {"kernels/impl.h": "#define VALUE 1.0f\n"})
+    monkeypatch.chdir(honest_dir.root)
+    attacker = make_ws(tmp_path / "attacker", {"kernels/a.cpp": src, "kernels/impl.h": "#define VALUE -1.0f\n"})
+    res = tc.build(attacker, Target.CPU)
+    assert not res.ok
+    assert res.errors == ["kernels/a.cpp: error: '/proc/self/cwd/kernels/impl.h': kernels may not include files under "
+                          "/proc, /dev or /sys (what such a file holds depends on the process that reads it); include "
+                          "headers by a path relative to the source or to kernels/"]
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing stored
+    # a victim with the identical source and an honest header gets the same error, never the
+    # attacker's object; with a plain include it builds and computes its own value
+    victim = make_ws(tmp_path / "victim", {"kernels/a.cpp": src, "kernels/impl.h": "#define VALUE 1.0f\n"})
+    again = tc.build(victim, Target.CPU)
+    assert not again.ok and again.compiled == ["kernels/a.cpp"] and "/proc, /dev or /sys" in again.errors[0]
+    victim.write("kernels/a.cpp", '#include "impl.h"\n' + VALUE.format())
+    ok = tc.build(victim, Target.CPU)
+    assert ok.ok and value_of(ok) == 1.0
+
+
+def test_a_symlink_into_proc_and_a_missing_dependency_are_compile_errors(tmp_path: Path) -> None:
+    tc = Toolchain(tmp_path / "cache")
+    link = tmp_path / "elsewhere"
+    link.symlink_to("/proc/self/cwd")  # outside the workspace: an absolute include through it
+    ws = make_ws(tmp_path / "ws", {"kernels/a.cpp": f'#include "{link}/kernels/impl.h"\n' + VALUE.format(),
+                                   "kernels/impl.h": "#define VALUE 2.0f\n"})
+    res = tc.build(ws, Target.CPU)
+    assert not res.ok and "kernels may not include files under /proc, /dev or /sys" in res.errors[0], res.errors
+    # a dependency gone before it could be hashed (here: the depfile names a file that is not
+    # there) is never left out of the manifest silently
+    from cudagym.sandbox.deps import Roots, UnrecordedDependency, record
+
+    with pytest.raises(UnrecordedDependency, match="could not be recorded"):
+        record(["kernels/gone.h"], cwd=ws.root, workspace=ws.root, trusted=Roots(["/usr/include"]))
+    assert record([], cwd=ws.root, workspace=ws.root, trusted=Roots(()), assembler=["a.cpp"]) == {}  # as's .file
+
+
+def test_an_inline_module_including_through_proc_self_cwd_is_refused(tmp_path: Path) -> None:
+    # the trusted build job's real load_inline (no torch headers: fast); then the parent's store
+    from cudagym.sandbox.inline import InlineBuild, InlineCompileError, build_extension
+
+    ws = make_ws(tmp_path / "ws", {"model_new.py": "# load_inline\n", "kernels/impl.h": "#define VALUE -1.0f\n"})
+    cache = InlineBuildCache(tmp_path / "cache")
+    src = '#include "/proc/self/cwd/../ws/kernels/impl.h"\n' + VALUE.format()
+    build = InlineBuild("load_inline", {"name": "procext", "cpp_sources": [src], "is_python_module": False,
+                                        "no_implicit_headers": True, "extra_include_paths": ["kernels"]},
+                        "model_new.py:3", "p" * 64)
+    staging = cache.staging()
+    try:
+        build_extension(cache.job_request(build, ws.root, staging), staging / "build")  # it compiles
+        with pytest.raises(InlineCompileError, match=r"/proc/self/cwd/\.\./ws/kernels/impl\.h'.*under /proc"):
+            cache.store(build, staging, staging / "build", ws.root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    assert not cache.cached(build, ws.root)
+    assert not [p for p in cache.root.rglob("*") if p.is_file()]
+
+
+# -- one build's output is bounded, and so is what the grace period keeps (red team 2, A1) ---------
+
+
+def test_one_builds_objects_over_its_limit_fail_it_and_nothing_is_stored(tmp_path: Path) -> None:
+    tc = Toolchain(tmp_path / "cache", ToolchainConfig(max_build_output_mb=2, max_jobs=2))
+    files = {f"kernels/p{i}.cpp": f'extern "C" {{ char t{i}[700 << 10] = {{{i + 1}}}; }}\n' for i in range(4)}
+    res = tc.build(make_ws(tmp_path / "flood", files), Target.CPU)
+    assert not res.ok
+    assert res.errors[0].startswith("kernels: error: the build's output is over the limit of 2 MiB for one build "
+                                    "(ToolchainConfig.max_build_output_mb)"), res.errors
+    assert tc.bound.total_bytes() == 0
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    # objects within the limit whose library takes the build past it: nothing kept either
+    two = {k: v for k, v in files.items() if k[-5] in "01"}
+    res = tc.build(make_ws(tmp_path / "two", two), Target.CPU)
+    assert not res.ok and res.errors[0].startswith("link: error: the build's output is over the limit of 2 MiB"), res
+    assert tc.bound.total_bytes() == 0
+    ok = tc.build(make_ws(tmp_path / "ok", {"kernels/a.cpp": SCALED}), Target.CPU)
+    assert ok.ok
+
+
+def test_the_grace_period_keeps_the_cache_within_one_builds_output_of_its_bound(tmp_path: Path) -> None:
+    tc = Toolchain(tmp_path / "cache", ToolchainConfig(max_cache_mb=1, evict_grace_s=3600, max_build_output_mb=2))
+    for i in range(5):  # each ~1.2 MiB, all inside the grace period
+        res = tc.build(make_ws(tmp_path / f"ws{i}", sized(i)), Target.CPU)
+        assert res.ok
+        assert tc.bound.total_bytes() <= (1 + 2) << 20
+        assert ctypes.CDLL(str(Path(res.artifact_dir) / "libkernels.so")).get() == i + 1  # its own library kept
+    assert len(tc.bound.entries()) < 10

@@ -24,7 +24,12 @@ only if both its lexical and its resolved path lie under a trusted root (the com
 include directories, /usr/include, /usr/lib/gcc, torch's, Python's and CUDA's directories:
 nothing a candidate can write; the compiler identity and the torch version in the first key
 stand for them). A path is recorded as the compiler opened it: relative to the workspace when
-it lies in it (so identical files in another workspace match), absolute otherwise.
+it lies in it (so identical files in another workspace match), absolute otherwise. A file the
+compiler reported that the manifest cannot stand for fails the build (`UnrecordedDependency`):
+one under /proc, /dev or /sys, named so or reached through a symlink (`/proc/self/cwd` is the
+compiler's directory when the compiler reads it and the evaluator's when the evaluator hashes
+it), and one the evaluator cannot hash (missing, unreadable, not a regular file). Left out of
+the manifest, such a file would let a later build reuse the variant whatever the file holds.
 
 Not covered here, as in ccache's direct mode: a file whose mere existence changed the build
 without being read (`__has_include`, or a header created in an include directory searched before
@@ -149,24 +154,88 @@ def system_roots(compiler: str, *extra: str | None) -> Roots:
                          sysconfig.get_path("include", scheme="posix_prefix") or "", *(e or "" for e in extra)])
 
 
+PROCESS_DEPENDENT = ("/proc", "/dev", "/sys")  # what a path there holds depends on the process reading it
+
+
+class UnrecordedDependency(ValueError):
+    """A file the compiler read that a manifest cannot stand for: under /proc, /dev or /sys (its
+    contents depend on which process reads it: `/proc/self/cwd` is the compiler's directory for the
+    compiler and the evaluator's for the evaluator), or one the evaluator cannot hash (missing,
+    unreadable, not a regular file). `problems` are readable lines, one per file; the build must
+    fail (a variant without that file in its manifest would be reused whatever the file holds)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def process_dependent(path: str) -> str | None:
+    """The first path under /proc, /dev or /sys that `path` (absolute) names, lexically or on the
+    way the kernel resolves it (a symlink such as /etc/mtab -> ../proc/self/mounts), or None."""
+    if _under(os.path.normpath(path), PROCESS_DEPENDENT):
+        return os.path.normpath(path)
+    pending = [p for p in path.split("/") if p]
+    cur, hops = "/", 0
+    while pending:
+        part = pending.pop(0)
+        if part == ".":
+            continue
+        nxt = os.path.dirname(cur) if part == ".." else os.path.join(cur, part)
+        if _under(nxt, PROCESS_DEPENDENT):
+            return nxt
+        if part != "..":
+            try:
+                link = os.readlink(nxt)
+            except OSError:  # not a symlink, or missing: taken as written
+                link = None
+            if link is not None:
+                hops += 1
+                if hops > 40:  # a symlink loop: the compiler could not have opened it either
+                    return None
+                pending[:0] = [p for p in link.split("/") if p]
+                if link.startswith("/"):
+                    cur = "/"
+                continue
+        cur = nxt
+    return None
+
+
 def record(deps: Iterable[str], *, cwd: Path, workspace: Path, trusted: Roots,
-           exclude: Roots | None = None) -> dict[str, str]:
+           exclude: Roots | None = None, assembler: Iterable[str] = ()) -> dict[str, str]:
     """The manifest of a build that just ran: {path: sha256} of its untrusted dependencies.
 
-    `deps` are paths as the compiler reported them, relative to `cwd` (where it ran);
-    files under `exclude` (the build's own scratch: generated sources, temporaries) are left
-    out, and so are paths that no longer exist: the preprocessor and the assembler fail on a
-    file they cannot read, so such a name was never read (GNU as also lists the `.file` name
-    and its own temporary input). Nothing writes the workspace while the compile tool runs.
+    `deps` are paths as the compiler (the preprocessor) reported them, relative to `cwd` (where
+    it ran); `assembler` what GNU as reported (`--MD`). Files under `exclude` (the build's own
+    scratch: generated sources, temporaries) are left out. A file under /proc, /dev or /sys, or
+    one that cannot be hashed here, raises `UnrecordedDependency` (never silently left out: the
+    variant would then be reused whatever that file holds for the next build). The only names
+    skipped for being missing are the assembler's: GNU as lists the `.file` names, which it
+    never opens, and fails on an `.incbin` or `.include` it cannot read. Nothing writes the
+    build's copy of the workspace while the compiler runs.
     """
     ws = str(workspace)
     out: dict[str, str] = {}
-    for dep in deps:
+    problems: list[str] = []
+    tolerant = set(assembler)
+    for dep in [*deps, *assembler]:
         path = os.path.join(str(cwd), dep)
-        if trusted.contains(path) or (exclude is not None and exclude.contains(path)):
+        if trusted.contains(path):
+            continue
+        where = process_dependent(path)
+        if where is not None:
+            problems.append(f"'{dep}': kernels may not include files under /proc, /dev or /sys (what such a "
+                            f"file holds depends on the process that reads it); include headers by a path "
+                            f"relative to the source or to kernels/")
+            continue
+        if exclude is not None and exclude.contains(path):
             continue
         digest = file_digest(path)
         if digest is None:
+            if dep in tolerant and not os.path.lexists(path):
+                continue
+            problems.append(f"'{dep}': a file the compiler read could not be recorded in the build cache's "
+                            f"manifest (missing, unreadable or not a regular file where the evaluator looks "
+                            f"for it); include only regular files of kernels/ and system headers")
             continue
         # The lexical form where it names the same file; else the path exactly as opened (a
         # symlink followed by '..' resolves elsewhere than the text suggests).
@@ -175,6 +244,8 @@ def record(deps: Iterable[str], *, cwd: Path, workspace: Path, trusted: Roots,
         if _under(name, [ws]) and name != ws:
             name = name[len(ws) + 1 :]
         out[name] = digest
+    if problems:
+        raise UnrecordedDependency(list(dict.fromkeys(problems)))
     return dict(sorted(out.items()))
 
 
@@ -242,11 +313,17 @@ class VariantStore:
             pass
         return found
 
-    def store(self, key: str, manifest: dict[str, str], fill: Callable[[Path], None]) -> Path:
+    @staticmethod
+    def variant_name(manifest: dict[str, str]) -> str:
+        return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+
+    def store(self, key: str, manifest: dict[str, str], fill: Callable[[Path], None],
+              created: list[Path] | None = None) -> Path:
         """Write a variant of `key`: `fill(dir)` puts the output files into a fresh directory,
         which is renamed into place with its manifest. If that variant exists already (built
-        concurrently from the same files), it is kept and this one discarded."""
-        variant = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+        concurrently from the same files), it is kept and this one discarded. `created` gets the
+        variant when this call put it in place."""
+        variant = self.variant_name(manifest)
         final = self.root / key / variant
         if final.is_dir():
             if outputs_intact(final):
@@ -266,6 +343,8 @@ class VariantStore:
             seal_outputs(tmp)
             final.parent.mkdir(exist_ok=True)
             os.rename(tmp, final)  # fails when `final` exists: never replaces a variant
+            if created is not None:
+                created.append(final)
         except OSError:
             if not final.is_dir():
                 raise

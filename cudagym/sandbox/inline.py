@@ -58,11 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cudagym.sandbox.deps import Roots, VariantStore, parse_depfile, record, system_roots
+from cudagym.sandbox.deps import Roots, UnrecordedDependency, VariantStore, parse_depfile, record, system_roots
 from cudagym.sandbox.toolchain import (CacheBound, copy_sources, parse_diagnostics, relativize, source_listing,
                                        trim_log)
 
-INLINE_FORMAT = "cudagym-inline-v3"
+INLINE_FORMAT = "cudagym-inline-v4"
 INLINE_DIR = "inline"  # under the build cache
 META_FILE = "meta.json"
 MAX_ERROR_LINES = 40
@@ -610,9 +610,10 @@ class InlineBuildCache:
     build job gets; `store` files the built library with its dependency manifest. Thread-safe.
     """
 
-    def __init__(self, cache_dir: Path, bound: CacheBound | None = None):
+    def __init__(self, cache_dir: Path, bound: CacheBound | None = None, max_output_bytes: int = 256 << 20):
         self.root = Path(cache_dir).resolve() / INLINE_DIR
         self.bound = bound  # the build cache's size bound, enforced after each store
+        self.max_output_bytes = max_output_bytes  # of one module stored (ToolchainConfig.max_build_output_mb)
         self._variants = VariantStore(self.root)
         self._identity: dict[bool, str] = {}
         self._roots: tuple[Roots, Roots] | None = None
@@ -676,15 +677,28 @@ class InlineBuildCache:
         lib = build_dir / f"{build.name}{cpp.LIB_EXT}"
         if not lib.is_file():
             raise InlineCompileError(f"{build.kind} module '{build.name}' ({build.site}): the build left no {lib.name}")
-        deps = [d for f in sorted([*build_dir.glob("*.d"), *build_dir.glob("*.asd")])
-                for d in parse_depfile(f.read_text(errors="replace"))]
+        what = f"{build.kind} module '{build.name}' ({build.site})"
+        size = lib.stat().st_size
+        if size > self.max_output_bytes:
+            raise InlineCompileError(f"{what} failed to compile:\nits library holds {size >> 20} MiB, over the limit of "
+                                     f"{self.max_output_bytes >> 20} MiB for one build; a large initialized array or "
+                                     f"table belongs in memory allocated at run time")
+
+        def listed(pattern: str) -> list[str]:
+            return [d for f in sorted(build_dir.glob(pattern)) for d in parse_depfile(f.read_text(errors="replace"))]
+
         copy = staging / SOURCE_COPY
-        if copy.is_dir():  # the build read the copy: recorded relative to it, as the workspace's files
-            manifest = record(deps, cwd=build_dir, workspace=copy, trusted=self.trusted_roots()[0],
-                              exclude=Roots([str(build_dir), str(staging / "tmp")]))
-        else:
-            manifest = record(deps, cwd=build_dir, workspace=workspace, trusted=self.trusted_roots()[0],
-                              exclude=Roots([str(staging)]))
+        try:
+            if copy.is_dir():  # the build read the copy: recorded relative to it, as the workspace's files
+                manifest = record(listed("*.d"), cwd=build_dir, workspace=copy, trusted=self.trusted_roots()[0],
+                                  exclude=Roots([str(build_dir), str(staging / "tmp")]), assembler=listed("*.asd"))
+            else:
+                manifest = record(listed("*.d"), cwd=build_dir, workspace=workspace, trusted=self.trusted_roots()[0],
+                                  exclude=Roots([str(staging)]), assembler=listed("*.asd"))
+        except UnrecordedDependency as e:  # nothing is stored
+            repl = {str(copy) + "/": "", str(build_dir) + "/": "", str(workspace) + "/": ""}
+            raise InlineCompileError(f"{what} failed to compile:\n" + "\n".join(
+                f"error: {relativize(p, repl)}" for p in e.problems)) from None
         meta = {"name": build.name, "file": lib.name, "python_module": bool(build.args.get("is_python_module", True))}
 
         def fill(d: Path) -> None:

@@ -55,9 +55,14 @@ identity and torch's version).
 
 Bounded: every file a compiler or the linker writes (object, library, temporaries) is limited
 to `max_output_mb` (RLIMIT_FSIZE, through `prlimit`), and a build that hits it fails with an
-error that says so; the whole cache (objects, artifacts and `load_inline` modules) is kept
-under `max_cache_mb` by evicting the least recently used entries (`CacheBound`), sparing those
-used in the last `evict_grace_s` (a job may be loading them). Entries are immutable: written
+error that says so; what one build adds to the cache (its new objects and its library) is
+limited to `max_build_output_mb`: objects are stored only once every compile of the build is
+done and their sum is within it (compiles not yet started are skipped once it is passed), and
+a library that takes the sum past it is not stored, nor are the objects this build stored; the
+whole cache (objects, artifacts and `load_inline` modules) is kept under `max_cache_mb` by
+evicting the least recently used entries (`CacheBound`), sparing those used in the last
+`evict_grace_s` (a job may be loading them) only while that keeps the cache within
+`max_cache_mb + max_build_output_mb`. Entries are immutable: written
 under a temporary name and renamed into place, files read-only, the digests of their outputs
 recorded and checked when they are used.
 
@@ -89,13 +94,13 @@ from pydantic import BaseModel, Field
 
 from cudagym.errors import ToolchainError
 from cudagym.rewards.verdict import CompileResult
-from cudagym.sandbox.deps import (Roots, VariantStore, outputs_intact, parse_depfile, record, seal_outputs,
-                                  system_roots)
+from cudagym.sandbox.deps import (Roots, UnrecordedDependency, VariantStore, outputs_intact, parse_depfile,
+                                  record, seal_outputs, system_roots)
 from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target
 
-CACHE_FORMAT = "cudagym-build-v3"  # bump to invalidate every cached object and artifact
+CACHE_FORMAT = "cudagym-build-v4"  # bump to invalidate every cached object and artifact
 BINDING_SUFFIX = "_binding.cpp"
 MAX_LOG_LINES = 200
 
@@ -114,10 +119,11 @@ class ToolchainConfig(BaseModel):
     cxx_std: str = "c++17"
     isolate_network: bool = True  # run compilers under `unshare --net` where it works
     max_output_mb: int = Field(default=256, ge=1)  # per file a compiler or the linker writes
+    max_build_output_mb: int = Field(default=256, ge=1)  # one build's new objects + library, all together
     max_source_mb: int = Field(default=64, ge=1)  # kernels/ as copied for one build, all files
     max_source_files: int = Field(default=1024, ge=1)
     max_cache_mb: int = Field(default=8192, ge=1)  # objects + artifacts + inline modules; LRU past it
-    evict_grace_s: float = Field(default=300.0, ge=0)  # entries used this recently are kept
+    evict_grace_s: float = Field(default=300.0, ge=0)  # entries used this recently are kept (see CacheBound)
 
 
 # -- diagnostics -----------------------------------------------------------------------------
@@ -350,16 +356,21 @@ class CacheBound:
     """Keeps a build cache's entries (objects/<key>/<variant>, artifacts/<key>,
     inline/<key>/<variant>) under `max_bytes` by evicting the least recently used (an entry's
     directory mtime, set when it is stored or used: `touch`). Entries used in the last `grace_s`
-    are kept, so the cache may exceed the bound by what was written in that time. A scan of the
-    cache is skipped while this process's running total (the last scan plus what it stored since,
+    are kept while that leaves the cache within `max_bytes + slack_bytes` (`slack_bytes`: what
+    one build may add); past that the least recently used go whatever their age, except those
+    `enforce(keep=...)` names (the build's own library). So the grace period can keep the cache
+    over its bound by at most `slack_bytes` plus what `keep` holds. A scan of the cache is skipped
+    while this process's running total (the last scan plus what it stored since,
     `enforce(added)`) is under the bound, for at most `rescan_s` (other processes store too)."""
 
     LAYOUT = (("objects", 2), ("artifacts", 1), ("inline", 2))  # (subdirectory, depth of an entry)
 
-    def __init__(self, root: Path, max_bytes: int, grace_s: float, rescan_s: float = 60.0):
+    def __init__(self, root: Path, max_bytes: int, grace_s: float, rescan_s: float = 60.0,
+                 slack_bytes: int = 256 << 20):
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.grace_s = grace_s
+        self.slack_bytes = slack_bytes
         self.rescan_s = rescan_s
         self._lock = threading.Lock()
         self._total: int | None = None  # bytes at the last scan, plus what was stored since
@@ -395,9 +406,10 @@ class CacheBound:
         return sum(f.stat().st_size for e in entries if e is not None and e.is_dir() for f in e.rglob("*")
                    if f.is_file())
 
-    def enforce(self, added: int | None = None) -> list[Path]:
+    def enforce(self, added: int | None = None, keep: tuple[Path | None, ...] = ()) -> list[Path]:
         """Evict least recently used entries until the cache is under its bound; the evicted.
-        `added`: the bytes this process just stored, when known (see the class docstring)."""
+        `added`: the bytes this process just stored, when known; `keep`: entries never evicted
+        now (see the class docstring)."""
         with self._lock:
             now = time.time()
             if (added is not None and self._total is not None and self._total + added <= self.max_bytes
@@ -406,20 +418,24 @@ class CacheBound:
                 return []
             entries = sorted(self.entries(), key=lambda e: e[0])
             total = sum(size for _, size, _ in entries)
+            kept = {Path(k) for k in keep if k is not None}
             evicted: list[Path] = []
-            for used, size, path in entries:
-                if total <= self.max_bytes:
-                    break
-                if now - used < self.grace_s:
-                    continue
-                _remove_tree(path)
-                evicted.append(path)
-                total -= size
-                if path.parent.name not in ("objects", "artifacts", "inline"):
-                    try:
-                        path.parent.rmdir()  # a key left without variants
-                    except OSError:
-                        pass
+            # first past entries out of their grace period; then, while the cache is over its
+            # bound by more than one build's output, the graced ones too
+            for limit, graced in ((self.max_bytes, False), (self.max_bytes + self.slack_bytes, True)):
+                for used, size, path in entries:
+                    if total <= limit:
+                        break
+                    if path in kept or path in evicted or (not graced and now - used < self.grace_s):
+                        continue
+                    _remove_tree(path)
+                    evicted.append(path)
+                    total -= size
+                    if path.parent.name not in ("objects", "artifacts", "inline"):
+                        try:
+                            path.parent.rmdir()  # a key left without variants
+                        except OSError:
+                            pass
             self._total, self._scanned = total, now
             return evicted
 
@@ -445,6 +461,23 @@ def _remove_tree(path: Path) -> None:
 
 
 # -- the toolchain ---------------------------------------------------------------------------
+
+
+class _OutputBudget:
+    """What one build's new objects hold, against `max_build_output_mb` (thread-safe)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.over = False
+        self._lock = threading.Lock()
+
+    def add(self, size: int) -> bool:
+        """Count an object of `size` bytes; False once the build is over its limit."""
+        with self._lock:
+            self.used += size
+            self.over = self.over or self.used > self.limit
+            return not self.over
 
 
 OBJECT_FILE = "object.o"  # the output of a variant under objects/<key>/
@@ -508,7 +541,8 @@ class Toolchain:
         self._arch: str | None = None
         self._roots: dict[bool, Roots] = {}
         self._objects = VariantStore(self.cache_dir / "objects")
-        self.bound = CacheBound(self.cache_dir, self.config.max_cache_mb << 20, self.config.evict_grace_s)
+        self.bound = CacheBound(self.cache_dir, self.config.max_cache_mb << 20, self.config.evict_grace_s,
+                                slack_bytes=self.config.max_build_output_mb << 20)
 
     # -- public ------------------------------------------------------------------------------
     def build(self, workspace: Workspace, target: Target) -> CompileResult:
@@ -526,13 +560,14 @@ class Toolchain:
                 return CompileResult(ok=False, seconds=time.perf_counter() - start, errors=[copy.error], log=copy.error)
             stored: list[Path] = []
             result = self._build(Workspace(copy.root), target, copy, start, stored)
+            artifact = Path(result.artifact_dir) if result.artifact_dir else None
         finally:
             shutil.rmtree(copy.root, ignore_errors=True)
         if copy.left_out:
             note = "not copied for the build (a build reads only regular source files): " + ", ".join(copy.left_out[:20])
             result = result.model_copy(update={"log": "\n".join(x for x in (note, result.log) if x)})
         if stored:
-            self.bound.enforce(CacheBound.size_of(*stored))
+            self.bound.enforce(CacheBound.size_of(*stored), keep=(artifact,))
         return result
 
     def _build(self, workspace: Workspace, target: Target, copy: SourceCopy, start: float,
@@ -556,21 +591,41 @@ class Toolchain:
         reused = [c.rel for c in plan.compiles if c not in pending]
         logs: dict[str, str] = {}
         errors: list[str] = []
+        budget = _OutputBudget(self.config.max_build_output_mb << 20)
+        created: list[Path] = []  # objects this build put in the cache
         if pending:
             with ThreadPoolExecutor(max_workers=max(1, self.config.max_jobs)) as pool:
-                runs = list(pool.map(lambda c: self._compile(c, plan, workspace, env), pending))
-            for c, (ok, log, errs) in zip(pending, runs, strict=True):
-                if log:
-                    logs[c.rel] = log
-                errors.extend(errs)
+                runs = list(pool.map(lambda c: self._compile(c, plan, workspace, env, budget), pending))
+            try:
+                for c, (ok, log, errs, built) in zip(pending, runs, strict=True):
+                    if log:
+                        logs[c.rel] = log
+                    errors.extend(errs)
+                if budget.over:  # nothing of this build is stored
+                    errors.insert(0, f"kernels: error: {self._build_limit_message(budget.used)}")
+                else:
+                    for c, (_, _, _, built) in zip(pending, runs, strict=True):
+                        if built is not None:
+                            obj, manifest = built
+                            c.variant = self._objects.store(c.key, manifest,
+                                                            lambda d, obj=obj: os.replace(obj, d / OBJECT_FILE),
+                                                            created=created)
+            finally:
+                for _, _, _, built in runs:
+                    if built is not None:
+                        shutil.rmtree(built[0].parent, ignore_errors=True)
         compiled = [c.rel for c in pending]
-        stored.extend(c.variant for c in pending if c.variant is not None)
+        stored.extend(created)
         log = "\n".join(logs[r] for r in sorted(logs))
         if errors:
             return CompileResult(ok=False, seconds=time.perf_counter() - start, compiled=compiled,
                                  reused=reused, errors=errors[: self.config.max_error_lines], log=log)
 
-        artifact, linked, link_log, link_errors = self._link(plan, workspace, env)
+        artifact, linked, link_log, link_errors = self._link(plan, workspace, env, budget.used)
+        if any("max_build_output_mb" in e or "max_output_mb" in e for e in link_errors):
+            for entry in created:  # its output over a limit: nothing of the build stays
+                _remove_tree(entry)
+                stored.remove(entry)
         if linked and artifact is not None:
             stored.append(artifact)
         log = "\n".join(x for x in (log, link_log) if x)
@@ -678,10 +733,16 @@ class Toolchain:
         return inc, defs, torch.__version__
 
     # -- compiling and linking ---------------------------------------------------------------
-    def _compile(self, c: _Compile, plan: _Plan, ws: Workspace, env: dict[str, str]) -> tuple[bool, str, list[str]]:
-        """Compile `c` into a scratch directory, then store it as a variant with its manifest."""
+    def _compile(self, c: _Compile, plan: _Plan, ws: Workspace, env: dict[str, str],
+                 budget: _OutputBudget) -> tuple[bool, str, list[str], tuple[Path, dict[str, str]] | None]:
+        """Compile `c` into a scratch directory; (ok, log, errors, (object, manifest) to store).
+        The caller stores the object and removes its scratch directory. Not started once the
+        build's outputs are over `budget`."""
+        if budget.over:
+            return False, "", [], None
         scratch = self.cache_dir / "objects" / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         scratch.mkdir(parents=True)
+        keep = False
         try:
             obj = scratch / OBJECT_FILE
             run = _run(self._wrap([*c.argv, *self._dependency_flags(c, scratch), "-c", c.rel, "-o", str(obj)]),
@@ -690,19 +751,30 @@ class Toolchain:
             repl[str(obj)] = f"{c.rel}.o"
             out = relativize(run.output, repl)
             if run.timed_out:
-                return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"]
+                return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"], None
             if run.returncode != 0 or not obj.is_file():
                 if _over_output_limit(run):
-                    return False, trim_log(out), [f"{c.rel}: error: {self._output_limit_message()}"]
+                    return False, trim_log(out), [f"{c.rel}: error: {self._output_limit_message()}"], None
                 errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error(c.rel, out, run)
-                return False, trim_log(out), errs
-            deps = [d for f in scratch.glob("*.d") for d in parse_depfile(f.read_text(errors="replace"))]
-            manifest = record(deps, cwd=ws.root, workspace=ws.root, trusted=plan.trusted,
-                              exclude=Roots([str(scratch)]))
-            c.variant = self._objects.store(c.key, manifest, lambda d: os.replace(obj, d / OBJECT_FILE))
-            return True, trim_log(out), []
+                return False, trim_log(out), errs, None
+            if not budget.add(obj.stat().st_size):
+                return False, trim_log(out), [], None  # the build fails for its total (see `_build`)
+
+            def listed(name: str) -> list[str]:
+                f = scratch / name
+                return parse_depfile(f.read_text(errors="replace")) if f.is_file() else []
+
+            try:
+                manifest = record(listed("cpp.d"), cwd=ws.root, workspace=ws.root, trusted=plan.trusted,
+                                  exclude=Roots([str(scratch), str(ws.build_dir / "tmp")]), assembler=listed("as.d"))
+            except UnrecordedDependency as e:
+                return False, trim_log(out), [f"{c.rel}: error: {relativize(p, self._replacements(ws))}"
+                                              for p in e.problems], None
+            keep = True
+            return True, trim_log(out), [], (obj, manifest)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     def _dependency_flags(self, c: _Compile, scratch: Path) -> list[str]:
         """Write every file the compile reads into `scratch/*.d`: the preprocessor's `-MD` list (not
@@ -715,8 +787,11 @@ class Toolchain:
                 else [f"-Wa,{as_deps}"]
         return flags
 
-    def _link(self, plan: _Plan, ws: Workspace, env: dict[str, str]) -> tuple[Path | None, bool, str, list[str]]:
-        """Link the plan's objects into `artifacts/<key>/`; returns (dir, linked now, log, errors)."""
+    def _link(self, plan: _Plan, ws: Workspace, env: dict[str, str],
+              new_bytes: int = 0) -> tuple[Path | None, bool, str, list[str]]:
+        """Link the plan's objects into `artifacts/<key>/`; returns (dir, linked now, log, errors).
+        `new_bytes`: what this build's new objects hold (with the library, within
+        `max_build_output_mb`)."""
         key = _sha256(CACHE_FORMAT, self._identity(self.config.cxx, native=True), "\0".join(plan.link_argv),
                       "\0".join(plan.link_libs), plan.output_name, *(c.object_key for c in plan.compiles))
         final = self.cache_dir / "artifacts" / key
@@ -742,6 +817,10 @@ class Toolchain:
                 return None, True, trim_log(out), [f"link: error: {self._output_limit_message()}"]
             errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error("link", out, run)
             return None, True, trim_log(out), errs
+        total = new_bytes + CacheBound.size_of(staging)
+        if total > self.config.max_build_output_mb << 20:
+            shutil.rmtree(staging, ignore_errors=True)
+            return None, True, trim_log(out), [f"link: error: {self._build_limit_message(total)}"]
         seal_outputs(staging)
         try:
             os.rename(staging, final)
@@ -766,6 +845,12 @@ class Toolchain:
         return (f"the build's output is over the limit of {self.config.max_output_mb} MiB per file "
                 f"(ToolchainConfig.max_output_mb); a large initialized array or table belongs in memory "
                 f"allocated at run time")
+
+    def _build_limit_message(self, total: int) -> str:
+        return (f"the build's output is over the limit of {self.config.max_build_output_mb} MiB for one build "
+                f"(ToolchainConfig.max_build_output_mb): its objects and library hold {total / (1 << 20):.0f} MiB "
+                f"or more; nothing of it is kept. A large initialized array or table belongs in memory allocated "
+                f"at run time")
 
     def _network_isolation(self) -> bool:
         if not self.config.isolate_network:
