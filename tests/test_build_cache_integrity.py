@@ -317,9 +317,17 @@ def test_a_symlink_into_proc_and_a_missing_dependency_are_compile_errors(tmp_pat
     assert record([], cwd=ws.root, workspace=ws.root, trusted=Roots(()), assembler=["a.cpp"]) == {}  # as's .file
 
 
-def test_an_inline_module_including_through_proc_self_cwd_is_refused(tmp_path: Path) -> None:
+def test_an_inline_module_including_through_proc_self_cwd_is_refused(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # the trusted build job's real load_inline (no torch headers: fast); then the parent's store
+    import torch.utils.cpp_extension as cpp
+
     from cudagym.sandbox.inline import InlineBuild, InlineCompileError, build_extension
+
+    for attr in ("_write_ninja_file", "_import_module_from_library"):  # build_extension replaces them: restored
+        monkeypatch.setattr(cpp, attr, getattr(cpp, attr))
+    for var in ("CC", "CXX", "PYTORCH_NVCC", "TORCH_EXTENSION_SKIP_NVCC_GEN_DEPENDENCIES"):
+        monkeypatch.delenv(var, raising=False)
 
     ws = make_ws(tmp_path / "ws", {"model_new.py": "# load_inline\n", "kernels/impl.h": "#define VALUE -1.0f\n"})
     cache = InlineBuildCache(tmp_path / "cache")
