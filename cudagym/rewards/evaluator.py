@@ -217,7 +217,8 @@ class Evaluator:
         cache = Path(self.config.cache_dir)
         cache.mkdir(parents=True, exist_ok=True)
         self.toolchain = Toolchain(cache / "build", self.config.toolchain)
-        self.inline_cache = InlineBuildCache(cache / "build", self.toolchain.bound)
+        self.inline_cache = InlineBuildCache(cache / "build", self.toolchain.bound,
+                                            self.toolchain.config.max_build_output_mb << 20)
         if sandbox is None and self.config.sandbox == "docker":
             from cudagym.sandbox.docker import DockerSandbox
 
