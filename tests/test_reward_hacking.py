@@ -658,7 +658,8 @@ def test_12_native_thread_finishes_after_return(evaluator: Evaluator, build_ws) 
     return out
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra="_keep = []"), kernels))
-    assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.MISMATCH})
+    # or CRASH: the thread may write an output the harness has already sent and freed
+    assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.MISMATCH, ErrorKind.CRASH})
 
 
 @pytest.mark.both_backends

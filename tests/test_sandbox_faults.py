@@ -196,8 +196,11 @@ status = dict(line.split(":", 1) for line in open("/proc/self/status").read().sp
 res["status"] = {k: status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")}
 res["threads"] = {}
 for tid in os.listdir("/proc/self/task"):
-    st = open(f"/proc/self/task/{tid}/status").read()
-    res["threads"][tid] = [st.split("CapEff:")[1].split()[0], os.sched_getscheduler(int(tid))]
+    try:  # a thread may exit between the listing and the reads (the joined one, under load)
+        st = open(f"/proc/self/task/{tid}/status").read()
+        res["threads"][tid] = [st.split("CapEff:")[1].split()[0], os.sched_getscheduler(int(tid))]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
 RESULT = json.dumps(res)
 """
 
