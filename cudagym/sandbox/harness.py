@@ -124,12 +124,21 @@ _DISPATCH: dict[str, tuple[str, ...]] = {}  # `dispatch_table()` before any cand
 # writes the interpreter's thread state directly bypasses this (`timing.foreign_hooks` then sees
 # a Python-level one; a C-level one is left: see docs/protection.md).
 _HOOK_ATTEMPTS: list[str] = []
+# torch's C++ functions looked up by name through ctypes (the same audit hook sees `ctypes.dlsym`):
+# a call into ATen below the dispatcher, which neither the import audit (no import) nor the op
+# counter (no dispatcher) sees; nothing honest looks up torch's mangled C++ names from Python
+_TORCH_LOOKUPS: list[str] = []
+_TORCH_MANGLED = ("_ZN2at", "_ZNK2at", "_ZN3c10", "_ZNK3c10", "_ZN5torch", "_ZNK5torch")
 
 
 def _refuse_hooks(event: str, args: tuple, _seen: list[str] = _HOOK_ATTEMPTS) -> None:
     if event in ("sys.setprofile", "sys.settrace", "sys.addaudithook", "sys.monitoring.register_callback"):
         _seen.append(event)
         raise RuntimeError(f"{event} is refused in a cudagym worker (a hook would run code outside the timed calls)")
+    if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
+        name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
+        if isinstance(name, str) and name.startswith(_TORCH_MANGLED):
+            _TORCH_LOOKUPS.append(name)
 
 class CandidateError(Exception):
     """The candidate's own code failed; `kind` is an ErrorKind value."""
@@ -308,11 +317,19 @@ def load_candidate(job: Job) -> types.ModuleType:
     return mod
 
 
+def check_torch_lookups() -> None:
+    """Raise if the candidate's Python looked up torch's C++ functions through ctypes (`_refuse_hooks`)."""
+    if _TORCH_LOOKUPS:
+        raise CandidateError("audit", "the candidate looked up torch's C++ function "
+                             f"{_TORCH_LOOKUPS[0][:120]} through ctypes: torch's compute below the dispatcher")
+
+
 def check_tamper() -> None:
     """Raise if a watched function, a harness function (or its code) or method was replaced, or a
     Python profile, trace or audit hook was set or tried."""
     if _HOOK_ATTEMPTS:
         raise CandidateError("tamper", f"the candidate tried to set a Python hook ({_HOOK_ATTEMPTS[0]})")
+    check_torch_lookups()
     if hooks := foreign_hooks():
         raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
     if _PAUSE_ATTEMPTS:
@@ -699,6 +716,7 @@ def run_verify(job: Job, ch: Channel) -> None:
         returned = clock()
         check()
         p.intact()
+        check_torch_lookups()
         if not still_profiling:
             raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
         _watch_alive(watch, changes + 2 * (t + 1))
