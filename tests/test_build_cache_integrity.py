@@ -375,3 +375,14 @@ def test_the_grace_period_keeps_the_cache_within_one_builds_output_of_its_bound(
         assert tc.bound.total_bytes() <= (1 + 2) << 20
         assert ctypes.CDLL(str(Path(res.artifact_dir) / "libkernels.so")).get() == i + 1  # its own library kept
     assert len(tc.bound.entries()) < 10
+
+
+def test_dependency_named_in_a_container_is_read_at_its_host_path() -> None:
+    from cudagym.sandbox.deps import host_path
+
+    paths = {"/cudagym/job/w0": "/cache/.staging-1", "/cudagym/job/ws": "/runs/ws"}
+    assert host_path("/cudagym/job/w0/src/kernels/a.cuh", paths) == "/cache/.staging-1/src/kernels/a.cuh"
+    assert host_path("/cudagym/job/w0", paths) == "/cache/.staging-1"
+    assert host_path("/cudagym/job/w01/x.h", paths) == "/cudagym/job/w01/x.h"  # not under w0
+    assert host_path("/usr/include/stdio.h", paths) == "/usr/include/stdio.h"
+    assert host_path("main.cpp", paths) == "main.cpp"

@@ -323,7 +323,7 @@ class Evaluator:
             failure = _outcome_failure(outcome, f"building {build.kind} module '{build.name}' ({build.site})")
             if failure:
                 return failure[1]
-            self.inline_cache.store(build, staging, build_dir, workspace.root)
+            self.inline_cache.store(build, staging, build_dir, workspace.root, outcome.paths)
             return None
         except InlineCompileError as e:
             return str(e)

@@ -33,6 +33,10 @@ class JobOutcome:
     # a timing job: the host's load during its timed loops (`QuietWindows.load`): windows,
     # window_s, host_busy_s, job_busy_s, parent_busy_s, other_cores, frozen_jobs, frozen_processes
     host_load: dict[str, Any] = field(default_factory=dict)
+    # where the job's directories were as the worker saw them, {worker path: host path}, for
+    # those it saw elsewhere than the host (a container's job directory); paths a job's outputs
+    # name (a build's dependency files) are read through it
+    paths: dict[str, str] = field(default_factory=dict)
 
 
 # Answers a worker's request during its job: `responder(request, arrived_s)` gets the request

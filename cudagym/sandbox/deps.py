@@ -88,6 +88,16 @@ def parse_depfile(text: str) -> list[str]:
     return deps
 
 
+def host_path(path: str, paths: dict[str, str]) -> str:
+    """`path` as a job's worker named it, where it is on this host: under the longest worker
+    directory of `paths` ({worker dir: host dir}), moved to that directory's host side; any other
+    path (relative, or one the worker saw where the host has it) unchanged."""
+    for inside in sorted(paths, key=len, reverse=True):
+        if path == inside or path.startswith(inside.rstrip("/") + "/"):
+            return paths[inside].rstrip("/") + path[len(inside.rstrip("/")):]
+    return path
+
+
 def file_digest(path: str | os.PathLike[str]) -> str | None:
     """sha256 of a regular file's bytes; None when it is missing or not a regular file (a FIFO
     or a device is never opened for reading, so a lookup cannot be made to block)."""

@@ -146,6 +146,7 @@ class _Container:
     pidfd: int | None = None  # the worker's (the container's init) process, seen from the host
     stdin_fd: int | None = None  # opened when the job starts (the worker holds its read end by then)
     copy_back: list[tuple[Path, Path]] = field(default_factory=list)  # (slot dir, host dir) after the job
+    paths: dict[str, str] = field(default_factory=dict)  # {path in the container: host path} of the job's dirs
 
     def release(self) -> None:
         self.frames.stop()
@@ -425,6 +426,7 @@ class DockerSandbox(SpareWorkerSandbox):
         for i, d in enumerate(job.writable):
             moves.append((d, f"{JOB_DIR}/w{i}"))
             c.copy_back.append((c.slot / f"w{i}", Path(d)))
+        c.paths = {inside: host for host, inside in moves}
         for host, inside in moves:
             dst = c.slot / Path(inside).name
             if os.path.isdir(host):
@@ -474,6 +476,7 @@ class DockerSandbox(SpareWorkerSandbox):
         t_ready = time.perf_counter()
         try:
             inner = await asyncio.to_thread(self._stage, c, job)
+            outcome.paths = c.paths
             await asyncio.to_thread(self._apply_limits, c, job.limits, job.device)
             c.stdin_fd = os.open(c.slot / "answers", os.O_WRONLY | os.O_NONBLOCK)  # the worker holds the read end
             fcntl.fcntl(c.stdin_fd, fcntl.F_SETFL, fcntl.fcntl(c.stdin_fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)

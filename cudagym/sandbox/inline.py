@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cudagym.sandbox.deps import Roots, UnrecordedDependency, VariantStore, parse_depfile, record, system_roots
+from cudagym.sandbox.deps import (Roots, UnrecordedDependency, VariantStore, host_path, parse_depfile, record,
+                                  system_roots)
 from cudagym.sandbox.toolchain import (CacheBound, copy_sources, parse_diagnostics, relativize, source_listing,
                                        trim_log)
 
@@ -669,9 +670,12 @@ class InlineBuildCache:
         args = {k: [place(v) for v in vals] if k in _PATHS else vals for k, vals in build.args.items()}
         return {"kind": build.kind, "args": args, "site": build.site, "workspace": str(root)}
 
-    def store(self, build: InlineBuild, staging: Path, build_dir: Path, workspace: Path) -> None:
+    def store(self, build: InlineBuild, staging: Path, build_dir: Path, workspace: Path,
+              paths: dict[str, str] | None = None) -> None:
         """File the library a build job left in `build_dir` (inside `staging`) as a variant of
-        its key, with the manifest of every untrusted file the build read."""
+        its key, with the manifest of every untrusted file the build read. `paths` maps where the
+        job saw its directories to where they are here (`JobOutcome.paths`: a container's job
+        directory); the dependency files name what the compiler opened, as it saw it."""
         import torch.utils.cpp_extension as cpp
 
         lib = build_dir / f"{build.name}{cpp.LIB_EXT}"
@@ -685,7 +689,8 @@ class InlineBuildCache:
                                      f"table belongs in memory allocated at run time")
 
         def listed(pattern: str) -> list[str]:
-            return [d for f in sorted(build_dir.glob(pattern)) for d in parse_depfile(f.read_text(errors="replace"))]
+            return [host_path(d, paths or {}) for f in sorted(build_dir.glob(pattern))
+                    for d in parse_depfile(f.read_text(errors="replace"))]
 
         copy = staging / SOURCE_COPY
         try:
