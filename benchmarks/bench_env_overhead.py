@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from cudagym.env import KernelEnv
-from cudagym.rewards.verdict import CompileResult, ProfileResult, TimingStats, Verdict, VerifyResult
+from cudagym.core.verdict import CompileResult, ProfileResult, TimingStats, Verdict, VerifyResult
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 from cudagym.tasks.model import Target

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.rewards.verdict import ProfileResult
+from cudagym.core.verdict import ProfileResult
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_task_ids
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cudagym.errors import CudagymError
-from cudagym.rewards.verdict import Verdict
+from cudagym.core.verdict import Verdict
 from cudagym.sandbox.library import LIBRARY_TITLES
 
 

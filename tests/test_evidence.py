@@ -15,7 +15,7 @@ import torch
 
 from cudagym.rewards.compare import projection_mismatch
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.timing import PROJECTIONS, DeviceTimer, projection, touch_pages
 from cudagym.tasks.model import Tolerance
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox import timing
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.timing import DeviceTimer, TimerTampered

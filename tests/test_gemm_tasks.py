@@ -13,7 +13,7 @@ from cudagym.cli import app
 from cudagym.errors import TaskError
 from cudagym.rewards.evaluator import Evaluator
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
-from cudagym.rewards.verdict import CompileResult, ProfileResult, TimingStats, VerifyResult
+from cudagym.core.verdict import CompileResult, ProfileResult, TimingStats, VerifyResult
 from cudagym.sandbox.library import LIBRARY_BASELINES
 from cudagym.tasks.gemm import GEMM_SOURCE, GEMM_TOLERANCE, SHAPE_CLASSES, gemm_configs, gemm_task
 from cudagym.tasks.loaders import load_tasks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.timing import MAX_OVERHEAD_NS
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_task_ids

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.inline import InlineBuildCache, InlineCompileError
 
 from conftest import SOLUTIONS, solution_workspace, task_of

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cudagym.errors import ToolchainError
-from cudagym.rewards.audit import forbidden_ops
+from cudagym.core.audit import forbidden_ops
 from cudagym.sandbox.harness import OpRecorder
 from cudagym.sandbox.opwatch import OpWatch, build_library
 

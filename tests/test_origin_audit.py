@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cudagym.rewards.audit import Origins, foreign_kernels, foreign_work, own_time_share, unmeasured_work
+from cudagym.core.audit import Origins, foreign_kernels, foreign_work, own_time_share, unmeasured_work
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.origin import (
     MODEL_CALLS_KEY, KernelRecord, forbidden_import, records_as_counts, records_from_counts,
 )

@@ -25,7 +25,7 @@ from cudagym.agent.store import TrajectoryStore  # noqa: E402
 from cudagym.env.kernel_env import KernelEnv  # noqa: E402
 from cudagym.pool import EvalPool, PoolConfig  # noqa: E402
 from cudagym.rewards.api import EvaluatorAPI  # noqa: E402
-from cudagym.rewards.verdict import ErrorKind  # noqa: E402
+from cudagym.core.verdict import ErrorKind  # noqa: E402
 from cudagym.sandbox.workspace import Workspace  # noqa: E402
 from test_runner import _cli, _episode_records, kill_midway  # noqa: E402
 

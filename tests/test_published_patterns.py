@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.tasks.loaders import load_task_file
 
 from conftest import task_of

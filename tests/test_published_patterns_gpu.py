@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, load_task_file
 

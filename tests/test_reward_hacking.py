@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.rewards.verdict import ErrorKind, Verdict
+from cudagym.core.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.loaders import bundled_task_ids

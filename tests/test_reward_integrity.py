@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 
 from test_reward_hacking import GELU, GELU_KERNELS, assert_rejected, gelu_model
 

@@ -134,7 +134,7 @@ def test_load_inline_manifest_names_the_workspace_files_a_container_build_read(e
     names those files where the evaluator can hash them, so the same call with another included
     file builds again (a variant is never reused whatever that file holds)."""
     from cudagym.rewards.evaluator import Evaluator
-    from cudagym.rewards.verdict import ErrorKind
+    from cudagym.core.verdict import ErrorKind
     from test_inline_build import LOAD_CXX, LOAD_MODEL, TASK, unique
 
     from conftest import backend_config

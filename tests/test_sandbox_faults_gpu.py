@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
 from cudagym.sandbox.protocol import LimitsConfig
 from cudagym.sandbox.workspace import Workspace

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.rewards.verdict import ErrorKind, Verdict
+from cudagym.core.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
 from cudagym.sandbox.protocol import LimitsConfig
 

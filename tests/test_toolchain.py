@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cudagym.errors import ToolchainError
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.deps import VariantStore
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig, parse_diagnostics
 from cudagym.sandbox.workspace import Workspace

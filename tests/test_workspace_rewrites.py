@@ -10,7 +10,7 @@ import pytest
 
 from cudagym.env.variants import Variant, VariantBook
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.rewards.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 

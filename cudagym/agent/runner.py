@@ -26,7 +26,7 @@ from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.env.variants import ContrastiveConfig, VariantBook
 from cudagym.env.tokens import CharEstimate, TokenCounter, TokenizerCounter
 from cudagym.errors import ConfigError
-from cudagym.rewards.verdict import AuditMode
+from cudagym.core.verdict import AuditMode
 from cudagym.tasks.model import Task, Tolerance
 
 # settings that define which episodes a run directory holds; a resume must not change them

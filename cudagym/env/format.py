@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from cudagym.rewards.verdict import CompileResult, ProfileResult, TimingStats, Verdict, VerifyResult
+from cudagym.core.verdict import CompileResult, ProfileResult, TimingStats, Verdict, VerifyResult
 from cudagym.sandbox.library import LIBRARY_TITLES
 
 _ERROR_LINE = re.compile(

@@ -77,7 +77,7 @@ from cudagym.env.variants import (ContrastiveConfig, VariantBook, analysis_instr
 from cudagym.env.format import format_verdict, trim_output
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
-from cudagym.rewards.verdict import AuditMode, ErrorKind, Verdict
+from cudagym.core.verdict import AuditMode, ErrorKind, Verdict
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task, Tolerance
 

@@ -26,7 +26,7 @@ from cudagym.env.format import (
 )
 from cudagym.env.variants import BookLimits, MeasuredFiles, snapshot_files
 from cudagym.errors import CudagymError, WorkspaceError
-from cudagym.rewards.verdict import CompileResult, Verdict
+from cudagym.core.verdict import CompileResult, Verdict
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Task
 

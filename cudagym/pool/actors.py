@@ -24,7 +24,7 @@ from typing import Any
 
 from cudagym.pool.snapshot import WorkspaceSnapshot
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.rewards.verdict import CompileResult, ProfileResult, VerifyResult
+from cudagym.core.verdict import CompileResult, ProfileResult, VerifyResult
 from cudagym.tasks.model import Target, Task
 
 

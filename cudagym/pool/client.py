@@ -54,7 +54,7 @@ from cudagym.pool.actors import EvaluatorActor
 from cudagym.pool.snapshot import WorkspaceSnapshot
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.milestone import milestone_verdict
-from cudagym.rewards.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
+from cudagym.core.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task

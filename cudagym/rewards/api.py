@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from cudagym.rewards.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
+from cudagym.core.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task
 

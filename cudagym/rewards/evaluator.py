@@ -22,12 +22,12 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field, field_validator
 
-from cudagym.rewards.audit import (
+from cudagym.core.audit import (
     Origins, foreign_kernels, foreign_work, forbidden_ops, op_counts, own_time_share, unmeasured_work,
 )
 from cudagym.rewards.compare import Comparison, compare_outputs, decode_tensor, projected_mismatch, projection_seeds
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
-from cudagym.rewards.verdict import (
+from cudagym.core.verdict import (
     AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, ServerTiming, TimingStats, Verdict, VerifyResult,
 )
 from cudagym.sandbox.base import JobOutcome, Sandbox

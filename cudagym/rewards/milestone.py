@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from cudagym.rewards.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
+from cudagym.core.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 
 BaselineName = Literal["eager", "compiled", "cublaslt", "cublaslt_tuned"]

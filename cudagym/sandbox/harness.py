@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym import runtime
-from cudagym.rewards.audit import STRICT_ALLOWED, forbidden_ops
+from cudagym.core.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, KernelWatch, records_as_counts

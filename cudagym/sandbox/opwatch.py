@@ -11,7 +11,7 @@ calls apart by it, and it costs a fraction of a microsecond per op (see
 
 What it counts, compared with a `TorchDispatchMode` (the harness's `OpRecorder`):
 - names are the dispatcher's schema names without the overload (`aten::add`), the form the
-  mode's `func._schema.name` gives and `cudagym.rewards.audit` expects;
+  mode's `func._schema.name` gives and `cudagym.core.audit` expects;
 - it sees every op that enters the dispatcher, the mode only those that reach the Python key.
   `counts()` leaves out ops that the dispatcher runs as their CompositeImplicitAutograd
   function (`aten::reshape`, `aten::to`, `aten::dropout`: they only call other ops, which are

@@ -14,7 +14,7 @@ kernel nodes are read when it is instantiated and recorded at each replay. Callb
 host at launch, not on the device, so kernels run exactly as untraced (CUPTI's *activity*
 tracing, which the profiler uses, slowed some kernels 5-12%); the harness arms it in every call
 of every phase (verify trials, warm-up, timed calls) alike. Records go to the parent with each
-request; the rules (`cudagym.rewards.audit`) are applied there. Cost (H100, `benchmarks/probe_origin.py`):
+request; the rules (`cudagym.core.audit`) are applied there. Cost (H100, `benchmarks/probe_origin.py`):
 a kernel's GPU time is unchanged (11.8 us with the watcher, armed or not, 12.0 without); the host
 pays ~0.7 us per launch while disarmed and ~1.7 us while armed, inside the launch window.
 
@@ -313,7 +313,7 @@ def _op_names() -> dict[str, str]:
 
 def _compute_op(name: str) -> str | None:
     """The aten op a function name stands for (`gelu_out` -> gelu), None when no op or allowed."""
-    from cudagym.rewards.audit import STRICT_ALLOWED
+    from cudagym.core.audit import STRICT_ALLOWED
 
     ops = _op_names()
     for candidate in (name, re.sub(r"_(out|outf)$", "", name)):

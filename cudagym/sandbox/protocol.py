@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from cudagym.rewards.verdict import AuditMode
+from cudagym.core.verdict import AuditMode
 
 JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "build_inline", "probe", "ncu"]
 TIMING_KINDS = ("profile", "baseline")  # need the device to themselves

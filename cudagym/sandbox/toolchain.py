@@ -93,7 +93,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cudagym.errors import ToolchainError
-from cudagym.rewards.verdict import CompileResult
+from cudagym.core.verdict import CompileResult
 from cudagym.sandbox.deps import (Roots, UnrecordedDependency, VariantStore, outputs_intact, parse_depfile,
                                   record, seal_outputs, system_roots)
 from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cudagym.rewards.verdict import AuditMode
+from cudagym.core.verdict import AuditMode
 
 
 class SelfCheckRow(BaseModel):
