@@ -281,6 +281,59 @@ def get_init_inputs():
     return [CHANNELS]
 '''
 
+_MLP_NORM = f'''{_HEADER}
+{_consts(BATCH=512, DIM=1024, HIDDEN=4096)}
+
+class Model(nn.Module):
+    """A transformer MLP: LayerNorm, Linear up, GELU, Linear down, plus the residual."""
+
+    def __init__(self, dim, hidden):
+        super(Model, self).__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [DIM, HIDDEN]
+'''
+
+_ATTENTION = f'''{_HEADER}
+{_consts(BATCH=4, SEQ=256, DIM=512, HEADS=8)}
+
+class Model(nn.Module):
+    """A pre-norm self-attention block: LayerNorm, one QKV projection, scaled dot-product
+    attention over HEADS heads, the output projection, plus the residual."""
+
+    def __init__(self, dim, heads):
+        super(Model, self).__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(h.transpose(1, 2).reshape(b, s, d))
+
+
+def get_inputs():
+    return [torch.randn(BATCH, SEQ, DIM)]
+
+
+def get_init_inputs():
+    return [DIM, HEADS]
+'''
+
 _LAYERNORM = f'''{_HEADER}
 {_consts(ROWS=4096, COLS=4096)}
 
@@ -344,6 +397,10 @@ PROBLEMS: tuple[TimingProblem, ...] = (
                                                                          OUT_FEATURES=1024)), 401,
                   cpu_sizes={"BATCH": 8, "IN_FEATURES": 64, "HIDDEN": 128, "OUT_FEATURES": 32}),
     TimingProblem("resblock_8x64x56", _RESBLOCK, 192, cpu_sizes={"BATCH": 1, "CHANNELS": 8, "SIZE": 16}),
+    # level 2-3 style blocks; their expected_us are estimates from their FLOPs and bytes on an H100
+    # until a run of this benchmark measures them (the acceptance compares with ncu, not with these)
+    TimingProblem("mlp_norm_b512", _MLP_NORM, 130, cpu_sizes={"BATCH": 8, "DIM": 64, "HIDDEN": 256}),
+    TimingProblem("attention_b4x256x512", _ATTENTION, 110, cpu_sizes={"BATCH": 1, "SEQ": 16, "DIM": 64, "HEADS": 4}),
 )
 
 
