@@ -319,4 +319,3 @@ def cudart() -> Any | None:
         except OSError:
             continue
     return None
-
