@@ -22,6 +22,7 @@ import time
 import torch
 
 import cudagym.sandbox.timing as timing
+import cudagym.sandbox.timing.gate as gate
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--no-projection", action="store_true")
     args = ap.parse_args()
     if args.no_projection:
-        timing._GATE_SOURCE = timing._GATE_SOURCE.replace(
+        gate._GATE_SOURCE = gate._GATE_SOURCE.replace(
             "if (samples.out[o].proj) project(samples.out[o], (unsigned int)samples.out[o].index, samples.seed);", "")
     timer = timing.DeviceTimer(torch.device("cuda"))
     cal = timer.calibrate()

@@ -30,9 +30,9 @@ import sys
 
 def job(calls: int, spin: bool) -> dict[str, float]:
     if spin:
-        from cudagym.sandbox.timing import _cudart
+        from cudagym.sandbox.timing.gate import cudart
 
-        _cudart().cudaSetDeviceFlags(1)  # cudaDeviceScheduleSpin, before the context exists
+        cudart().cudaSetDeviceFlags(1)  # cudaDeviceScheduleSpin, before the context exists
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -91,17 +91,17 @@ def test_the_cpu_close_reads_every_page_of_the_output_inside_the_interval() -> N
     order: list[str] = []
     timer._perf = lambda: order.append("clock") or 0.0  # type: ignore[method-assign]
     real = touch_pages
-    import cudagym.sandbox.timing as timing
+    import cudagym.sandbox.timing.timer as timer_module
 
     def counted(out: object) -> None:
         order.append("touch")
         real(out)
 
-    timing.touch_pages = counted
+    timer_module.touch_pages = counted
     try:
         timer.call(lambda a: a + 1, [torch.zeros(5000)], after=lambda o: (order.append("after"), timer.read_at_end(o)))
     finally:
-        timing.touch_pages = real
+        timer_module.touch_pages = real
     assert order == ["clock", "after", "touch", "clock"]
 
 

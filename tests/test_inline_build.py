@@ -415,7 +415,7 @@ def test_rewritten_build_file_records_every_dependency_of_cxx_and_nvcc_compiles(
     import torch.utils.cpp_extension as cpp
 
     from cudagym.sandbox.deps import parse_depfile
-    from cudagym.sandbox.inline import _track_all_dependencies
+    from cudagym.sandbox.inline.job import _track_all_dependencies
 
     ws = tmp_path / "ws"
     (ws / "kernels").mkdir(parents=True)

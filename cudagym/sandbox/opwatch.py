@@ -133,7 +133,7 @@ def build_shared(cache_dir: Path, source: Path, compile_flags: list[str], link_f
     place, so concurrent builders are safe (the first rename wins; the others use it). Raises
     `ToolchainError` when the compiler is missing, fails or runs past `BUILD_TIMEOUT_S`.
     """
-    from cudagym.sandbox.toolchain import _run, trim_log
+    from cudagym.sandbox.toolchain import run_tool, trim_log
 
     path, compiler = _compiler_identity(cxx)
     name = f"lib{source.stem}.so"
@@ -147,7 +147,7 @@ def build_shared(cache_dir: Path, source: Path, compile_flags: list[str], link_f
     staging.mkdir(parents=True)
     try:
         argv = [path, *compile_flags, str(source), "-o", str(staging / name), *link_flags]
-        run = _run(argv, staging, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C",
+        run = run_tool(argv, staging, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C",
                                    "LC_ALL": "C", "TMPDIR": str(staging)}, BUILD_TIMEOUT_S)
         if run.timed_out:
             raise ToolchainError(f"building {source.name} timed out after {BUILD_TIMEOUT_S:g} s")

@@ -1,115 +1,7 @@
-"""The timing protocol, run inside a worker, driven by the parent.
-
-The parent decides every call: the worker asks it for the next call (`drive_calls`), and gets
-the seed of that call's inputs or the word to stop. Which calls are warm-up and which are timed,
-and how many there are, is the parent's decision (`cudagym.sandbox.feed.CallFeed`), made with its
-own clock; the worker cannot tell them apart, and neither can the callee. Before every call the
-call's input buffers are refilled with values generated from its seed: same pointers, new
-contents, so neither pointer- nor content-keyed result caches can replay. Each call's time is
-computed as soon as the call is over and goes to the parent with the next request; no record of
-past calls stays in the worker.
-
-CUDA: CUDA events on the caller's stream, no profiler. Per call:
-1. synchronize the device: the GPU is idle;
-2. on the caller's stream: reset persisting L2 lines, then the *open gate* kernel. It runs as
-   many 256-thread blocks as the GPU keeps resident at once (every SM full: no other kernel's
-   block can run beside them). Its blocks hold their SMs for the launch window
-   (`TimingConfig.launch_window_us`), then copy this call's input values from a staging copy
-   into the call's input buffers, then flush the L2 cache by reading a buffer twice its size (a
-   read leaves clean lines: the call pays for no write-backs). Then the start event;
-3. call. The call is launched while the window runs, so the host's work of getting its
-   launches to the GPU is hidden up to the window (as launch latency is in Triton's
-   `do_bench`, where the flush alone does it). None of its kernels, on any stream, can start
-   before the gate ends: the SMs are full. During the window the input buffers still hold an
-   earlier call's values, so host work there cannot compute this call's answer (say on the
-   CPU, copied in by a copy engine, which the gate does not hold): only work ordered after
-   the start event sees the inputs;
-4. the *close gate* kernel, on the same stream (the stream the call started on, even if the call
-   changed the current stream): the same blocks, which go on only once all of them have been
-   resident at once, so once no kernel of the call, on any stream, still holds an SM. While they
-   all still hold the SMs they read the call's output samples (`DeviceTimer.read_at_end`: secret
-   positions from a seed drawn after the call returned) and project every element of every
-   output on secret +-1 weights from the same seed (`projection`), then exit. Then the end
-   event. The close kernel is issued after the call returned on the host, so host work that
-   ends after the window is timed, and every page of the output is read (a lazily mapped or
-   managed one is there) before the end event;
-5. synchronize the device, then a last event; the call's time is read.
-
-A call's time is end event less start event, less the close's *read phase* (from its last block's
-arrival to its last block's exit, on the device clock: `DeviceTimer.stamps_ns`; at most
-`READ_SLACK_NS` more than the calibration's, plus the calibrated time per element projected
-beyond the calibration's output, plus `READ_SLACK_REL` of it), less the harness's overhead: that same
-interval for a call that launches nothing (its output read by the close as a call's is), the
-median of `CALIBRATION_CALLS` calls, measured by each timing job before any candidate code is
-loaded (`harness.job_timer`), at most `MAX_OVERHEAD_NS`. So a call that launches nothing reads
-0, and a kernel's time holds its own launch on the GPU, as Nsight Compute counts it. Why each
-part (H100, 10 fresh processes, `benchmarks/probe_stamps.py`):
-- one stream: with the gates on a stream of their own, the two hand-overs between it and the
-  caller's stream added 1-2.5 us to a one-kernel call, a different amount for each kernel
-  (relu 16x16384 read 4.3 us against Nsight Compute's 3.3, a 32 MB relu 22.2 against 20.2);
-- the read phase: it took 9.5-11.2 us, with the outputs' number, size and place (a sum's 16
-  values against softmax's 2048 samples), and was the rest of the kernel-to-kernel variation;
-  left out, five one-op problems of 2.8-20 us read within 0.8 us of Nsight Compute, and all 14
-  one-kernel problems of `benchmarks/bench_baselines.py` within 0.4 us below 10 us, on an H100
-  and an H200;
-- a call that launches nothing: a probe kernel's interval less its stamped own time left out
-  the probe's launch, which Nsight Compute counts as a kernel's: a 4 KB relu read 0.4-0.9 us
-  against 2.8.
-The read phase's cap bounds what a forged stamp could take off a call.
-
-What the SMs do not show is work on a stream the caller's stream never waits for that is not
-running when the close kernel's blocks all become resident: a copy engine's copy, or a kernel
-that becomes ready at that moment and loses the race for the SMs to the close kernel (on an
-H100, a device-to-device `cudaMemcpyAsync` on such a stream read 0.066 ms where the honest call
-read 0.061, and its output was complete when sampled after the end event, as the harness then
-did). So the samples are read inside the close kernel, not after it:
-- at the close: an output still being written by a copy, or not yet written by a kernel that
-  could not start, is read as it is: a mismatch; if the close kernel gives up
-  (`CLOSE_TIMEOUT_NS`: something held an SM that long), the call runs to the last event, less
-  `TAIL_ALLOWANCE_MS`;
-- during the launch window: a copy may run, but the inputs do not yet hold the call's values
-  (step 3); only the gate's copy and flush (tens of microseconds) run after they do and before
-  the start event.
-
-No profiler, because the CUDA profiler's concurrent-kernel tracing (the way to see kernels on
-every stream) instruments kernels: it slowed kernels of many short-lived blocks by 9-12% on an
-H200 and left torch's, cuBLAS's and Triton's alone (`benchmarks/probe_ncu_gap.py`), a bias
-against honest candidates of a common style.
-
-CPU: the wall clock around the call, after reading a buffer larger than the LLC. The interval
-holds the call, then the *CPU close*: `after` (the harness's: it checks the outputs and registers
-each with `read_at_end`, which allocates its evidence buffers), then one call into the harness's
-own native library (`cudagym_cpu_close` in opwatch.cpp, compiled by the parent, bound by ctypes
-before any candidate code loads) that reads every page of every output (every element of a
-strided one), draws the sample positions with getrandom() and gathers the values there into
-those buffers. The clock stops when it returns. Why in one native call, inside the interval:
-before, the positions were drawn after the clock stopped with `torch.randint` and the values
-gathered with ATen ops, in the candidate's process; a RecordFunction callback or a Python profile
-hook the candidate left behind ran there, and either did the whole call's work untimed (+3 with
-nothing computed inside the call) or computed only the 2048 positions it read from randint's
-output. Now (1) no code but the harness's native code runs between the draw and the read: no
-Python (a ctypes call releases the GIL and makes no profile event), no ATen op, so no callback,
-dispatcher kernel or hook of anyone's sees a position before its value is taken; (2) anything a
-hook does after the call returns and before the close runs inside the interval, and is timed;
-(3) pages a fault handler fills on first read are filled, and timed, in the close. After it the
-harness sends the evidence's raw bytes (`Evidence.raw`) with no ATen op, and a Python profile,
-trace or monitoring hook found right after the call (`foreign_hooks`) is `TimerTampered`. Left:
-a native thread of the candidate's that rewrites the evidence buffers between the close and the
-pipe write (it must find them and know the positions: they are in the buffer only after the
-close), and native code that edits the interpreter's or torch's state directly.
-
-Evidence (what the parent re-checks, `cudagym.rewards.compare`): each output's samples, their
-positions and (GPU) its projections are sent on the pipe before the worker asks for the next
-call, so nothing the candidate runs later (its next call, a finalizer, a kernel writing the
-worker's page-locked result memory) can change them. The projections make a sample rewritten
-before that (by code running beside the harness) worthless without the whole output: the
-weights are drawn after the call returned, so an honest output's projections differ from the
-reference's by a Rademacher sum of its per-element errors (bounded by the tolerance), and an
-output computed only where it was sampled differs by a sum of large ones. Cost per GPU call (H100,
-`benchmarks/probe_evidence_cost.py`): 2.6 ps of close kernel per fp32 element (+1.5 us at 1 MB,
-+42 us at 64 MB), left out of the reported time; ~40 us of host time per output to send it.
-
-Per-call times are in milliseconds. Statistics are computed by the parent (`TimingStats`).
+"""The GPU and CPU timer of `cudagym.sandbox.timing` (`DeviceTimer`), its calibration, the loop of
+calls the parent drives (`drive_calls`), and the functions a timed call runs (`projection`,
+`touch_pages`, `foreign_hooks`). Every module-level function the timed path calls lives here: the
+harness pins the functions of `DeviceTimer`'s module against rebinding by the candidate.
 """
 
 from __future__ import annotations
@@ -117,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
-import os
 import secrets
 import statistics
 import sys
@@ -127,6 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+from cudagym.sandbox.timing.evidence import CpuClose, Evidence, Reading
+from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAMPLED_DIMS, MAX_SAMPLED_OUTPUTS,
+                                         PROJECTED_KINDS, Samples, cuda_driver, cudart, gate_kernels)
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
@@ -154,315 +49,9 @@ PLACEMENT_BYTES = (0, 2**18, 2**19, 3 * 2**18, 2**20, 3 * 2**19, 5 * 2**19, 2**2
 MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 4.3 us)
 # A call's read phase is left out up to the calibration's plus this (H100: 9.5-11.2 us, calibration 10.6-11.5)
 READ_SLACK_NS = 2_000
-CLOSE_TIMEOUT_NS = 1_000_000_000  # the close kernel gives up after this long
 TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
-GATE_THREADS = 256
 SAMPLE_SIZE = 2048  # elements of each output of a call read at its end (`DeviceTimer.read_at_end`; all, if fewer)
-MAX_SAMPLED_OUTPUTS = 16  # outputs of one call the close kernel reads (more are read before it)
-MAX_SAMPLED_DIMS = 8  # dimensions of a non-contiguous output the close kernel reads (more: made contiguous first)
 PROJECTIONS = 4  # secret +-1 projections of every output of a GPU call (`projection`)
-# The close kernel's codes of the dtypes it projects (complex: two parts per element; others are
-# projected before it, inside the call's interval)
-PROJECTED_KINDS = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.uint8: 5,
-                   torch.bool: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9,
-                   torch.complex32: 10, torch.complex64: 11, torch.complex128: 12}
-
-_GATE_SOURCE = r"""
-#define THREADS GATE_THREADS
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-// gate[0]: blocks of the close kernel that arrived; gate[1]: kept reads; gate[2]: close timeouts;
-// gate[3]: blocks of the close kernel that read their share of the samples
-extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns,
-                  const long long* copies, int n_copies, unsigned long long* stamps) {
-    unsigned long long t0 = now_ns();
-    if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = gate[3] = 0u;
-    while (now_ns() - t0 < window_ns) {}
-    // only now do the call's input buffers take this call's values: copies[3c..3c+2] = src, dst, bytes
-    const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
-    for (int c = 0; c < n_copies; ++c) {
-        const unsigned char* src = (const unsigned char*)copies[3 * c];
-        unsigned char* dst = (unsigned char*)copies[3 * c + 1];
-        unsigned long long n = (unsigned long long)copies[3 * c + 2], head = 0ull;
-        if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0ull) {
-            const uint4* s4 = (const uint4*)src;
-            uint4* d4 = (uint4*)dst;
-            for (unsigned long long i = tid; i < n / 16; i += stride) d4[i] = s4[i];
-            head = n / 16 * 16;
-        }
-        for (unsigned long long i = head + tid; i < n; i += stride) dst[i] = src[i];
-    }
-    const volatile unsigned long long* p = flush;
-    unsigned long long acc = 0ull;
-    for (unsigned long long i = tid; i < words; i += stride) acc ^= p[i];
-    if (acc == 0x9e3779b97f4a7c15ull) gate[1] = 1u;  // the buffer is zeros: never, but the reads stay
-    __syncthreads();
-    if (threadIdx.x == 0) atomicMax(stamps, now_ns());  // stamps[0]: the gate's last block ends
-}
-// A call's sampled outputs, read by the close kernel (`DeviceTimer.read_at_end`): `count`
-// elements of `src` (`numel` elements of `elem_size` bytes, `ndim` sizes and strides, in
-// elements) at positions drawn from the close's seed (all of them, in order, if count == numel),
-// copied to `values`; the positions to `positions` (if not null).
-// `kind` (`PROJECTED_KINDS`; 0: none) and `proj` (4 doubles, zeroed before the open gate): the
-// output's projections on secret +-1 weights over every element (see `projection`); `index`: the
-// output's place among the call's outputs (in the weights' hash).
-struct Sampled {
-    unsigned long long src, values, positions, proj;
-    long long numel, count, elem_size, ndim, kind, index;
-    long long sizes[MAX_DIMS], strides[MAX_DIMS];
-};
-struct Samples {
-    unsigned long long seed;
-    long long n;
-    Sampled out[MAX_SAMPLED];
-};
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-__device__ __forceinline__ unsigned int mix32(unsigned int x) {
-    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
-    return x;
-}
-// One real component of an element as a double: kinds 1 f32, 2 f64, 3 f16, 4 bf16, 5 u8/bool,
-// 6 i8, 7 i16, 8 i32, 9 i64 (complex outputs: their parts' kind, two per element)
-__device__ __forceinline__ double component(const volatile unsigned char* p, int kind) {
-    switch (kind) {
-    case 1: return (double)*(const volatile float*)p;
-    case 2: return *(const volatile double*)p;
-    case 3: { unsigned short b = *(const volatile unsigned short*)p; float f;
-              asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(b)); return (double)f; }
-    case 4: return (double)__uint_as_float((unsigned int)*(const volatile unsigned short*)p << 16);
-    case 5: return (double)*(const volatile unsigned char*)p;
-    case 6: return (double)*(const volatile signed char*)p;
-    case 7: return (double)*(const volatile short*)p;
-    case 8: return (double)*(const volatile int*)p;
-    default: return (double)*(const volatile long long*)p;
-    }
-}
-// Every element of output `o` (its real components in row-major order, i) times weights +-1
-// from bits 0..3 of a hash of (seed, o, i), summed in fp64 into proj[0..3] (`projection` is the
-// same on the host). Out of line: its loop then has the registers to itself.
-struct Acc { double a0, a1, a2, a3; };
-__device__ __forceinline__ void accumulate(double x, unsigned long long i, unsigned int s0, unsigned int s1, Acc& acc) {
-    unsigned int h = mix32((unsigned int)i ^ s0);
-    if (i >> 32) h = mix32(h ^ (unsigned int)(i >> 32) ^ s1);
-    acc.a0 += (h & 1u) ? -x : x;
-    acc.a1 += (h & 2u) ? -x : x;
-    acc.a2 += (h & 4u) ? -x : x;
-    acc.a3 += (h & 8u) ? -x : x;
-}
-__device__ __noinline__ void add_block(Acc acc, double* proj) {
-    for (int k = 16; k > 0; k >>= 1) {
-        acc.a0 += __shfl_down_sync(0xffffffffu, acc.a0, k);
-        acc.a1 += __shfl_down_sync(0xffffffffu, acc.a1, k);
-        acc.a2 += __shfl_down_sync(0xffffffffu, acc.a2, k);
-        acc.a3 += __shfl_down_sync(0xffffffffu, acc.a3, k);
-    }
-    __shared__ double partial[THREADS / 32][4];
-    const int warp = threadIdx.x / 32;
-    if ((threadIdx.x & 31) == 0) {
-        partial[warp][0] = acc.a0; partial[warp][1] = acc.a1; partial[warp][2] = acc.a2; partial[warp][3] = acc.a3;
-    }
-    __syncthreads();
-    if (threadIdx.x < 4) {
-        double sum = 0.0;
-        for (int w = 0; w < THREADS / 32; ++w) sum += partial[w][threadIdx.x];
-        atomicAdd(proj + threadIdx.x, sum);
-    }
-    __syncthreads();
-}
-template <int KIND, typename T>
-__device__ __noinline__ void project_dense(const T* src, unsigned long long n, unsigned int s0, unsigned int s1, double* proj) {
-    const volatile T* p = (const volatile T*)src;
-    const unsigned long long stride = (unsigned long long)gridDim.x * THREADS;
-    Acc acc = {0.0, 0.0, 0.0, 0.0};
-    for (unsigned long long i = blockIdx.x * THREADS + threadIdx.x; i < n; i += stride)
-        accumulate(component((const volatile unsigned char*)(p + i), KIND), i, s0, s1, acc);
-    add_block(acc, proj);
-}
-__device__ __noinline__ void project_strided(const Sampled& s, unsigned int s0, unsigned int s1) {
-    // complex: two parts of kind 3 (complex32), 1 (complex64) or 2 (complex128) per element
-    const int parts = s.kind >= 10 ? 2 : 1, kind = s.kind == 10 ? 3 : s.kind == 11 ? 1 : s.kind == 12 ? 2 : (int)s.kind;
-    const long long part_size = s.elem_size / parts;
-    const unsigned long long n = (unsigned long long)s.numel * parts, stride = (unsigned long long)gridDim.x * THREADS;
-    Acc acc = {0.0, 0.0, 0.0, 0.0};
-    for (unsigned long long i = blockIdx.x * THREADS + threadIdx.x; i < n; i += stride) {
-        long long off = 0, rest = (long long)(parts == 2 ? i >> 1 : i);
-        for (int d = (int)s.ndim - 1; d >= 0; --d) {
-            off += (rest % s.sizes[d]) * s.strides[d];
-            rest /= s.sizes[d];
-        }
-        accumulate(component((const volatile unsigned char*)s.src + off * s.elem_size + (i & (parts - 1)) * part_size, kind),
-                   i, s0, s1, acc);
-    }
-    add_block(acc, (double*)s.proj);
-}
-__device__ void project(const Sampled& s, unsigned int o, unsigned long long seed) {
-    const unsigned int s0 = (unsigned int)seed ^ mix32(2u * o + 1u), s1 = (unsigned int)(seed >> 32) ^ mix32(2u * o + 2u);
-    if (!(s.ndim == 1 && s.strides[0] == 1)) { project_strided(s, s0, s1); return; }
-    double* proj = (double*)s.proj;
-    const unsigned long long n = (unsigned long long)s.numel;  // contiguous: no index arithmetic
-    switch (s.kind) {
-    case 1: project_dense<1>((const float*)s.src, n, s0, s1, proj); break;
-    case 2: project_dense<2>((const double*)s.src, n, s0, s1, proj); break;
-    case 3: project_dense<3>((const unsigned short*)s.src, n, s0, s1, proj); break;
-    case 4: project_dense<4>((const unsigned short*)s.src, n, s0, s1, proj); break;
-    case 5: project_dense<5>((const unsigned char*)s.src, n, s0, s1, proj); break;
-    case 6: project_dense<6>((const signed char*)s.src, n, s0, s1, proj); break;
-    case 7: project_dense<7>((const short*)s.src, n, s0, s1, proj); break;
-    case 8: project_dense<8>((const int*)s.src, n, s0, s1, proj); break;
-    case 9: project_dense<9>((const long long*)s.src, n, s0, s1, proj); break;
-    case 10: project_dense<3>((const unsigned short*)s.src, 2 * n, s0, s1, proj); break;  // complex: parts in a row
-    case 11: project_dense<1>((const float*)s.src, 2 * n, s0, s1, proj); break;
-    default: project_dense<2>((const double*)s.src, 2 * n, s0, s1, proj); break;
-    }
-}
-extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout_ns, unsigned long long* stamps,
-                   const __grid_constant__ Samples samples) {
-    __shared__ int gave_up;
-    if (threadIdx.x == 0) {
-        gave_up = 0;
-        unsigned long long t0 = now_ns();
-        atomicMax(stamps + 1, ~t0);  // stamps[1]: ~ the first block's arrival; stamps[2]: the last's
-        atomicMax(stamps + 2, t0);
-        atomicAdd(gate, 1u);
-        volatile unsigned int* arrived = gate;
-        while (*arrived < blocks) {
-            if (now_ns() - t0 > timeout_ns) { atomicAdd(gate + 2, 1u); gave_up = 1; break; }
-        }
-    }
-    __syncthreads();
-    if (samples.n == 0) {
-        if (threadIdx.x == 0) atomicMax(stamps + 3, now_ns());
-        return;
-    }
-    // Every block is resident: no other kernel holds an SM, and none can start before the last
-    // block below has read its share. What the call left unwritten now stays unwritten here.
-    const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
-    for (int o = 0; o < (int)samples.n; ++o) {
-        const Sampled& s = samples.out[o];
-        for (unsigned long long i = tid; i < (unsigned long long)s.count; i += stride) {
-            long long flat = (long long)i;
-            if (s.count != s.numel)
-                flat = (long long)((mix64(samples.seed + 0x9e3779b97f4a7c15ull * ((unsigned long long)o << 32 | i)) >> 11)
-                                   % (unsigned long long)s.numel);
-            long long off = 0, rest = flat;
-            for (int d = (int)s.ndim - 1; d >= 0; --d) {
-                off += (rest % s.sizes[d]) * s.strides[d];
-                rest /= s.sizes[d];
-            }
-            const volatile unsigned char* from = (const volatile unsigned char*)s.src + off * s.elem_size;
-            unsigned char* to = (unsigned char*)s.values + i * s.elem_size;
-            for (int b = 0; b < (int)s.elem_size; ++b) to[b] = from[b];
-            if (s.positions) ((long long*)s.positions)[i] = flat;
-        }
-    }
-    for (int o = 0; o < (int)samples.n; ++o)
-        if (samples.out[o].proj) project(samples.out[o], (unsigned int)samples.out[o].index, samples.seed);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned long long t0 = now_ns();
-        atomicAdd(gate + 3, 1u);
-        volatile unsigned int* read = gate + 3;
-        while (!gave_up && *read < blocks) {
-            if (now_ns() - t0 > timeout_ns) break;
-        }
-        atomicMax(stamps + 3, now_ns());  // stamps[3]: the last block leaves
-    }
-    __syncthreads();
-}
-"""
-
-
-def gate_source(blocks_per_sm: int) -> str:
-    """The gate kernels' CUDA source for GPUs that keep `blocks_per_sm` of their blocks resident."""
-    return (_GATE_SOURCE.replace("GATE_THREADS", str(GATE_THREADS)).replace("BLOCKS_PER_SM", str(blocks_per_sm))
-            .replace("MAX_SAMPLED", str(MAX_SAMPLED_OUTPUTS)).replace("MAX_DIMS", str(MAX_SAMPLED_DIMS)))
-
-
-class _Sampled(ctypes.Structure):
-    """The close kernel's `Sampled` (one output it reads; see the source above)."""
-
-    _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
-                ("proj", ctypes.c_uint64), ("numel", ctypes.c_int64), ("count", ctypes.c_int64),
-                ("elem_size", ctypes.c_int64), ("ndim", ctypes.c_int64), ("kind", ctypes.c_int64),
-                ("index", ctypes.c_int64),
-                ("sizes", ctypes.c_int64 * MAX_SAMPLED_DIMS),
-                ("strides", ctypes.c_int64 * MAX_SAMPLED_DIMS)]
-
-
-class _Samples(ctypes.Structure):
-    """The close kernel's `Samples`, passed by value: no copy to the GPU inside the timed interval."""
-
-    _fields_ = [("seed", ctypes.c_uint64), ("n", ctypes.c_int64), ("out", _Sampled * MAX_SAMPLED_OUTPUTS)]
-
-
-class Gate(NamedTuple):
-    """The gate kernels of one GPU and their launch shape."""
-
-    open: Any  # torch's NVRTC kernel handles
-    close: Any
-    blocks: int  # the whole grid, resident at once
-    holds_every_sm: bool  # False: a GPU where the blocks cannot fill every SM's thread slots
-
-
-@functools.cache
-def gate_kernels(index: int) -> Gate:
-    """Compile (NVRTC) and load the gate kernels for GPU `index` (once per process)."""
-    from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
-
-    props = torch.cuda.get_device_properties(index)
-    per_sm = max(1, props.max_threads_per_multi_processor // GATE_THREADS)
-    with torch.cuda.device(index):
-        ptx, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open")
-        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
-        resident = ctypes.c_int(0)
-        libcuda = _get_gpu_runtime_library()
-        for k in (kernels["cudagym_gate_open"], kernels["cudagym_gate_close"]):
-            libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(resident), k.func, GATE_THREADS, 0)
-            per_sm = min(per_sm, resident.value)
-    per_sm = max(per_sm, 1)
-    return Gate(kernels["cudagym_gate_open"], kernels["cudagym_gate_close"], per_sm * props.multi_processor_count,
-                per_sm * GATE_THREADS >= props.max_threads_per_multi_processor)
-
-
-def _cuda_driver() -> Any:
-    """The CUDA driver library, as torch loaded it."""
-    from torch.cuda._utils import _get_gpu_runtime_library
-
-    return _get_gpu_runtime_library()
-
-
-def _cudart() -> Any | None:
-    import glob
-
-    roots = [os.path.dirname(torch.__file__)]
-    try:
-        import nvidia  # type: ignore[import-not-found]
-
-        roots += list(nvidia.__path__)
-    except ImportError:
-        pass
-    for root in roots:
-        for path in glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    return None
 
 
 _M32 = 0xFFFFFFFF
@@ -531,18 +120,6 @@ def touch_pages(out: Any) -> None:
             t.detach().abs().sum() if not t.is_complex() else torch.view_as_real(t.detach()).abs().sum()
 
 
-MAX_CPU_DIMS = 64  # dimensions of a strided output the CPU close reads (more: made contiguous first)
-
-
-class _CpuClose(ctypes.Structure):
-    """One output of the CPU close (`cpu_close` in opwatch.cpp; sizes and strides in elements)."""
-
-    _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
-                ("numel", ctypes.c_int64), ("count", ctypes.c_int64), ("elem_size", ctypes.c_int64),
-                ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_CPU_DIMS),
-                ("strides", ctypes.c_int64 * MAX_CPU_DIMS)]
-
-
 _NATIVE_CLOSE: list[Any] = []  # the harness's `cudagym_cpu_close` (`use_native_close`), for CPU timers made after
 
 
@@ -569,56 +146,6 @@ def foreign_hooks() -> str:
     if monitoring is not None:
         found += [f"sys.monitoring tool {i} ({monitoring.get_tool(i)})" for i in range(6) if monitoring.get_tool(i)]
     return ", ".join(found)
-
-
-class Evidence(NamedTuple):
-    """What `DeviceTimer.read_at_end` read of one output at a call's end."""
-
-    values: torch.Tensor  # the sampled values (all of them, in the output's shape, if positions is None)
-    positions: torch.Tensor | None  # their flat (row-major) positions
-    projections: torch.Tensor | None  # GPU: `PROJECTIONS` float64 sums (`projection`); None on the CPU target
-    seed: int  # the call's secret seed of the positions and weights, drawn after the call returned
-    # CPU target: the raw bytes of values and positions (the buffers the close fills), to send
-    # without an ATen op between the close and the pipe
-    raw: tuple[memoryview, memoryview | None] | None = None
-
-
-class _Reading:
-    """What the close kernel reads of one call (GPU), gathered by `read_at_end` while `after` runs."""
-
-    def __init__(self, seed: int, projections: torch.Tensor | None):
-        self.samples = _Samples(seed=seed)
-        self.kept: list[torch.Tensor] = []  # alive until the close kernel has read them
-        self.projections = projections  # (MAX_SAMPLED_OUTPUTS, PROJECTIONS), zeroed before the open gate
-        self.outputs = 0  # outputs read so far (each one's index in the weights' hash)
-        self.dense = 0  # what the close kernel projects: contiguous elements (max(elements, bytes / 4) per output)
-        self.strided = 0  # and others
-        # the CPU close's outputs: its native entries (`_CpuClose`) and each one's tensor and evidence
-        self.cpu: list[tuple[_CpuClose, tuple[torch.Tensor, Evidence | None]]] = []
-
-    def add_cpu(self, t: torch.Tensor, count: int) -> Evidence:
-        """Register CPU output `t` for the close (`DeviceTimer.call`): its pages are read, then
-        `count` values at positions drawn by the close (all values, in `t`'s shape, and no
-        positions, if `t` has no more than `count` elements) are gathered into buffers allocated
-        here, before the close; the evidence holds them (filled once `call` returns) and their raw
-        bytes (sent without an ATen op: nothing hooked into torch runs between close and send)."""
-        if t.dim() > MAX_CPU_DIMS and not t.is_contiguous():
-            t = t.contiguous()
-        numel = t.numel()
-        n = numel if numel <= count else count
-        values = torch.empty(n, dtype=t.dtype)
-        positions = None if n == numel else torch.empty(n, dtype=torch.int64)
-        shape, strides = ((numel,), (1,)) if t.is_contiguous() else (tuple(t.shape), tuple(t.stride()))
-        entry = _CpuClose(src=t.data_ptr() if numel else 0, values=values.data_ptr(),
-                          positions=0 if positions is None else positions.data_ptr(), numel=numel,
-                          count=n if count else 0, elem_size=t.element_size(), ndim=len(shape))
-        for d, (size, stride) in enumerate(zip(shape, strides)):
-            entry.sizes[d], entry.strides[d] = size, stride
-        raw = (memoryview(values.view(torch.uint8).numpy()) if n else memoryview(b""),
-               None if positions is None else memoryview(positions.view(torch.uint8).numpy()))
-        ev = Evidence(values.view(t.shape) if positions is None else values, positions, None, 0, raw)
-        self.cpu.append((entry, (t, ev if count else None)))  # t: alive until the close has read it
-        return ev
 
 
 class Calibration(NamedTuple):
@@ -650,7 +177,7 @@ class Calibration(NamedTuple):
 
 
 class DeviceTimer:
-    """Times calls on `device` (cuda:N or cpu) under the protocol above.
+    """Times calls on `device` (cuda:N or cpu) under the protocol of `cudagym.sandbox.timing`.
 
     `call(fn, args)` makes one call and returns its output and its time in ms. `calibration`
     is left out of every CUDA call (None: `harness_calibration()`). `close_timeouts()` counts the
@@ -668,7 +195,7 @@ class DeviceTimer:
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
             flush_bytes = max(2 * l2, 64 * 2**20)
-            self._cudart = _cudart()
+            self._cudart = cudart()
             gate = gate_kernels(device.index if device.index is not None else torch.cuda.current_device())
             self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
             self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
@@ -676,7 +203,7 @@ class DeviceTimer:
             self._gate = torch.zeros(4, dtype=torch.int32, device=device)
             # the gate kernels' %globaltimer stamps of the last call (ns; see the source)
             self._stamps = torch.zeros(4, dtype=torch.int64, device=device)
-            self._libcuda = _cuda_driver()
+            self._libcuda = cuda_driver()
             self._window_ns = int(launch_window_us * 1e3)
             if calibration is None:
                 calibration = harness_calibration()
@@ -690,7 +217,7 @@ class DeviceTimer:
         self.host_ms: float | None = None
         self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
         # while `call`'s `after` runs: what the close kernel will read, and the tensors it reads
-        self._reading: _Reading | None = None
+        self._reading: Reading | None = None
 
     def flush(self) -> None:
         """The CPU target's cache flush (on a GPU, the open gate kernel reads the buffer)."""
@@ -716,7 +243,7 @@ class DeviceTimer:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         once the call has returned, to register its outputs with `read_at_end`, inside the
         interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
-        reads them; on the CPU: before the native close, which reads them; see the module's text).
+        reads them; on the CPU: before the native close, which reads them; see `cudagym.sandbox.timing`).
         `copies` (`copy_plan`; GPU): what the open gate copies at the window's end, before the
         start event. CPU: raises `TimerTampered` after the interval if a Python hook that is not
         the harness's was active when the call returned."""
@@ -726,7 +253,7 @@ class DeviceTimer:
             # values, all inside the interval. Nothing the candidate hooks into Python or ATen
             # can run between the draw and the read, and what it runs before the draw is timed.
             self.flush()
-            reading = _Reading(0, None)
+            reading = Reading(0, None)
             t0 = self._perf()
             out = fn(*args)
             hooks = foreign_hooks()  # read inside the interval: a hook found here is never trusted
@@ -747,7 +274,7 @@ class DeviceTimer:
             if hooks:
                 raise TimerTampered(f"a Python hook the harness did not set was active after the call: {hooks}")
             return out, ms
-        # one stream for the gates, the events and the call (see the module's text): the caller's
+        # one stream for the gates, the events and the call (see `cudagym.sandbox.timing`): the caller's
         stream = torch.cuda.current_stream(self.device)
         marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
         flush, words = (self._flush_buf, self._flush_buf.numel()) if self._flush_buf is not None else (self._gate, 0)
@@ -764,7 +291,7 @@ class DeviceTimer:
         opened = self._perf()
         marks[0].record(stream)
         out = fn(*args)
-        reading = _Reading(_randbits(64), projections)  # the seed is drawn after the call returned
+        reading = Reading(_randbits(64), projections)  # the seed is drawn after the call returned
         with torch.cuda.stream(stream):  # the call may have left another stream current
             if after is not None:
                 self._reading = reading
@@ -812,7 +339,7 @@ class DeviceTimer:
 
         On the CPU target, from `call`'s `after`: registers `t` for the CPU close, which draws the
         positions and reads the values in one native call inside the interval; the evidence's
-        tensors (and `raw` bytes) hold them once `call` returns (`_Reading.add_cpu`). Outside a
+        tensors (and `raw` bytes) hold them once `call` returns (`Reading.add_cpu`). Outside a
         call, read at once with torch."""
         reading = self._reading
         if reading is not None and not self.cuda:
@@ -854,13 +381,13 @@ class DeviceTimer:
         reading.kept.append(t)  # alive until the close kernel has read it
         return Evidence(values.view(t.shape) if everything else values, positions, projections, seed)
 
-    def _close_cpu(self, reading: _Reading) -> int:
+    def _close_cpu(self, reading: Reading) -> int:
         """The CPU close of `reading`'s outputs: the harness's native `cpu_close` where the timer
         has it (every worker's timer), else the same steps in torch (tests and tools only: its
         draw and reads are ATen ops, which a candidate's RecordFunction callback sees)."""
         entries = reading.cpu
         if self._native_close is not None:
-            array = (_CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
+            array = (CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
             return int(self._native_close(ctypes.addressof(array), len(entries)))
         for entry, (t, ev) in entries:
             touch_pages(t)
@@ -875,7 +402,7 @@ class DeviceTimer:
                 ev.values.copy_(flat[ev.positions])
         return 0
 
-    def _launch_close(self, samples: _Samples, stream: torch.cuda.Stream) -> None:
+    def _launch_close(self, samples: Samples, stream: torch.cuda.Stream) -> None:
         """The close kernel on `stream` (launched here: torch's kernel handles pass no structs
         by value)."""
         params = (ctypes.c_void_p(self._gate.data_ptr()), ctypes.c_uint(self._blocks), ctypes.c_uint(CLOSE_TIMEOUT_NS),
@@ -992,7 +519,7 @@ def drive_calls(
     """
     k = len(input_sets)
     # GPU: the fresh values go to a staging copy, which the open gate copies into the call's
-    # buffers at the end of the launch window (see the module's text)
+    # buffers at the end of the launch window (see `cudagym.sandbox.timing`)
     first = input_sets[0] if input_sets else []
     stage = [a.clone() if all(timer.stages(b[j]) and b[j].nbytes == a.nbytes for b in input_sets) else None
              for j, a in enumerate(first)]

@@ -1,85 +1,13 @@
-"""Compiling a workspace's kernels into one artifact directory.
-
-`Toolchain(cache_dir, config).build(workspace, target)` compiles every source under `kernels/`
-into an object, links the objects, and returns a `CompileResult` whose `artifact_dir` holds
-either `libkernels.so` (sources with `extern "C"` launchers, called through ctypes) or the torch
-extension `kernel_ext<EXT_SUFFIX>` (when a `kernels/*_binding.cpp` exists). See
-`cudagym.runtime` for how a candidate reaches them.
-
-Flags (one place: `_CompilePlan`):
-
-- C++ (``.cpp .cc .c``): ``g++ -O3 -std=c++17 -fPIC -fopenmp -march=native -Ikernels``;
-- CUDA (``.cu``, CUDA target only): ``nvcc -O3 -std=c++17 -Xcompiler -fPIC -arch=<arch>
-  -ccbin <g++> -Ikernels``; the arch is `config.cuda_arch`, else the GPU's (``sm_XY``, with the
-  ``a`` suffix from Hopper on: ``sm_90a``), else ``sm_90a``;
-- ``*_binding.cpp`` add what `torch.utils.cpp_extension` gives its own JIT builds: its include
-  paths (plus CUDA's on the CUDA target), Python's include dir,
-  ``-DTORCH_EXTENSION_NAME=kernel_ext -DTORCH_API_INCLUDE_EXTENSION_H``, the
-  ``_GLIBCXX_USE_CXX11_ABI`` torch was built with, and the pybind11 ABI flags where that torch
-  still defines them; the other sources of such a workspace get the include paths only;
-- link: ``g++ -shared -fopenmp`` (+ ``-lcudart`` with CUDA objects); with a binding, torch's
-  libraries (``-lc10 -ltorch -ltorch_cpu -ltorch_python``, + ``-lc10_cuda -ltorch_cuda``) and
-  rpaths to torch's and CUDA's library directories.
-
-Why a content-addressed cache instead of ninja (which `load_inline` uses): ninja decides what to
-rebuild from file mtimes inside one build directory. Every episode has its own workspace, and RL
-rollouts write the same files again and again (a rewrite with identical content gets a new
-mtime), so ninja would recompile sources that did not change and could share nothing between
-workspaces. Here objects live in the two-level cache of `cudagym.sandbox.deps` under
-`objects/`: the first key hashes what is known before compiling (compiler identity, flags, the
-source's path and bytes, torch's version for sources built against it), and each variant under
-it holds an object with the manifest of the files the compiler reported reading (`-MD -MF`,
-plus GNU as's `--MD` for `.incbin`), each with its sha256. A lookup takes the variant whose
-files match the workspace's, so an unchanged source is compiled once per cache, whichever
-workspace or episode it appears in; an edited header recompiles only the sources that include
-it; and a source whose included file differs (a `table.inc` of other values) gets an object of
-its own. System headers (the compiler's own directories and the `-isystem` torch/CUDA/Python
-directories, which `ToolchainConfig`, not the candidate, controls) are covered by the compiler
-identity and torch's version. A linked artifact is named by the hash of its objects' full keys
-(first key and variant) and the link flags. Compilers run with the workspace as working
-directory and workspace-relative paths, so flags and diagnostics are the same for every
-workspace. Objects and artifacts are written under a temporary name and renamed into place,
-never overwritten, so concurrent builds of the same key are safe.
-
-Builds read only what they declare. A build never compiles in the workspace, which a job that
-ran candidate code may have written: it copies `kernels/` into a private directory under the
-cache (`src/`, written by nothing else) and compiles there. The copy leaves out what a compiler
-would read without reporting it: precompiled headers (`*.gch`/`*.pch`, directories of them, and
-files that begin with GCC's or clang's PCH magic), and everything that is not a regular file
-(symlinks, FIFOs); it is bounded (`max_source_mb`, `max_source_files`). The first key covers the
-names of every file in the copy, because a file's mere existence can change a build without
-being read (`__has_include`, a header created in a directory searched before the one that was
-read); the manifest covers the contents of what was read. So the compiler can open only the
-copy's files (names in the key, contents in the manifest) and trusted roots (the compiler
-identity and torch's version).
-
-Bounded: every file a compiler or the linker writes (object, library, temporaries) is limited
-to `max_output_mb` (RLIMIT_FSIZE, through `prlimit`), and a build that hits it fails with an
-error that says so; what one build adds to the cache (its new objects and its library) is
-limited to `max_build_output_mb`: objects are stored only once every compile of the build is
-done and their sum is within it (compiles not yet started are skipped once it is passed), and
-a library that takes the sum past it is not stored, nor are the objects this build stored; the
-whole cache (objects, artifacts and `load_inline` modules) is kept under `max_cache_mb` by
-evicting the least recently used entries (`CacheBound`), sparing those used in the last
-`evict_grace_s` (a job may be loading them) only while that keeps the cache within
-`max_cache_mb + max_build_output_mb`. Entries are immutable: written
-under a temporary name and renamed into place, files read-only, the digests of their outputs
-recorded and checked when they are used.
-
-Compilers run with a scrubbed environment (PATH, HOME and TMPDIR in the build's private
-directory, LANG/LC_ALL=C), in their own process group (killed on `config.timeout_s`), and
-inside ``unshare --net`` where that works, so a compile cannot reach the network.
+"""The compile tool (`cudagym.sandbox.toolchain`): `Toolchain` and its config, which plan a
+workspace's compiles, look them up in and store them to the object cache, and link the artifact.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import re
 import shutil
-import signal
-import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -97,12 +25,15 @@ from cudagym.core.verdict import CompileResult
 from cudagym.sandbox.deps import (Roots, UnrecordedDependency, VariantStore, outputs_intact, parse_depfile,
                                   record, seal_outputs, system_roots)
 from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME
+from cudagym.sandbox.toolchain.cache import CacheBound, remove_entry, sha256_of
+from cudagym.sandbox.toolchain.compilers import (fallback_error, over_output_limit, parse_diagnostics, relativize,
+                                                 run_tool, trim_log)
+from cudagym.sandbox.toolchain.sources import SourceCopy, copy_sources
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target
 
 CACHE_FORMAT = "cudagym-build-v4"  # bump to invalidate every cached object and artifact
 BINDING_SUFFIX = "_binding.cpp"
-MAX_LOG_LINES = 200
 
 
 class ToolchainConfig(BaseModel):
@@ -126,320 +57,6 @@ class ToolchainConfig(BaseModel):
     evict_grace_s: float = Field(default=300.0, ge=0)  # entries used this recently are kept (see CacheBound)
 
 
-# -- diagnostics -----------------------------------------------------------------------------
-
-_GCC_DIAG = re.compile(
-    r"^(?P<file>[^\s:][^:]*?):(?P<line>\d+)(?::\d+)?: (?P<sev>fatal error|error|warning|note): (?P<msg>.*)$"
-)
-_NVCC_DIAG = re.compile(
-    r"^(?P<file>[^\s(][^(]*?)\((?P<line>\d+)\): (?P<sev>catastrophic error|error|warning|remark)"
-    r"(?: #[\w-]+)?: (?P<msg>.*)$"
-)
-_TOOL_ERROR = re.compile(
-    r"^(?:\S*/)?(?P<tool>g\+\+|gcc|c\+\+|cc1plus|nvcc|ptxas|ld|collect2|cicc)(?:\s+(?:fatal|error))?\s*:"
-    r"\s*(?:(?:fatal )?error:\s*)?(?P<msg>.*)$"
-)
-_QUOTES = str.maketrans("\u2018\u2019", "''")  # gcc's UTF-8 quotes, where the locale asks for them
-_ERROR_WORD = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)
-_LINK_ERROR = re.compile(r"(undefined reference to .*|multiple definition of .*|cannot find -l\S+)")
-_NOISE = re.compile(
-    r"(In instantiation of|required from|required by substitution|In file included from|"
-    r"^\s+from |In function |In member function |At global scope:|In lambda function|"
-    r"^compilation terminated|Detected \d+ compilation errors?|errors? detected in the compilation)"
-)
-
-
-def relativize(text: str, replacements: dict[str, str]) -> str:
-    """Replace each absolute path prefix in `text` by its short name (longest prefix first)."""
-    for prefix in sorted(replacements, key=len, reverse=True):
-        if prefix:
-            text = text.replace(prefix, replacements[prefix])
-    return text
-
-
-def parse_diagnostics(output: str, max_lines: int) -> list[str]:
-    """Readable error lines (`file:line: error: message`) from gcc / nvcc / linker output.
-
-    Warnings, notes and template-instantiation chains are dropped; duplicates are collapsed.
-    `output` should already be relativized.
-    """
-    errors: list[str] = []
-    for raw in output.splitlines():
-        line = raw.rstrip()
-        if not line or _NOISE.search(line):
-            continue
-        m = _GCC_DIAG.match(line) or _NVCC_DIAG.match(line)
-        if m:
-            sev = m["sev"]
-            if sev in ("warning", "note", "remark"):
-                continue
-            sev = "error" if sev == "catastrophic error" else sev
-            entry = f"{m['file']}:{m['line']}: {sev}: {m['msg'].strip().translate(_QUOTES)}"
-        elif (lm := _LINK_ERROR.search(line)) and ("ld" in line or ".o" in line or "in function" in line):
-            entry = f"link: error: {lm.group(1).strip()}"
-        elif (tm := _TOOL_ERROR.match(line)) and _ERROR_WORD.search(line):
-            msg = tm["msg"].strip()
-            if not msg or msg.startswith("ld returned"):
-                continue
-            entry = f"{tm['tool']}: error: {msg}"
-        else:
-            continue
-        if entry not in errors:
-            errors.append(entry)
-        if len(errors) >= max_lines:
-            break
-    return errors
-
-
-def trim_log(output: str, max_lines: int = MAX_LOG_LINES) -> str:
-    """The compiler output without instantiation noise, at most `max_lines` lines."""
-    lines = [ln.rstrip() for ln in output.splitlines() if ln.strip() and not _NOISE.search(ln)]
-    if len(lines) > max_lines:
-        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines)"]
-    return "\n".join(lines)
-
-
-# -- running compilers -----------------------------------------------------------------------
-
-
-@dataclass
-class _Run:
-    returncode: int
-    output: str
-    timed_out: bool = False
-
-
-def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> _Run:
-    """Run `argv` in its own process group; kill the whole group on timeout."""
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, _ = proc.communicate()
-        return _Run(-signal.SIGKILL, out.decode(errors="replace"), timed_out=True)
-    return _Run(proc.returncode, out.decode(errors="replace"))
-
-
-def _sha256(*parts: bytes | str) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else p
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.hexdigest()
-
-
-# -- what a build may read: a private copy of the declared sources ---------------------------
-
-PCH_SUFFIXES = (".gch", ".pch")
-PCH_MAGIC = (b"gpch", b"CPCH")  # GCC's and clang's precompiled headers begin with these
-SKIPPED_DIRS = ("__pycache__",)  # Python's bytecode, which an import may write meanwhile
-
-
-@dataclass
-class SourceCopy:
-    """The files of a workspace that a build may read, copied to `root` (same relative paths).
-
-    `listing` hashes the names of every file copied (see the module docstring: existence matters);
-    `left_out` names what was not copied and why; `error` is set when the copy is over its bounds."""
-
-    root: Path
-    listing: str = ""
-    files: list[str] = field(default_factory=list)
-    left_out: list[str] = field(default_factory=list)
-    error: str | None = None
-
-
-def copy_sources(workspace: Path, root: Path, dirs: tuple[str, ...] = ("kernels",), files: tuple[str, ...] = (),
-                 *, max_bytes: int, max_files: int) -> SourceCopy:
-    """Copy `workspace`'s `dirs` (recursively) and `files` to a fresh `root`, leaving out
-    precompiled headers and anything that is not a regular file; read-only copies. Never follows
-    a symlink and never opens a FIFO or a device."""
-    out = SourceCopy(root)
-    root.mkdir(parents=True)
-    total = 0
-    for rel in _candidates(workspace, dirs, files, out.left_out):
-        if len(out.files) >= max_files:
-            out.error = f"kernels/ holds more than {max_files} files; a build reads at most {max_files}"
-            return out
-        why, data = _read_source(workspace / rel, max_bytes - total)
-        if why == "missing":
-            continue
-        if why:
-            if why.startswith("over"):
-                out.error = f"{rel}: the files under kernels/ hold more than {max_bytes >> 20} MiB; a build " \
-                            f"reads at most that much"
-                return out
-            out.left_out.append(f"{rel} ({why})")
-            continue
-        dest = root / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(data)
-        dest.chmod(0o444)
-        total += len(data)
-        out.files.append(rel)
-    out.listing = _sha256(*sorted(out.files))
-    return out
-
-
-def source_listing(workspace: Path, dirs: tuple[str, ...] = ("kernels",), files: tuple[str, ...] = ()) -> str:
-    """`copy_sources(...).listing` without copying (bounds aside): the names it would copy."""
-    names = []
-    for rel in _candidates(workspace, dirs, files, []):
-        why, _ = _read_source(workspace / rel, len(max(PCH_MAGIC, key=len)), head=True)
-        if why is None:
-            names.append(rel)
-    return _sha256(*sorted(names))
-
-
-def _candidates(workspace: Path, dirs: tuple[str, ...], files: tuple[str, ...], left_out: list[str]) -> list[str]:
-    """`files` and the files under `dirs` (not under symlinked, `__pycache__` or `.gch` directories,
-    which go to `left_out`), relative to `workspace`, sorted."""
-    wanted: list[str] = list(files)
-    for d in dirs:
-        top = workspace / d
-        if top.is_symlink() or not top.is_dir():
-            continue
-        for cur, subdirs, names in os.walk(top, followlinks=False):
-            rel_dir = Path(cur).relative_to(workspace).as_posix()
-            subdirs.sort()
-            for sd in list(subdirs):
-                path = Path(cur) / sd
-                if sd in SKIPPED_DIRS:
-                    subdirs.remove(sd)
-                elif path.is_symlink() or sd.endswith(PCH_SUFFIXES):
-                    subdirs.remove(sd)
-                    left_out.append(f"{rel_dir}/{sd}/ ({'a symlink' if path.is_symlink() else 'precompiled headers'})")
-            wanted.extend(f"{rel_dir}/{n}" for n in sorted(names))
-    return wanted
-
-
-def _read_source(path: Path, room: int, head: bool = False) -> tuple[str | None, bytes]:
-    """(why it is left out, or None; its bytes) for one file of a source copy (`head`: only its
-    first `room` bytes are wanted)."""
-    if path.name.endswith(PCH_SUFFIXES):
-        return "a precompiled header", b""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return "missing", b""
-    except OSError:
-        return "not a regular file", b""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file", b""
-        if st.st_size > room and not head:
-            return "over", b""
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(room + 1)
-    finally:
-        os.close(fd)
-    if len(data) > room and not head:
-        return "over", b""
-    if data.startswith(PCH_MAGIC):
-        return "a precompiled header", b""
-    return None, data
-
-
-# -- the cache's bound --------------------------------------------------------------------------
-
-
-class CacheBound:
-    """Keeps a build cache's entries (objects/<key>/<variant>, artifacts/<key>,
-    inline/<key>/<variant>) under `max_bytes` by evicting the least recently used (an entry's
-    directory mtime, set when it is stored or used: `touch`). Entries used in the last `grace_s`
-    are kept while that leaves the cache within `max_bytes + slack_bytes` (`slack_bytes`: what
-    one build may add); past that the least recently used go whatever their age, except those
-    `enforce(keep=...)` names (the build's own library). So the grace period can keep the cache
-    over its bound by at most `slack_bytes` plus what `keep` holds. A scan of the cache is skipped
-    while this process's running total (the last scan plus what it stored since,
-    `enforce(added)`) is under the bound, for at most `rescan_s` (other processes store too)."""
-
-    LAYOUT = (("objects", 2), ("artifacts", 1), ("inline", 2))  # (subdirectory, depth of an entry)
-
-    def __init__(self, root: Path, max_bytes: int, grace_s: float, rescan_s: float = 60.0,
-                 slack_bytes: int = 256 << 20):
-        self.root = Path(root)
-        self.max_bytes = max_bytes
-        self.grace_s = grace_s
-        self.slack_bytes = slack_bytes
-        self.rescan_s = rescan_s
-        self._lock = threading.Lock()
-        self._total: int | None = None  # bytes at the last scan, plus what was stored since
-        self._scanned = 0.0
-
-    @staticmethod
-    def touch(entry: Path) -> None:
-        try:
-            os.utime(entry)
-        except OSError:  # a read-only view of the cache (a candidate's job): nothing to record
-            pass
-
-    def entries(self) -> list[tuple[float, int, Path]]:
-        """(last use, bytes, path) of every entry."""
-        out = []
-        for sub, depth in self.LAYOUT:
-            level = [self.root / sub]
-            for _ in range(depth):
-                level = [c for d in level if d.is_dir() for c in d.iterdir() if not c.name.startswith(".")]
-            for e in level:
-                try:
-                    size = sum(f.stat().st_size for f in e.rglob("*") if f.is_file())
-                    out.append((e.stat().st_mtime, size, e))
-                except OSError:
-                    continue
-        return out
-
-    def total_bytes(self) -> int:
-        return sum(size for _, size, _ in self.entries())
-
-    @staticmethod
-    def size_of(*entries: Path | None) -> int:
-        return sum(f.stat().st_size for e in entries if e is not None and e.is_dir() for f in e.rglob("*")
-                   if f.is_file())
-
-    def enforce(self, added: int | None = None, keep: tuple[Path | None, ...] = ()) -> list[Path]:
-        """Evict least recently used entries until the cache is under its bound; the evicted.
-        `added`: the bytes this process just stored, when known; `keep`: entries never evicted
-        now (see the class docstring)."""
-        with self._lock:
-            now = time.time()
-            if (added is not None and self._total is not None and self._total + added <= self.max_bytes
-                    and now - self._scanned < self.rescan_s):
-                self._total += added
-                return []
-            entries = sorted(self.entries(), key=lambda e: e[0])
-            total = sum(size for _, size, _ in entries)
-            kept = {Path(k) for k in keep if k is not None}
-            evicted: list[Path] = []
-            # first past entries out of their grace period; then, while the cache is over its
-            # bound by more than one build's output, the graced ones too
-            for limit, graced in ((self.max_bytes, False), (self.max_bytes + self.slack_bytes, True)):
-                for used, size, path in entries:
-                    if total <= limit:
-                        break
-                    if path in kept or path in evicted or (not graced and now - used < self.grace_s):
-                        continue
-                    _remove_tree(path)
-                    evicted.append(path)
-                    total -= size
-                    if path.parent.name not in ("objects", "artifacts", "inline"):
-                        try:
-                            path.parent.rmdir()  # a key left without variants
-                        except OSError:
-                            pass
-            self._total, self._scanned = total, now
-            return evicted
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -448,16 +65,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return True
     return True
-
-
-def _remove_tree(path: Path) -> None:
-    """Remove a cache entry (its files are read-only; its directories are not)."""
-    tmp = path.with_name(f".evict-{uuid.uuid4().hex[:12]}")
-    try:
-        os.rename(path, tmp)  # gone from lookups at once
-    except OSError:
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- the toolchain ---------------------------------------------------------------------------
@@ -624,7 +231,7 @@ class Toolchain:
         artifact, linked, link_log, link_errors = self._link(plan, workspace, env, budget.used)
         if any("max_build_output_mb" in e or "max_output_mb" in e for e in link_errors):
             for entry in created:  # its output over a limit: nothing of the build stays
-                _remove_tree(entry)
+                remove_entry(entry)
                 stored.remove(entry)
         if linked and artifact is not None:
             stored.append(artifact)
@@ -688,7 +295,7 @@ class Toolchain:
                 extra = binding_defs if rel.endswith(BINDING_SUFFIX) else []
                 argv = [cxx, *cxx_flags, *torch_inc, *extra]
                 ident = cxx_id
-            key = _sha256(CACHE_FORMAT, ident, "\0".join(argv), rel, src, torch_version if torch_inc else "", listing)
+            key = sha256_of(CACHE_FORMAT, ident, "\0".join(argv), rel, src, torch_version if torch_inc else "", listing)
             compiles.append(_Compile(rel, argv, key))
 
         link_argv = [cxx, "-shared", "-fopenmp"]
@@ -745,7 +352,7 @@ class Toolchain:
         keep = False
         try:
             obj = scratch / OBJECT_FILE
-            run = _run(self._wrap([*c.argv, *self._dependency_flags(c, scratch), "-c", c.rel, "-o", str(obj)]),
+            run = run_tool(self._wrap([*c.argv, *self._dependency_flags(c, scratch), "-c", c.rel, "-o", str(obj)]),
                        ws.root, env, self.config.timeout_s)
             repl = self._replacements(ws)
             repl[str(obj)] = f"{c.rel}.o"
@@ -753,9 +360,9 @@ class Toolchain:
             if run.timed_out:
                 return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"], None
             if run.returncode != 0 or not obj.is_file():
-                if _over_output_limit(run):
+                if over_output_limit(run):
                     return False, trim_log(out), [f"{c.rel}: error: {self._output_limit_message()}"], None
-                errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error(c.rel, out, run)
+                errs = parse_diagnostics(out, self.config.max_error_lines) or fallback_error(c.rel, out, run)
                 return False, trim_log(out), errs, None
             if not budget.add(obj.stat().st_size):
                 return False, trim_log(out), [], None  # the build fails for its total (see `_build`)
@@ -792,19 +399,19 @@ class Toolchain:
         """Link the plan's objects into `artifacts/<key>/`; returns (dir, linked now, log, errors).
         `new_bytes`: what this build's new objects hold (with the library, within
         `max_build_output_mb`)."""
-        key = _sha256(CACHE_FORMAT, self._identity(self.config.cxx, native=True), "\0".join(plan.link_argv),
+        key = sha256_of(CACHE_FORMAT, self._identity(self.config.cxx, native=True), "\0".join(plan.link_argv),
                       "\0".join(plan.link_libs), plan.output_name, *(c.object_key for c in plan.compiles))
         final = self.cache_dir / "artifacts" / key
         if (final / plan.output_name).is_file():
             if outputs_intact(final):
                 CacheBound.touch(final)
                 return final, False, "", []
-            _remove_tree(final)  # changed since it was stored: built again
+            remove_entry(final)  # changed since it was stored: built again
         staging = self.cache_dir / "artifacts" / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
         objects = [str(c.object_path) for c in plan.compiles]
         argv = [*plan.link_argv, "-o", str(staging / plan.output_name), *objects, *plan.link_libs]
-        run = _run(self._wrap(argv), ws.root, env, self.config.timeout_s)
+        run = run_tool(self._wrap(argv), ws.root, env, self.config.timeout_s)
         repl = self._replacements(ws)
         repl.update({str(c.object_path): f"{c.rel}.o" for c in plan.compiles})
         repl[str(staging)] = "<artifact>"
@@ -813,9 +420,9 @@ class Toolchain:
             shutil.rmtree(staging, ignore_errors=True)
             if run.timed_out:
                 return None, True, trim_log(out), [f"link: error: timed out after {self.config.timeout_s:g} s"]
-            if _over_output_limit(run):
+            if over_output_limit(run):
                 return None, True, trim_log(out), [f"link: error: {self._output_limit_message()}"]
-            errs = parse_diagnostics(out, self.config.max_error_lines) or _fallback_error("link", out, run)
+            errs = parse_diagnostics(out, self.config.max_error_lines) or fallback_error("link", out, run)
             return None, True, trim_log(out), errs
         total = new_bytes + CacheBound.size_of(staging)
         if total > self.config.max_build_output_mb << 20:
@@ -942,22 +549,6 @@ class Toolchain:
         if self._cuda_home:
             repl[self._cuda_home] = "<cuda>"
         return repl
-
-
-_OUTPUT_LIMIT = re.compile(r"File size limit exceeded|File too large|file too large|signal 25\b|SIGXFSZ")
-
-
-def _over_output_limit(run: _Run) -> bool:
-    """Whether a failed compiler or linker run hit RLIMIT_FSIZE (SIGXFSZ, or EFBIG on a write)."""
-    return run.returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or bool(_OUTPUT_LIMIT.search(run.output))
-
-
-def _fallback_error(rel: str, output: str, run: _Run) -> list[str]:
-    """When no diagnostic could be parsed: the last lines of the output, or the exit status."""
-    tail = [ln.strip() for ln in output.splitlines() if ln.strip()][-3:]
-    if tail:
-        return [f"{rel}: error: {ln}" for ln in tail]
-    return [f"{rel}: error: the compiler exited with status {run.returncode}"]
 
 
 def detect_cuda_arch() -> str | None:

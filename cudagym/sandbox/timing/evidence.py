@@ -1,0 +1,74 @@
+"""What a timed call's close reads of its outputs (`cudagym.sandbox.timing`): the evidence sent to
+the parent, and the bookkeeping of one call's reads on both targets (the close kernel's samples on
+a GPU, the native CPU close's entries).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from cudagym.sandbox.timing.gate import Samples
+
+MAX_CPU_DIMS = 64  # dimensions of a strided output the CPU close reads (more: made contiguous first)
+
+
+class CpuClose(ctypes.Structure):
+    """One output of the CPU close (`cpu_close` in opwatch.cpp; sizes and strides in elements)."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
+                ("numel", ctypes.c_int64), ("count", ctypes.c_int64), ("elem_size", ctypes.c_int64),
+                ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_CPU_DIMS),
+                ("strides", ctypes.c_int64 * MAX_CPU_DIMS)]
+
+
+class Evidence(NamedTuple):
+    """What `DeviceTimer.read_at_end` read of one output at a call's end."""
+
+    values: torch.Tensor  # the sampled values (all of them, in the output's shape, if positions is None)
+    positions: torch.Tensor | None  # their flat (row-major) positions
+    projections: torch.Tensor | None  # GPU: `PROJECTIONS` float64 sums (`projection`); None on the CPU target
+    seed: int  # the call's secret seed of the positions and weights, drawn after the call returned
+    # CPU target: the raw bytes of values and positions (the buffers the close fills), to send
+    # without an ATen op between the close and the pipe
+    raw: tuple[memoryview, memoryview | None] | None = None
+
+
+class Reading:
+    """What the close kernel reads of one call (GPU), gathered by `read_at_end` while `after` runs."""
+
+    def __init__(self, seed: int, projections: torch.Tensor | None):
+        self.samples = Samples(seed=seed)
+        self.kept: list[torch.Tensor] = []  # alive until the close kernel has read them
+        self.projections = projections  # (MAX_SAMPLED_OUTPUTS, PROJECTIONS), zeroed before the open gate
+        self.outputs = 0  # outputs read so far (each one's index in the weights' hash)
+        self.dense = 0  # what the close kernel projects: contiguous elements (max(elements, bytes / 4) per output)
+        self.strided = 0  # and others
+        # the CPU close's outputs: its native entries (`CpuClose`) and each one's tensor and evidence
+        self.cpu: list[tuple[CpuClose, tuple[torch.Tensor, Evidence | None]]] = []
+
+    def add_cpu(self, t: torch.Tensor, count: int) -> Evidence:
+        """Register CPU output `t` for the close (`DeviceTimer.call`): its pages are read, then
+        `count` values at positions drawn by the close (all values, in `t`'s shape, and no
+        positions, if `t` has no more than `count` elements) are gathered into buffers allocated
+        here, before the close; the evidence holds them (filled once `call` returns) and their raw
+        bytes (sent without an ATen op: nothing hooked into torch runs between close and send)."""
+        if t.dim() > MAX_CPU_DIMS and not t.is_contiguous():
+            t = t.contiguous()
+        numel = t.numel()
+        n = numel if numel <= count else count
+        values = torch.empty(n, dtype=t.dtype)
+        positions = None if n == numel else torch.empty(n, dtype=torch.int64)
+        shape, strides = ((numel,), (1,)) if t.is_contiguous() else (tuple(t.shape), tuple(t.stride()))
+        entry = CpuClose(src=t.data_ptr() if numel else 0, values=values.data_ptr(),
+                          positions=0 if positions is None else positions.data_ptr(), numel=numel,
+                          count=n if count else 0, elem_size=t.element_size(), ndim=len(shape))
+        for d, (size, stride) in enumerate(zip(shape, strides)):
+            entry.sizes[d], entry.strides[d] = size, stride
+        raw = (memoryview(values.view(torch.uint8).numpy()) if n else memoryview(b""),
+               None if positions is None else memoryview(positions.view(torch.uint8).numpy()))
+        ev = Evidence(values.view(t.shape) if positions is None else values, positions, None, 0, raw)
+        self.cpu.append((entry, (t, ev if count else None)))  # t: alive until the close has read it
+        return ev
