@@ -67,7 +67,7 @@ def probe_job() -> Job:
 def measure(backend: str, task_id: str, reps: int, cache: Path, root: Path) -> dict[str, float]:
     task = bundled_task(task_id).for_target(Target.CPU)
     cfg = EvaluatorConfig(target="cpu", cache_dir=cache, timing=SMALL_TIMING, compile_baseline=False,
-                          spare_workers=2, sandbox=backend)
+                          sandbox={"backend": backend, "spare_workers": 2})
     out: dict[str, float] = {}
     with Evaluator(cfg) as ev:
         ws = Workspace.from_solution(root / f"{backend}-ws", task, REPO / "examples" / "solutions" / task_id / "cpu")
@@ -78,7 +78,7 @@ def measure(backend: str, task_id: str, reps: int, cache: Path, root: Path) -> d
         out["empty job"] = median_s(lambda: run(probe_job(), "cpu"), reps, ready)
         out["verify"] = median_s(lambda: ev.verify(task, ws), reps, ready)
         out["evaluate (compile cached)"] = median_s(lambda: ev.evaluate(task, ws), reps, ready)
-    cold = cfg.model_copy(update={"spare_workers": 0})
+    cold = cfg.model_copy(update={"sandbox": cfg.sandbox.model_copy(update={"spare_workers": 0})})
     with Evaluator(cold) as ev:
         run = ev.sandbox.run_sync  # type: ignore[attr-defined]
         out["start-up + empty job (no spare)"] = median_s(lambda: run(probe_job(), "cpu"), reps, lambda: None)

@@ -103,7 +103,8 @@ from cudagym.agent.scripted import ScriptedPolicy
 from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig, resolve_target
 from cudagym.sandbox.gpu import _nvml, gpu_count
-from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+from cudagym.sandbox.config import LocalSandboxConfig
+from cudagym.sandbox.local import LocalSandbox
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task, bundled_tasks
 from cudagym.tasks.model import Target, Task
@@ -628,7 +629,7 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
     spares = LocalSandboxConfig(spare_workers=args.spare_workers, freeze_starting_spares=not args.no_freeze,
                                 release_gpu_at_result=args.release_at_result, fork_server=not args.no_fork_server,
                                 **({} if args.spare_nice is None else {"spare_nice": args.spare_nice}))
-    with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=args.spare_workers),
+    with Evaluator(EvaluatorConfig(**base_cfg, sandbox=spares),
                    sandbox=LocalSandbox(spares, home=Path(cache) / "home")) as ev:
         report["device"] = ev.device_name
         warm = [t for t in tasks if t.id in used]
@@ -647,7 +648,7 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
         await row(ev, "spares", ks[0], n_of[ks[0]])
         if args.ppc_ks:
             per_check = LocalSandboxConfig(spare_workers=0, fork_server=False)  # python, torch, CUDA per check
-            with Evaluator(EvaluatorConfig(**base_cfg, spare_workers=0),
+            with Evaluator(EvaluatorConfig(**base_cfg, sandbox=per_check),
                            sandbox=LocalSandbox(per_check, home=Path(cache) / "home")) as ppc:
                 for k in args.ppc_ks:
                     await row(ppc, "process per check", k, max(args.ppc_episodes, k))

@@ -35,7 +35,8 @@ from rich.table import Table
 
 
 def spawned(n: int, device: str) -> list[dict[str, float]]:
-    from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+    from cudagym.sandbox.config import LocalSandboxConfig
+    from cudagym.sandbox.local import LocalSandbox
 
     sb = LocalSandbox(LocalSandboxConfig(spare_workers=n, freeze_starting_spares=False))
     try:
@@ -46,7 +47,7 @@ def spawned(n: int, device: str) -> list[dict[str, float]]:
             await asyncio.gather(*(asyncio.shield(w.frames.ready) for w in workers))
             return [dict(w.frames.startup_s) for w in workers]
 
-        return asyncio.run_coroutine_threadsafe(wait_all(), sb._loop).result(timeout=600)
+        return sb._loop_thread.call(wait_all(), timeout=600)
     finally:
         sb.close()
 

@@ -11,8 +11,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cudagym.errors import CudagymError
 from cudagym.core.verdict import Verdict
+from cudagym.errors import CudagymError
+from cudagym.options import choices, option
+from cudagym.rewards.evaluator import EvaluatorConfig
+from cudagym.rewards.milestone import RewardConfig
 from cudagym.sandbox.library import LIBRARY_TITLES
 
 
@@ -22,41 +25,28 @@ def check(
     solution: Annotated[Path, typer.Argument(help="A workspace directory (model_new.py + kernels/) or a single "
                                                   "model_new.py.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
-    mode: Annotated[str, typer.Option(help="Op audit: strict (only your kernels + allocation/view ops) or "
-                                           "permissive (torch ops allowed; your kernels must carry the work).")] = "strict",
-    target: Annotated[str, typer.Option(help="auto (GPU if present), cuda or cpu.")] = "auto",
+    mode: str = option(EvaluatorConfig, "mode", "--mode"),
+    target: str = option(EvaluatorConfig, "target", "--target"),
     atol: Annotated[Optional[float], typer.Option(help="Absolute tolerance of the output check (with --rtol; "
                                                        "default: the task's own).")] = None,
     rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance of the output check (with --atol; "
                                                        "default: the task's own).")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Build and baseline cache (default ~/.cache/cudagym or "
-                                                           "$CUDAGYM_CACHE).")] = None,
-    sandbox: Annotated[str, typer.Option(help="Sandbox backend: local (worker processes on this host) or docker "
-                                              "(a container per worker; `cudagym sandbox image build`).")] = "local",
-    no_compile_baseline: Annotated[bool, typer.Option("--no-compile-baseline",
-                                                      help="Skip the torch.compile baseline (no +3 milestone).")] = False,
-    server_gaps: Annotated[Optional[str], typer.Option(help="Also time in server mode: each call after an idle gap "
-                                                            "drawn from LOW,HIGH ms (e.g. 1,10), shown beside the "
-                                                            "offline time (the reward stays offline).")] = None,
-    reward_against: Annotated[Optional[str], typer.Option(help="The baselines of the +2 and +3 milestones, A,B among "
-                                                               "eager, compiled, cublaslt, cublaslt_tuned (default "
-                                                               "eager,compiled; the cuBLASLt ones exist for GEMM tasks "
-                                                               "on a GPU, others fall back to the default).")] = None,
+    cache_dir: Optional[Path] = option(EvaluatorConfig, "cache_dir", "--cache-dir", default=None),
+    sandbox: str = option(EvaluatorConfig, "sandbox", "--sandbox"),
+    compile_baseline: bool = option(EvaluatorConfig, "compile_baseline", "--compile-baseline/--no-compile-baseline"),
+    server_gaps: Optional[str] = option(EvaluatorConfig, "server_gap_ms", "--server-gaps"),
+    reward_against: Optional[str] = option(RewardConfig, "against", "--reward-against", default=None),
 ) -> None:
     """Compile, verify and profile SOLUTION for TASK, and print the milestone reward with its reasons."""
-    from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-    from cudagym.rewards.milestone import RewardConfig
+    from cudagym.rewards.evaluator import Evaluator
     from cudagym.sandbox.protocol import TimingConfig
     from cudagym.sandbox.workspace import Workspace
     from cudagym.tasks.loaders import resolve_task
     from cudagym.tasks.model import optional_tolerance
 
-    if mode not in ("strict", "permissive"):
-        raise typer.BadParameter("--mode must be strict or permissive")
-    if sandbox not in ("local", "docker"):
-        raise typer.BadParameter("--sandbox must be local or docker")
-    if target not in ("auto", "cuda", "cpu"):
-        raise typer.BadParameter("--target must be auto, cuda or cpu")
+    for flag, name, value in (("--mode", "mode", mode), ("--sandbox", "sandbox", sandbox), ("--target", "target", target)):
+        if value not in (allowed := choices(EvaluatorConfig, name)):
+            raise typer.BadParameter(f"{flag} must be {' or '.join(allowed)}", param_hint=flag)
     try:
         tolerance = optional_tolerance(atol, rtol)
     except ValueError as e:
@@ -66,13 +56,14 @@ def check(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--server-gaps") from None
     try:
-        reward = RewardConfig(against=RewardConfig.parse_against(reward_against)) if reward_against else RewardConfig()
+        against = RewardConfig.parse_against(reward_against) if reward_against else None
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--reward-against") from None
     console = Console(stderr=True)
-    cfg = EvaluatorConfig(target=target, mode=mode, compile_baseline=not no_compile_baseline, sandbox=sandbox,
-                          server_gap_ms=server_gap_ms, reward=reward,
-                          **({"cache_dir": cache_dir} if cache_dir else {}))
+    cfg = EvaluatorConfig.model_validate({
+        "target": target, "mode": mode, "compile_baseline": compile_baseline, "sandbox": sandbox,
+        "server_gap_ms": server_gap_ms, **({"reward": {"against": against}} if against else {}),
+        **({"cache_dir": cache_dir} if cache_dir else {})})
     try:
         t = resolve_task(task)
         if tolerance is not None:

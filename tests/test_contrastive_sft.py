@@ -16,6 +16,7 @@ from cudagym.agent.store import TrajectoryStore
 from cudagym.env.kernel_env import KernelEnv
 from cudagym.env.variants import ContrastiveConfig, Variant, VariantBook, has_analysis
 from cudagym.errors import ConfigError
+from cudagym.rewards.evaluator import EvaluatorConfig
 from cudagym.tasks.loaders import bundled_task
 
 TASK = "ew_scale_bias_gelu"
@@ -73,7 +74,8 @@ def contrastive_run(tmp_path_factory):
     from rich.console import Console
 
     out = tmp_path_factory.mktemp("contrastive") / "run"
-    cfg = RunConfig(tasks=TASK, policy="scripted", episodes=2, concurrency=2, target="cpu", out=out, contrastive=3)
+    cfg = RunConfig(tasks=TASK, policy="scripted", episodes=2, concurrency=2, evaluator=EvaluatorConfig(target="cpu"),
+                    out=out, contrastive=3)
     with open(os.devnull, "w") as sink:
         summary = asyncio.run(arun(cfg, Console(file=sink)))
     assert summary.ran == 2

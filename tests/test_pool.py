@@ -26,6 +26,7 @@ from cudagym.env.kernel_env import KernelEnv  # noqa: E402
 from cudagym.pool import EvalPool, PoolConfig  # noqa: E402
 from cudagym.rewards.api import EvaluatorAPI  # noqa: E402
 from cudagym.core.verdict import ErrorKind  # noqa: E402
+from cudagym.rewards.evaluator import EvaluatorConfig  # noqa: E402
 from cudagym.sandbox.workspace import Workspace  # noqa: E402
 from test_runner import _cli, _episode_records, kill_midway  # noqa: E402
 
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # setup (Ray, 3 acto
 def pool(tmp_path_factory: pytest.TempPathFactory):
     cache = tmp_path_factory.mktemp("pool-cache")
     # 8 logical CPUs: this pool's 3 actors, and the 3 of the `cudagym run` processes of the resume test
-    p = EvalPool.start(PoolConfig(evaluator=cpu_config(cache, spare_workers=1), device_actors=2, compile_actors=1),
+    p = EvalPool.start(PoolConfig(evaluator=cpu_config(cache, sandbox={"backend": "local", "spare_workers": 1}), device_actors=2, compile_actors=1),
                        ray_init={"num_cpus": 8})
     try:
         yield p
@@ -76,7 +77,7 @@ async def test_sixteen_concurrent_episodes_through_two_device_actors(pool, tmp_p
     assert isinstance(pool, EvaluatorAPI)
     before = {a["name"]: a["done"] for a in pool.actors()}
     cfg = RunConfig(tasks=TASK, policy="test_runner_concurrency:write_then_submit", episodes=16, concurrency=16,
-                    target="cpu", out=tmp_path / "run", backend="ray")
+                    evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "run", backend="ray")
     summary = await arun(cfg, _quiet(), evaluator=pool)
     assert summary.ran == 16
     eps = TrajectoryStore(tmp_path / "run").summaries()

@@ -118,7 +118,7 @@ def honest_verdicts(evaluator: Evaluator, tmp_path_factory: pytest.TempPathFacto
     """Every honest CPU solution evaluated at once (compiles and worker start-ups overlap; the
     sandbox still times one job at a time). Values are verdicts or the exception raised."""
     root = tmp_path_factory.mktemp("honest")
-    ids = HONEST_IDS if evaluator.config.sandbox == "local" else DOCKER_HONEST_IDS
+    ids = HONEST_IDS if evaluator.config.sandbox.backend == "local" else DOCKER_HONEST_IDS
 
     async def one(task_id: str) -> Verdict:
         task = task_of(task_id)

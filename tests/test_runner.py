@@ -15,6 +15,7 @@ from cudagym.agent.report import render_table, results_table, write_report
 from cudagym.agent.runner import RunConfig, arun
 from cudagym.agent.store import TrajectoryStore
 from cudagym.errors import ConfigError
+from cudagym.rewards.evaluator import EvaluatorConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = "ew_scale_bias_gelu"
@@ -90,8 +91,8 @@ def test_resume_after_sigkill(tmp_path):
 
 
 async def test_runner_in_process_records_and_refuses_changed_settings(tmp_path):
-    cfg = RunConfig(tasks=TASKS, policy="test_runner:slow_policy", episodes=2, concurrency=2, target="cpu",
-                    out=tmp_path / "r", max_turns=2)
+    cfg = RunConfig(tasks=TASKS, policy="test_runner:slow_policy", episodes=2, concurrency=2,
+                    evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "r", max_turns=2)
     from rich.console import Console
 
     quiet = Console(file=open(os.devnull, "w"))
@@ -173,7 +174,46 @@ def test_report_command_and_help(tmp_path):
 def test_spare_workers_reach_the_run_evaluator(tmp_path):
     from cudagym.agent.runner import make_evaluator
 
-    with make_evaluator(RunConfig(target="cpu", spare_workers=1, out=tmp_path)) as ev:
+    cfg = EvaluatorConfig(target="cpu", sandbox={"backend": "local", "spare_workers": 1})
+    with make_evaluator(RunConfig(evaluator=cfg, out=tmp_path)) as ev:
         assert ev.sandbox.config.spare_workers == 1
     with pytest.raises(ValueError):
-        RunConfig(target="cpu", spare_workers=-1)
+        EvaluatorConfig(sandbox={"backend": "local", "spare_workers": -1})
+
+
+def test_a_setting_that_moved_is_named_not_dropped():
+    """A config written before the evaluator's settings were nested (a script's keyword
+    arguments, a saved file) fails naming the field and where it lives now, rather than loading
+    with the field silently ignored."""
+    with pytest.raises(ValueError, match=r"RunConfig\.spare_workers is now RunConfig\.evaluator\.sandbox\.spare_workers"):
+        RunConfig(spare_workers=2)
+    with pytest.raises(ValueError, match=r"RunConfig\.target is now RunConfig\.evaluator\.target"):
+        RunConfig.model_validate_json('{"target": "cpu"}')
+    with pytest.raises(ValueError, match=r"EvaluatorConfig\.spare_workers is now EvaluatorConfig\.sandbox\.spare_workers"):
+        EvaluatorConfig(spare_workers=2)
+    with pytest.raises(ValueError, match=r"EvaluatorConfig\.docker is now"):
+        EvaluatorConfig(docker={"image": "x"})
+    assert EvaluatorConfig(sandbox="docker").sandbox.backend == "docker"  # a backend by name: its defaults
+    saved = EvaluatorConfig(sandbox={"backend": "docker", "spare_workers": 3, "image": "x"}).model_dump_json()
+    assert EvaluatorConfig.model_validate_json(saved).sandbox.image == "x"
+
+
+async def test_a_run_directory_of_the_flat_settings_resumes(tmp_path):
+    """A run directory whose run.json predates `RunConfig.evaluator` (target and mode at its top)
+    resumes, and a changed target there is still refused."""
+    from rich.console import Console
+
+    quiet = Console(file=open(os.devnull, "w"))
+    cfg = RunConfig(tasks=TASKS, policy="test_runner:slow_policy", episodes=1, concurrency=1,
+                    evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "r", max_turns=1)
+    await arun(cfg, quiet)
+    run_json = tmp_path / "r" / "run.json"
+    saved = json.loads(run_json.read_text())
+    flat = {k: v for k, v in saved.items() if k != "evaluator"} | {
+        "target": "cpu", "mode": "strict", "sandbox": "local", "spare_workers": None}
+    run_json.write_text(json.dumps(flat))
+    again = await arun(cfg, quiet)
+    assert again.ran == 0 and again.skipped == 1
+    run_json.write_text(json.dumps(flat | {"target": "cuda"}))
+    with pytest.raises(ConfigError, match="evaluator.target"):
+        await arun(cfg, quiet)

@@ -8,6 +8,7 @@ from rich.console import Console
 from cudagym.agent.runner import RunConfig, arun
 from cudagym.agent.scripted import ScriptedPolicy
 from cudagym.agent.store import TrajectoryStore
+from cudagym.rewards.evaluator import EvaluatorConfig
 
 TASK = "ew_scale_bias_gelu"
 _SCRIPT = ScriptedPolicy(structured=True)
@@ -25,7 +26,7 @@ async def write_then_submit(messages, tools, context):
 @pytest.mark.timeout(900)
 async def test_sixteen_concurrent_episodes_finish(tmp_path):
     cfg = RunConfig(tasks=TASK, policy="test_runner_concurrency:write_then_submit", episodes=16, concurrency=16,
-                    target="cpu", out=tmp_path / "run")
+                    evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "run")
     summary = await arun(cfg, Console(file=open(os.devnull, "w")))
     assert summary.ran == 16
     eps = TrajectoryStore(tmp_path / "run").summaries()

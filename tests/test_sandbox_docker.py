@@ -32,7 +32,8 @@ def probe(source: str, timeout_s: float = 120.0) -> Job:
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory: pytest.TempPathFactory):
     require_docker()
-    from cudagym.sandbox.docker import DockerSandbox, DockerSandboxConfig
+    from cudagym.sandbox.config import DockerSandboxConfig
+    from cudagym.sandbox.docker import DockerSandbox
 
     sb = DockerSandbox(DockerSandboxConfig(spare_workers=1), home=tmp_path_factory.mktemp("home"))
     try:

@@ -29,7 +29,8 @@ import psutil
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+from cudagym.sandbox.config import LocalSandboxConfig
+from cudagym.sandbox.local import LocalSandbox
 from cudagym.sandbox.protocol import Job, LimitsConfig
 
 from conftest import REPO, cpu_config, require_docker, task_of
@@ -131,7 +132,8 @@ def test_candidate_code_run_by_the_compile_step_gets_the_job_limit(eval_cache: P
 EVALUATOR_SCRIPT = """\
 import sys
 from pathlib import Path
-from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+from cudagym.sandbox.config import LocalSandboxConfig
+from cudagym.sandbox.local import LocalSandbox
 from cudagym.sandbox.protocol import Job, LimitsConfig
 
 sb = LocalSandbox(LocalSandboxConfig(spare_workers=1, fork_server=sys.argv[1] == "forked"), home=Path(sys.argv[2]))
@@ -229,7 +231,8 @@ def test_real_time_scheduling_and_capabilities_are_refused(sandbox: LocalSandbox
 @pytest.mark.timeout(900)
 def test_real_time_scheduling_and_capabilities_are_refused_in_a_container(tmp_path: Path) -> None:
     require_docker()
-    from cudagym.sandbox.docker import DockerSandbox, DockerSandboxConfig
+    from cudagym.sandbox.config import DockerSandboxConfig
+    from cudagym.sandbox.docker import DockerSandbox
 
     sb = DockerSandbox(DockerSandboxConfig(spare_workers=1), home=tmp_path / "home")
     try:

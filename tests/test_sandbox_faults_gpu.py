@@ -20,7 +20,8 @@ import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.core.verdict import ErrorKind
-from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+from cudagym.sandbox.config import LocalSandboxConfig
+from cudagym.sandbox.local import LocalSandbox
 from cudagym.sandbox.protocol import LimitsConfig
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from cudagym.errors import SandboxError
-from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+from cudagym.sandbox.config import LocalSandboxConfig
+from cudagym.sandbox.local import LocalSandbox
 from cudagym.sandbox.protocol import Job, LimitsConfig
 
 DOUBLE_REAP = re.compile(r"Unknown child process pid|exit status already read")

@@ -155,7 +155,8 @@ def test_unbounded_forking(limited: Evaluator, build_ws, tmp_path: Path) -> None
 def test_outputs_beyond_the_result_memory(eval_cache: Path, build_ws, tmp_path: Path) -> None:
     """Outputs larger than a worker's (sealed, fixed-size) result memory: a clear error, no host
     memory taken beyond the cap; the same evaluator then rewards an honest solution."""
-    from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+    from cudagym.sandbox.config import LocalSandboxConfig
+    from cudagym.sandbox.local import LocalSandbox
 
     ev = Evaluator(cpu_config(eval_cache), sandbox=LocalSandbox(LocalSandboxConfig(max_result_mb=1, spare_workers=1),
                                                                 home=eval_cache / "home"))

@@ -19,6 +19,7 @@ from cudagym.agent.runner import RunConfig, arun
 from cudagym.agent.store import TrajectoryStore
 from cudagym.env import ENV_ID, KernelEnv
 from cudagym.errors import ConfigError, TaskError
+from cudagym.rewards.evaluator import EvaluatorConfig
 from cudagym.tasks.loaders import bundled_task, load_parquet, load_task_dir, load_task_file, load_tasks, resolve_task
 from cudagym.tasks.model import (
     CORPUS_SOURCE, KERNELBENCH_TOLERANCE, OWN_TOLERANCE, Task, Tolerance, default_tolerance, optional_tolerance,
@@ -148,7 +149,8 @@ async def test_run_flags_override_every_tasks_tolerance(tmp_path) -> None:
     assert summary["task"]["tolerance"] == {"atol": 0.25, "rtol": 0.5}
     assert "atol=0.25, rtol=0.5" in store.steps(summary["episode_id"])[0]["action"]["content"]
     cfg = RunConfig(tasks="ew_scale_bias_gelu", policy="test_tolerance:state_the_tolerance_and_submit",
-                    target="cpu", max_turns=1, out=out, tolerance=Tolerance(atol=0.25, rtol=0.25))
+                    evaluator=EvaluatorConfig(target="cpu"), max_turns=1, out=out,
+                    tolerance=Tolerance(atol=0.25, rtol=0.25))
     with pytest.raises(ConfigError, match="tolerance"):  # a resume must not change the tolerance
         await arun(cfg)
 

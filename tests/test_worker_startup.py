@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
+from cudagym.sandbox.config import LocalSandboxConfig
+
+from cudagym.sandbox.local import LocalSandbox
 from cudagym.sandbox.protocol import Job, LimitsConfig
 
 

@@ -10,7 +10,6 @@ Implement `aact` (async); `act` is its sync form. Failures to reach a model rais
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 from typing import Any
@@ -19,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from cudagym.env.tools import ToolCall
 from cudagym.errors import CudagymError
+from cudagym.sandbox.bridge import run_sync
 
 
 class PolicyError(CudagymError):
@@ -64,7 +64,7 @@ class Policy:
         raise NotImplementedError
 
     def act(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext) -> AssistantTurn:
-        return asyncio.run(self.aact(messages, tools, context))
+        return run_sync(self.aact(messages, tools, context), async_form="await policy.aact(...)")
 
     async def aclose(self) -> None:
         """Release connections (optional)."""

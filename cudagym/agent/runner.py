@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from cudagym.agent.context import ContextBudget
 from cudagym.agent.episode import EpisodeResult, run_episode
@@ -26,42 +26,74 @@ from cudagym.env.kernel_env import EnvConfig, KernelEnv
 from cudagym.env.variants import ContrastiveConfig, VariantBook
 from cudagym.env.tokens import CharEstimate, TokenCounter, TokenizerCounter
 from cudagym.errors import ConfigError
-from cudagym.core.verdict import AuditMode
+from cudagym.rewards.evaluator import EvaluatorConfig
+from cudagym.sandbox.config import reject_moved
 from cudagym.tasks.model import Task, Tolerance
 
 # settings that define which episodes a run directory holds; a resume must not change them
-_IDENTITY = ("tasks", "policy", "episodes", "limit", "target", "mode", "tolerance", "max_turns")
+_IDENTITY = ("tasks", "policy", "episodes", "limit", "evaluator.target", "evaluator.mode", "tolerance", "max_turns")
+# the run's settings that are its evaluator's (`RunConfig.evaluator`)
+_MOVED = {k: f"evaluator.{k}" for k in ("target", "mode", "sandbox", "server_gap_ms")} | {
+    "spare_workers": "evaluator.sandbox.spare_workers", "reward_against": "evaluator.reward.against"}
 
 
 class RunConfig(BaseModel):
-    tasks: str = "bundled"
-    policy: str = "scripted"  # scripted | openai | module:function
-    episodes: int = Field(default=1, ge=1)  # per task
-    limit: int | None = Field(default=None, ge=1)  # first N tasks only
-    concurrency: int = Field(default=4, ge=1)
-    target: Literal["auto", "cuda", "cpu"] = "auto"
-    mode: AuditMode = "strict"
-    sandbox: Literal["local", "docker"] = "local"  # the sandbox backend of the run's evaluator
+    """A `cudagym run`: its episodes, policy and evaluator. The command's options are these
+    fields (`cudagym.options`): their help text is each field's description."""
+
+    tasks: str = Field(default="bundled", description=(
+        "Task source: 'bundled', a bundled task id, a task .py file, a KernelBench-style directory or an Ops-6K "
+        ".parquet."))
+    policy: str = Field(default="scripted", description=(
+        "'scripted' (replays examples/solutions), 'openai' (an OpenAI-compatible server: OPENAI_BASE_URL, "
+        "OPENAI_API_KEY, CUDAGYM_MODEL) or 'module:function' (a Python callable)."))
+    episodes: int = Field(default=1, ge=1, description="Episodes per task.")
+    limit: int | None = Field(default=None, ge=1, description="Run only the first N tasks of the source.")
+    concurrency: int = Field(default=4, ge=1, description=(
+        "Episodes running at once (the evaluator queues device work itself)."))
+    # the run's evaluator (target, audit mode, sandbox backend and its spare workers, server-mode
+    # timing, the milestones' baselines); with backend "ray", each pool actor's
+    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
     tolerance: Tolerance | None = None  # None: each task's own; else this, for every task
-    out: Path | None = None  # None: runs/<timestamp>
-    max_turns: int = Field(default=30, ge=1)
-    max_context_tokens: int | None = None
-    tokenizer: Path | None = None  # a tokenizer.json for exact token counts
-    solutions: Path | None = None  # scripted policy's solutions root
-    model: str | None = None
-    base_url: str | None = None
-    tool_mode: Literal["native", "hermes"] = "native"
-    seed: int = 0
-    backend: Literal["local", "ray"] = "local"  # where checks run: this process, or a Ray evaluation pool
-    ray_address: str | None = None  # backend ray: the cluster (None: a local Ray instance of this run)
+    out: Path | None = Field(default=None, description=(
+        "Run directory for trajectories and the report (default runs/<timestamp>). Rerun with the same directory "
+        "to resume."))
+    max_turns: int = Field(default=30, ge=1, description=(
+        "Turn budget per episode; at the limit the workspace is scored as it stands."))
+    max_context_tokens: int | None = Field(default=None, description=(
+        "Keep each policy prompt under this many tokens (older tool outputs are elided first)."))
+    tokenizer: Path | None = Field(default=None, description=(
+        "A tokenizer.json (Hugging Face tokenizers) for exact token counts; default: 4 chars per token."))
+    solutions: Path | None = Field(default=None, description=(
+        "Solutions root of the scripted policy (default: examples/solutions of the repository)."))
+    model: str | None = Field(default=None, description="Model name for --policy openai (default: $CUDAGYM_MODEL).")
+    base_url: str | None = Field(default=None, description=(
+        "Server URL for --policy openai (default: $OPENAI_BASE_URL)."))
+    tool_mode: Literal["native", "hermes"] = Field(default="native", description=(
+        "For --policy openai: 'native' tool calls or 'hermes' <tool_call> text."))
+    seed: int = Field(default=0, description="Seed of the environments' random generators.")
+    backend: Literal["local", "ray"] = Field(default="local", description=(
+        "Where checks run: 'local' (an evaluator in this process, this host's GPUs) or 'ray' (an evaluation pool "
+        "on a Ray cluster: an actor per GPU, compile actors; needs cudagym[ray])."))
+    ray_address: str | None = Field(default=None, description=(
+        "With --backend ray: the cluster to run the pool on (e.g. 'auto' or 'HOST:6379'); default: a local Ray "
+        "instance started for this run."))
     # contrastive feedback (CUDA-L1): each episode's prompt shows the best `contrastive` earlier
     # variants of its task (kept in <out>/variants.jsonl); episodes of one task then run in order
-    contrastive: int = Field(default=0, ge=0)
-    require_analysis: bool = False
-    analysis_reward: float = 0.0
-    server_gap_ms: tuple[float, float] | None = None  # server-mode timing beside offline (CUDA-L2): idle gaps, ms
-    reward_against: tuple[str, str] | None = None  # the +2 and +3 milestones' baselines (`RewardConfig.against`)
-    spare_workers: int | None = Field(default=None, ge=0)  # warm workers per device (None: the evaluator's 6 per GPU)
+    contrastive: int = Field(default=0, ge=0, description=(
+        "Contrastive feedback (CUDA-L1): show each episode the best K earlier measured variants of its task, with "
+        "their speedups (kept in OUT/variants.jsonl); one task's episodes then run in order. 0: off."))
+    require_analysis: bool = Field(default=False, description=(
+        "Ask for a performance analysis in <analysis>...</analysis> before each turn's tool call."))
+    analysis_reward: float = Field(default=0.0, description=(
+        "Shaping reward, once per episode, for the first turn with an analysis."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            reject_moved(data, _MOVED, "RunConfig")
+        return data
 
 
 class RunSummary(BaseModel):
@@ -98,17 +130,25 @@ def make_policy(cfg: RunConfig) -> tuple[Policy, bool]:
 def make_evaluator(cfg: RunConfig) -> Any:
     """The run's evaluator: an `Evaluator` in this process (backend ``local``), or a client of an
     evaluation pool on Ray (backend ``ray``, `cudagym.pool`), started on ``cfg.ray_address``."""
-    from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-    from cudagym.rewards.milestone import RewardConfig
+    from cudagym.rewards.evaluator import Evaluator
 
-    config = EvaluatorConfig(target=cfg.target, mode=cfg.mode, sandbox=cfg.sandbox, server_gap_ms=cfg.server_gap_ms,
-                             spare_workers=cfg.spare_workers,
-                             **({"reward": RewardConfig(against=cfg.reward_against)} if cfg.reward_against else {}))
     if cfg.backend == "ray":
         from cudagym.pool import EvalPool, PoolConfig
 
-        return EvalPool.start(PoolConfig(evaluator=config), address=cfg.ray_address)
-    return Evaluator(config)
+        return EvalPool.start(PoolConfig(evaluator=cfg.evaluator), address=cfg.ray_address)
+    return Evaluator(cfg.evaluator)
+
+
+def _identity(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings of `_IDENTITY` from a run's saved settings (``run.json``); in one written
+    before the evaluator's settings were nested in `RunConfig.evaluator`, they are at the top."""
+    def get(key: str) -> Any:
+        head, _, rest = key.partition(".")
+        if rest and head not in settings:
+            return settings.get(rest)
+        return (settings.get(head) or {}).get(rest) if rest else settings.get(head)
+
+    return {k: get(k) for k in _IDENTITY}
 
 
 def episode_ids(tasks: list[Task], episodes: int) -> list[tuple[Task, str]]:
@@ -128,7 +168,8 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     settings = cfg.model_dump(mode="json")
     prev = store.read_settings()
     if prev is not None:
-        changed = [k for k in _IDENTITY if prev.get(k) != settings.get(k)]
+        was, now = _identity(prev), _identity(settings)
+        changed = [k for k in _IDENTITY if was[k] != now[k]]
         if changed:
             raise ConfigError(f"{out} holds a run with different {', '.join(changed)}; use another --out")
     store.write_settings(settings)
@@ -147,7 +188,7 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     policy, hermes = make_policy(cfg)
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
-    env_cfg = EnvConfig(target=cfg.target, mode=cfg.mode, tolerance=cfg.tolerance, max_turns=cfg.max_turns,
+    env_cfg = EnvConfig(target=cfg.evaluator.target, mode=cfg.evaluator.mode, tolerance=cfg.tolerance, max_turns=cfg.max_turns,
                         workspace_root=out / "workspaces",
                         contrastive=ContrastiveConfig(keep=cfg.contrastive, require_analysis=cfg.require_analysis,
                                                       analysis_reward=cfg.analysis_reward))

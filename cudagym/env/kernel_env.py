@@ -78,6 +78,7 @@ from cudagym.env.format import format_verdict, trim_output
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
 from cudagym.core.verdict import AuditMode, ErrorKind, Verdict
+from cudagym.sandbox.bridge import run_sync
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task, Tolerance
 
@@ -181,8 +182,8 @@ class KernelEnv(gym.Env[str, Any]):
         if evaluator is None:
             from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 
-            evaluator = Evaluator(EvaluatorConfig(target=self.config.target, mode=self.config.mode,
-                                                  sandbox=self.config.sandbox))
+            evaluator = Evaluator(EvaluatorConfig.model_validate(
+                {"target": self.config.target, "mode": self.config.mode, "sandbox": self.config.sandbox}))
         self.evaluator = evaluator
         self.target: Target = Target(evaluator.target)
         self.toolbox = Toolbox()
@@ -483,16 +484,9 @@ class KernelEnv(gym.Env[str, Any]):
         self._loop = None
 
     def _run(self, coro: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            coro.close()
-            raise RuntimeError("KernelEnv.reset/step called inside a running event loop: use await env.areset/astep")
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(coro)
+        return run_sync(coro, self._loop, async_form="await env.areset/astep (KernelEnv.reset/step are the sync forms)")
 
     # -- helpers -------------------------------------------------------------------------------
     def _pick_task(self, choice: Any) -> Task:

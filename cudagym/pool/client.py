@@ -55,6 +55,7 @@ from cudagym.pool.snapshot import WorkspaceSnapshot
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.milestone import milestone_verdict
 from cudagym.core.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
+from cudagym.sandbox.bridge import run_sync
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task
@@ -359,7 +360,9 @@ class EvalPool:
         return milestone_verdict(c, v, p, self.config.evaluator.reward)
 
     # -- sync forms: the evaluator's own, which run the async forms above --------------------
-    _sync = Evaluator._sync
+    def _sync(self, coro: Any) -> Any:
+        return run_sync(coro, async_form="the async form (await pool.a...)")
+
     compile = Evaluator.compile
     verify = Evaluator.verify
     profile = Evaluator.profile

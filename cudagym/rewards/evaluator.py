@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cudagym.core.audit import (
     Origins, foreign_kernels, foreign_work, forbidden_ops, op_counts, own_time_share, unmeasured_work,
@@ -32,7 +32,8 @@ from cudagym.core.verdict import (
 )
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
-from cudagym.sandbox.docker import DockerSandboxConfig
+from cudagym.sandbox.bridge import run_sync
+from cudagym.sandbox.config import LocalSandboxConfig, SandboxConfig, reject_moved
 from cudagym.sandbox.feed import CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
@@ -52,26 +53,47 @@ def default_cache_dir() -> Path:
 class EvaluatorConfig(BaseModel):
     """Everything that decides a verdict, in one place."""
 
-    target: Literal["auto", "cuda", "cpu"] = "auto"
-    mode: AuditMode = "strict"
-    cache_dir: Path = Field(default_factory=default_cache_dir)
+    target: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto", description="Kernel target: 'auto' (CUDA if a GPU is present, else CPU), 'cuda' or 'cpu'.")
+    mode: AuditMode = Field(
+        default="strict", description="Op audit: 'strict' (only your kernels plus allocation/view ops in forward) or "
+                                      "'permissive' (torch ops allowed, own kernels must carry the work).")
+    cache_dir: Path = Field(default_factory=default_cache_dir,
+                            description="Build and baseline cache (default ~/.cache/cudagym or $CUDAGYM_CACHE).")
     toolchain: ToolchainConfig = Field(default_factory=ToolchainConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
     timing: TimingConfig = Field(default_factory=TimingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    compile_baseline: bool = True  # measure torch.compile (the +3 milestone needs it)
+    compile_baseline: bool = Field(default=True, description="Measure the torch.compile baseline (the +3 milestone "
+                                                             "needs it).")
     # measure the cuBLASLt baselines (heuristic and autotuned; `cudagym.sandbox.library`) of the
     # GEMM family's tasks, beside eager and torch.compile
     library_baselines: bool = True
     roofline_slack: float = 0.5  # a time below slack x the roofline floor is implausible
-    spare_workers: int | None = None  # warm spare workers per device (None: 6 per GPU, 2 on the CPU)
-    sandbox: Literal["local", "docker"] = "local"  # where workers run: processes here, or containers
-    docker: DockerSandboxConfig = Field(default_factory=DockerSandboxConfig)  # the docker backend's settings
+    # where workers run, with its settings; a backend's name ("local", "docker") is that backend
+    # with its defaults
+    sandbox: SandboxConfig = Field(
+        default_factory=LocalSandboxConfig,
+        description="Sandbox backend: 'local' (worker processes on this host) or 'docker' (a container per worker; "
+                    "image from `cudagym sandbox image build`).")
     # Server mode beside offline in every profile: each call after an idle gap drawn from this
     # range (ms; `TimingConfig.idle_ms`), at most server_calls timed calls. None: offline only.
-    server_gap_ms: tuple[float, float] | None = None
+    server_gap_ms: tuple[float, float] | None = Field(
+        default=None, description="Also time every profile in server mode (CUDA-L2): each call after an idle gap "
+                                  "drawn from LOW,HIGH ms (e.g. 1,10), reported beside the offline time; the reward "
+                                  "stays offline.")
     server_calls: int = 100
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_by_name(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            reject_moved(data, {"spare_workers": "sandbox.spare_workers", "docker": "sandbox (backend 'docker')"},
+                         "EvaluatorConfig")
+            if isinstance(data.get("sandbox"), str):
+                data = {**data, "sandbox": {"backend": data["sandbox"]}}
+        return data
 
     @field_validator("server_gap_ms")
     @classmethod
@@ -210,8 +232,6 @@ class Evaluator:
     """compile / verify / profile / evaluate a workspace for a task; async forms `a*`."""
 
     def __init__(self, config: EvaluatorConfig | None = None, sandbox: Sandbox | None = None):
-        from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
-
         self.config = config or EvaluatorConfig()
         self._target = resolve_target(self.config.target)
         cache = Path(self.config.cache_dir)
@@ -219,17 +239,9 @@ class Evaluator:
         self.toolchain = Toolchain(cache / "build", self.config.toolchain)
         self.inline_cache = InlineBuildCache(cache / "build", self.toolchain.bound,
                                             self.toolchain.config.max_build_output_mb << 20)
-        if sandbox is None and self.config.sandbox == "docker":
-            from cudagym.sandbox.docker import DockerSandbox
-
-            sandbox = DockerSandbox(self.config.docker.model_copy(update={"spare_workers": self.config.spare_workers})
-                                    if self.config.spare_workers is not None else self.config.docker,
-                                    home=cache / "home", read_only=[cache])
-        self.sandbox = sandbox or LocalSandbox(LocalSandboxConfig(spare_workers=self.config.spare_workers),
-                                               home=cache / "home")
+        self.sandbox = sandbox or self.config.sandbox.open(home=cache / "home", read_only=[cache])
         self.baselines = BaselineCache(cache / "baselines")
         self._baseline_locks: dict[str, threading.Lock] = {}
-        self._sync_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def target(self) -> Target:
@@ -782,11 +794,7 @@ class Evaluator:
 
     # -- sync forms ---------------------------------------------------------------------------
     def _sync(self, coro: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(coro)
-        raise RuntimeError("use the async form (await evaluator.a...) inside a running event loop")
+        return run_sync(coro, async_form="the async form (await evaluator.a...)")
 
     def compile(self, task: Task, workspace: Workspace) -> CompileResult:
         return self._sync(self.acompile(task, workspace))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from cudagym.core.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
@@ -31,7 +31,11 @@ class RewardConfig(BaseModel):
     eager_margin: float = 0.05
     compile_margin: float = 0.05
     # the baselines of the +2 and the +3 milestone (see the module's text)
-    against: tuple[BaselineName, BaselineName] = ("eager", "compiled")
+    against: tuple[BaselineName, BaselineName] = Field(
+        default=("eager", "compiled"),
+        description="The baselines of the +2 and +3 milestones, A,B among eager, compiled, cublaslt, cublaslt_tuned "
+                    "(default eager,compiled; the cuBLASLt ones exist for GEMM tasks on a GPU, other tasks fall back "
+                    "to the default).")
 
     @staticmethod
     def parse_against(text: str) -> tuple[str, str]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from cudagym.options import option
+from cudagym.sandbox.config import DockerSandboxConfig
+
 app = typer.Typer(no_args_is_help=True, help="Sandbox backends: the docker backend's image.")
 image_app = typer.Typer(no_args_is_help=True, help="The docker backend's image.")
 app.add_typer(image_app, name="image")
@@ -16,8 +19,7 @@ def build(
                                "/lib*, dynamic-linker cache and Python prefix mounted read-only, so no registry is "
                                "needed and workers run this machine's interpreter, torch and compilers. 'dockerfile': "
                                "cudagym/sandbox/Dockerfile (a CUDA + PyTorch base image, for GPU machines; needs its registry)."),
-    tag: str = typer.Option("cudagym-sandbox:host", "--tag", help="Image name; the docker backend uses "
-                            "cudagym-sandbox:host unless its config names another."),
+    tag: str = option(DockerSandboxConfig, "image", "--tag"),
 ) -> None:
     """Build the docker sandbox's image (default: offline, from this host's own Python environment)."""
     from cudagym.errors import CudagymError

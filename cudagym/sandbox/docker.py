@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from pydantic import BaseModel
 
 import cudagym
 from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder
 from cudagym.sandbox.channel import FrameReader, collect_outcome, write_all
+from cudagym.sandbox.config import DockerSandboxConfig
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import TIMING_KINDS, Job, LimitsConfig
 from cudagym.sandbox.schedule import SpareWorkerSandbox
@@ -53,32 +53,6 @@ JOB_DIR = "/cudagym/job"  # the container's own read-write directory (the job's 
 ROOTFS_LABEL = "cudagym.rootfs"  # "host": the image holds no system of its own (host paths mounted)
 _OUTPUT_LIMIT = 20_000
 _NOBODY = "65534:65534"
-
-
-class DockerSandboxConfig(BaseModel):
-    image: str = "cudagym-sandbox:host"  # `cudagym sandbox image build` makes it
-    spare_workers: int | None = None  # spares per device; None: 6 per GPU, 2 on the CPU
-    user: str | None = None  # uid:gid in the container; None: nobody when the parent is root, else the parent's
-    python: str | None = None  # None: this interpreter with a host-rootfs image, else `python3`
-    start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
-    max_result_mb: int = 16384  # capacity of a worker's result memory (sparse)
-    tmp_mb: int = 64  # size of the container's private /tmp (root's: the candidate cannot write it)
-    # The containers' hard file-size limit: the largest any job may be given (a baseline job's
-    # torch.compile writes 4096 MB at most). Each job lowers it to its own; without
-    # CAP_SYS_RESOURCE no process in the container can raise a hard limit again.
-    max_file_mb_ceiling: int = 4096
-    base_pids: int = 64  # processes + threads of a worker at rest where the pids cgroup cannot be read
-    runtime_dir: Path = Path("/dev/shm")  # where job directories are made (memory: result bytes are mapped)
-    docker_url: str | None = None  # None: the environment's (DOCKER_HOST or the local socket)
-    freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
-    release_gpu_at_result: bool = False  # a job's GPU lease ends when its result is in, not once its
-    # container's worker (and its CUDA context) is gone
-    # The containers' parent cgroup. None: "/" under the daemon's cgroupfs driver, so that each
-    # container competes for the CPU as one process, like a local worker, rather than all
-    # containers sharing the one weight of docker's default `/docker` group (on a busy host that
-    # group gets one task's share: `import torch` in a container took 42 s against 9 s on the
-    # host, on two cores with twelve runnable tasks); the daemon's default under systemd.
-    cgroup_parent: str | None = None
 
 
 def docker_client(url: str | None = None, timeout: int = 120) -> Any:

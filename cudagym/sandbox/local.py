@@ -18,19 +18,18 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import psutil
-from pydantic import BaseModel
 
 import cudagym
 from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder
 from cudagym.sandbox.channel import FrameReader, collect_outcome, result_memory, write_all
+from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
@@ -41,33 +40,6 @@ from cudagym.sandbox.schedule import RunningJob, SpareWorkerSandbox
 log = logging.getLogger(__name__)
 _OUTPUT_LIMIT = 20_000
 _NICE = shutil.which("nice")
-
-
-class LocalSandboxConfig(BaseModel):
-    # Spares per device. A step makes up to four jobs back to back (verify + reference, baseline,
-    # profile); each job consumes a spare. A forked one is ready in about 2 s on an H100 host (5 s
-    # when 16 start at once), a spawned one in 13-16 s.
-    spare_workers: int | None = None  # None: 6 per GPU, 2 on the CPU
-    python: str = sys.executable
-    isolate: bool = True  # namespaces + cgroups where available (Landlock is always applied)
-    watchdog_interval_s: float = 0.05
-    start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
-    max_result_mb: int = 16384  # capacity of a worker's result memory (outputs of all trials)
-    freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
-    spare_nice: int = 10  # CPU niceness of spares until they take a job (0: off)
-    premap_result_mb: int | None = None  # result memory a spare populates (and page-locks) ahead;
-    # None: 512 MB per GPU worker (six trials of 64 MB outputs fit), 0 on the CPU
-    fork_server: bool = True  # fork workers from a warm server per device (False: spawn each one)
-    release_gpu_at_result: bool = False  # a job's GPU lease ends when its result is in, not once its
-    # worker (and its CUDA context) is gone
-    # A timing job (profile, baseline) on a GPU that another process uses (NVML: a compute or
-    # graphics process that is not ours, or SM utilization of one): "refuse" waits up to
-    # device_busy_wait_s for it to leave, then fails the job with `device_busy`, and fails a job
-    # beside which one appeared; "report" times anyway and says what it saw (host_load's
-    # "gpu_foreign"); "allow" does not look (GPUs shared on purpose: MIG, MPS).
-    gpu_sharing: Literal["refuse", "report", "allow"] = "refuse"
-    device_busy_wait_s: float = 30.0
-    gpu_sharing_allow: tuple[str, ...] = ()  # process names that count as ours (e.g. "nvidia-cuda-mps-server")
 
 
 class _ServerDied(SandboxError):

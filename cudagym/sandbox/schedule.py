@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
+from cudagym.sandbox.bridge import LoopThread
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.protocol import TIMING_KINDS, Job
 
@@ -293,9 +294,7 @@ class SpareWorkerSandbox(Sandbox):
     _stop_timeout_s = 10.0
 
     def _start_loop(self, name: str) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread(name)
         self._closed = False
         self._scheduler = JobScheduler(self.config.release_gpu_at_result)
         self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
@@ -323,9 +322,7 @@ class SpareWorkerSandbox(Sandbox):
         `spare_workers`."""
         pool = self._spares.setdefault(device, [])
         starting = self._starting.setdefault(device, set())
-        want = self.config.spare_workers
-        if want is None:
-            want = 6 if device.startswith("cuda") else 2
+        want = self.config.spares_for(device)
         while len(pool) + len(starting) < want and not self._closed:
             start = asyncio.ensure_future(self._start_spare(device))
             starting.add(start)
@@ -392,12 +389,11 @@ class SpareWorkerSandbox(Sandbox):
     async def _stop_spares(self) -> None: ...
 
     async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        fut = asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused), self._loop)
-        return await asyncio.wrap_future(fut)
+        return await self._loop_thread.acall(
+            self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused))
 
     def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return asyncio.run_coroutine_threadsafe(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused),
-                                                self._loop).result()
+        return self._loop_thread.call(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused))
 
     @property
     def lease_holds(self) -> list[LeaseHold]:
@@ -406,17 +402,16 @@ class SpareWorkerSandbox(Sandbox):
 
     def warm(self, device: str) -> None:
         """Start spare workers for `device` now (they are otherwise started on first use)."""
-        asyncio.run_coroutine_threadsafe(self._replenish(device), self._loop).result()
+        self._loop_thread.call(self._replenish(device))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=self._stop_timeout_s)
+            self._loop_thread.call(self._shutdown(), timeout=self._stop_timeout_s)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+            self._loop_thread.stop()
 
     def __del__(self) -> None:  # best effort: never leave spares behind
         try:

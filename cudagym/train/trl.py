@@ -72,6 +72,7 @@ from cudagym.env.tokens import TokenizerCounter
 from cudagym.env.tools import Toolbox
 from cudagym.errors import ConfigError
 from cudagym.rewards.api import EvaluatorAPI
+from cudagym.sandbox.bridge import run_sync
 from cudagym.tasks.model import Target, Task
 from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_ids, observation_overhead, render
 
@@ -177,7 +178,7 @@ class KernelRollout:
 
     # -- the hook ------------------------------------------------------------------------------
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        return self._loop.run_until_complete(self.arollout(prompts, trainer))
+        return run_sync(self.arollout(prompts, trainer), self._loop, async_form="await hook.arollout(prompts, trainer)")
 
     async def arollout(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval

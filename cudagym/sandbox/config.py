@@ -1,0 +1,120 @@
+"""The sandbox backends' settings: one model per backend over a shared spare-worker base.
+
+`SandboxConfig` is the discriminated union the evaluator holds (`backend: "local" | "docker"`);
+each setting is declared once here, with its default and its description (the command line's
+options read both from the fields, `cudagym.options`), and `config.open(...)` starts the backend
+it describes. The models import nothing heavy, so a config can be built and validated without
+importing a backend.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from cudagym.sandbox.docker import DockerSandbox
+    from cudagym.sandbox.local import LocalSandbox
+
+SPARES_PER_GPU = 6
+SPARES_ON_CPU = 2
+
+
+class SpareWorkerConfig(BaseModel):
+    """What every spare-worker backend (`cudagym.sandbox.schedule.SpareWorkerSandbox`) reads.
+
+    A step makes up to four jobs back to back (verify + reference, baseline, profile); each job
+    consumes a spare. A local forked spare is ready in about 2 s on an H100 host (5 s when 16
+    start at once), a spawned one in 13-16 s."""
+
+    spare_workers: int | None = Field(
+        default=None, ge=0,
+        description=f"Warm worker processes kept per device (default {SPARES_PER_GPU} per GPU, {SPARES_ON_CPU} on "
+                    "the CPU). Each check takes one; with many episodes at once, more spares keep checks from waiting "
+                    "for workers to start, at the cost of a CUDA context and host memory for each.")
+    start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
+    max_result_mb: int = 16384  # capacity of a worker's result memory (outputs of all trials; sparse)
+    freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
+    # a job's GPU lease ends when its result is in, not once its worker (and its CUDA context) is gone
+    release_gpu_at_result: bool = False
+
+    def spares_for(self, device: str) -> int:
+        """How many spares `device` ("cpu", "cuda" or "cuda:N") keeps."""
+        if self.spare_workers is not None:
+            return self.spare_workers
+        return SPARES_PER_GPU if device.startswith("cuda") else SPARES_ON_CPU
+
+
+class LocalSandboxConfig(SpareWorkerConfig):
+    """Worker processes on this host (`cudagym.sandbox.local.LocalSandbox`)."""
+
+    backend: Literal["local"] = "local"
+    python: str = sys.executable
+    isolate: bool = True  # namespaces + cgroups where available (Landlock is always applied)
+    watchdog_interval_s: float = 0.05
+    spare_nice: int = 10  # CPU niceness of spares until they take a job (0: off)
+    premap_result_mb: int | None = None  # result memory a spare populates (and page-locks) ahead;
+    # None: 512 MB per GPU worker (six trials of 64 MB outputs fit), 0 on the CPU
+    fork_server: bool = True  # fork workers from a warm server per device (False: spawn each one)
+    # A timing job (profile, baseline) on a GPU that another process uses (NVML: a compute or
+    # graphics process that is not ours, or SM utilization of one): "refuse" waits up to
+    # device_busy_wait_s for it to leave, then fails the job with `device_busy`, and fails a job
+    # beside which one appeared; "report" times anyway and says what it saw (host_load's
+    # "gpu_foreign"); "allow" does not look (GPUs shared on purpose: MIG, MPS).
+    gpu_sharing: Literal["refuse", "report", "allow"] = "refuse"
+    device_busy_wait_s: float = 30.0
+    gpu_sharing_allow: tuple[str, ...] = ()  # process names that count as ours (e.g. "nvidia-cuda-mps-server")
+
+    def open(self, home: Path, read_only: list[Path]) -> LocalSandbox:
+        """The sandbox of these settings; workers' HOME is `home` (`read_only`: the docker
+        backend's extra mounts; a local worker reads the host's files under its Landlock rules)."""
+        from cudagym.sandbox.local import LocalSandbox
+
+        return LocalSandbox(self, home=home)
+
+
+class DockerSandboxConfig(SpareWorkerConfig):
+    """A container per worker (`cudagym.sandbox.docker.DockerSandbox`)."""
+
+    backend: Literal["docker"] = "docker"
+    image: str = Field(default="cudagym-sandbox:host",
+                       description="Image name: the docker backend's workers run this image (`cudagym sandbox "
+                                   "image build` makes it).")
+    user: str | None = None  # uid:gid in the container; None: nobody when the parent is root, else the parent's
+    python: str | None = None  # None: this interpreter with a host-rootfs image, else `python3`
+    tmp_mb: int = 64  # size of the container's private /tmp (root's: the candidate cannot write it)
+    # The containers' hard file-size limit: the largest any job may be given (a baseline job's
+    # torch.compile writes 4096 MB at most). Each job lowers it to its own; without
+    # CAP_SYS_RESOURCE no process in the container can raise a hard limit again.
+    max_file_mb_ceiling: int = 4096
+    base_pids: int = 64  # processes + threads of a worker at rest where the pids cgroup cannot be read
+    runtime_dir: Path = Path("/dev/shm")  # where job directories are made (memory: result bytes are mapped)
+    docker_url: str | None = None  # None: the environment's (DOCKER_HOST or the local socket)
+    # The containers' parent cgroup. None: "/" under the daemon's cgroupfs driver, so that each
+    # container competes for the CPU as one process, like a local worker, rather than all
+    # containers sharing the one weight of docker's default `/docker` group (on a busy host that
+    # group gets one task's share: `import torch` in a container took 42 s against 9 s on the
+    # host, on two cores with twelve runnable tasks); the daemon's default under systemd.
+    cgroup_parent: str | None = None
+
+    def open(self, home: Path, read_only: list[Path]) -> DockerSandbox:
+        """The sandbox of these settings; workers' HOME is `home`, and `read_only` is mounted
+        read-only in every container (the evaluator's cache)."""
+        from cudagym.sandbox.docker import DockerSandbox
+
+        return DockerSandbox(self, home=home, read_only=read_only)
+
+
+# The backend a config is for, by its `backend` field ("local" or "docker")
+SandboxConfig = Annotated[LocalSandboxConfig | DockerSandboxConfig, Field(discriminator="backend")]
+
+
+def reject_moved(data: dict[str, Any], moved: dict[str, str], model: str) -> None:
+    """A config (a saved file, keyword arguments) that sets a field since moved into a nested
+    model: ValueError naming the field and where it lives now (pydantic would drop it silently)."""
+    old = [k for k in moved if k in data]
+    if old:
+        raise ValueError("; ".join(f"{model}.{k} is now {model}.{moved[k]}" for k in old))
