@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
-from cudagym.sandbox.protocol import Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 
 def startup_of_a_job(tmp_path: Path, fork_server: bool) -> dict[str, float]:
