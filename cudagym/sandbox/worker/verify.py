@@ -138,7 +138,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
     kernels = records_as_counts(kwatch.records()) if kwatch else None
     own_share, share_kernels = None, None
     if job.mode == "permissive":
-        own_share, share_kernels = own_kernel_share(p, job)
+        own_share, share_kernels = own_kernel_share(p, job, state)
         ph.mark("own_share")
     check(state)
     if problems := inline_problems():  # an extension verify had to do without, named
@@ -180,7 +180,7 @@ def own_objects(job: Job) -> list[str]:
     return libs[:64]
 
 
-def own_kernel_share(p: Problem, job: Job) -> tuple[float | None, dict[str, int] | None]:
+def own_kernel_share(p: Problem, job: Job, state: WorkerState) -> tuple[float | None, dict[str, int] | None]:
     """Permissive mode: on a GPU, the kernel records of one measured call with each launch's GPU
     time (`KernelWatch.timed`; the parent computes the share by origin); on the CPU, the share
     of the forward's compute done outside torch (computed here: no kernel records there)."""
@@ -188,7 +188,7 @@ def own_kernel_share(p: Problem, job: Job) -> tuple[float | None, dict[str, int]
 
     args = p.inputs(secrets.randbits(62))
     if p.device.type == "cuda":
-        kwatch = kernel_watch(p.state, p.device)
+        kwatch = kernel_watch(state, p.device)
         if kwatch is None:
             return None, None
         with torch.no_grad():
