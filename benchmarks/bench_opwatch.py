@@ -88,7 +88,7 @@ def measure(condition: str, device: str, rounds: int, calls: int, cache_dir: Pat
 
     def watcher() -> AbstractContextManager[object]:
         if condition == "dispatch_mode":
-            from cudagym.sandbox.harness import OpRecorder
+            from cudagym.sandbox.worker.integrity import OpRecorder
 
             return OpRecorder()
         from torch.profiler import ProfilerActivity, profile

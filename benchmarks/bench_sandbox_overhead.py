@@ -30,7 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.sandbox.protocol import Job, TimingConfig
+from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.worker.wire import Job
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 from cudagym.tasks.model import Target

@@ -13,7 +13,7 @@ Rows:
   torch then marks every fork bad.
 - "forked after a CPU profiler session": the same, after the parent ran one CPU-only profiler
   session (it initializes the CUDA driver: on an H100 every child then failed with
-  "initialization error"; why `harness.prewarm_host` runs no profiler).
+  "initialization error"; why `prewarm.prewarm_host` runs no profiler).
 
 Usage: python benchmarks/probe_worker_start.py [--ns 1,8,16] [--out FILE.json]
 """
@@ -66,9 +66,10 @@ def _child(fd: int, t_fork: float, shm_mb: int) -> None:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        from cudagym.sandbox import harness
-        from cudagym.sandbox.channel import result_memory
         from cudagym.sandbox.timing import gate_kernels
+        from cudagym.sandbox.worker.prewarm import premap_results
+        from cudagym.sandbox.worker.telemetry import DeviceTelemetry
+        from cudagym.sandbox.worker.wire import result_memory
 
         if torch.cuda._is_in_bad_fork():
             raise RuntimeError("torch marked this fork bad (the parent touched the CUDA driver)")
@@ -84,10 +85,10 @@ def _child(fd: int, t_fork: float, shm_mb: int) -> None:
         step("cupti_session_2")
         gate_kernels(torch.cuda.current_device())
         step("gate_kernels")
-        harness._nvml_handle()
+        DeviceTelemetry().handle()
         step("nvml")
         if shm_mb:
-            harness.premap_results(result_memory(shm_mb << 20), shm_mb)
+            premap_results(result_memory(shm_mb << 20), shm_mb)
             step("premap")
         x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
         ok = bool(((x * 2).sum() == (1 << 20) * ((1 << 20) - 1)).item())
@@ -125,14 +126,15 @@ def zygote_prep() -> dict[str, float]:
 
     out["import_torch"] = time.perf_counter() - t
     t = time.perf_counter()
-    from cudagym.sandbox import harness
+    from cudagym.sandbox.worker import jobs  # noqa: F401 - every harness module
+    from cudagym.sandbox.worker.integrity import OpRecorder, live_helpers
     from torch.profiler import ProfilerActivity, profile
 
     out["import_harness"] = time.perf_counter() - t
     t = time.perf_counter()
-    with harness.OpRecorder():
+    with OpRecorder():
         torch.ones(2) + 1
-    harness._live_helpers()
+    live_helpers()
     out["prewarm_cpu"] = time.perf_counter() - t
     out["cuda_initialized"] = float(torch.cuda.is_initialized())
     return out

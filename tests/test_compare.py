@@ -12,7 +12,7 @@ from cudagym.rewards import compare
 from cudagym.rewards.compare import Comparison, compare_outputs
 from cudagym.rewards.evaluator import _compare
 from cudagym.sandbox.base import JobOutcome
-from cudagym.sandbox.wire import WIRE_DTYPES
+from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.tasks.loaders import bundled_task
 from cudagym.tasks.model import Tolerance
 

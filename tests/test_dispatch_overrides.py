@@ -1,6 +1,6 @@
 """A candidate that registers its own kernel for one of torch's ops with the dispatcher would run
 inside the harness's own work between calls (input generation), seeing the next call's inputs
-before the timer starts. Such a registration is TAMPER (`harness.check_tamper`, `dispatch_table`)."""
+before the timer starts. Such a registration is TAMPER (`worker.integrity.check_tamper`, `dispatch_table`)."""
 
 from __future__ import annotations
 

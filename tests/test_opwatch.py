@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cudagym.errors import ToolchainError
 from cudagym.core.audit import forbidden_ops
-from cudagym.sandbox.harness import OpRecorder
+from cudagym.sandbox.worker.integrity import OpRecorder
 from cudagym.sandbox.opwatch import OpWatch, build_library
 
 REPO = Path(__file__).resolve().parent.parent

@@ -706,11 +706,12 @@ def test_14_patch_synchronize_in_forward(evaluator: Evaluator, build_ws) -> None
 
 
 def test_14_patch_harness_audit_functions(evaluator: Evaluator, build_ws) -> None:
-    """Disable the tamper check and the forbidden-op filter, then call torch freely."""
+    """Disable the tamper check and the forbidden-op filter (where verify calls them), then call
+    torch freely."""
     extra = """\
 import sys
-_h = sys.modules["cudagym.sandbox.harness"]
-_h.check_tamper = lambda: None
+_h = sys.modules["cudagym.sandbox.worker.verify"]
+_h.check_tamper = lambda state: None
 _h.forbidden_ops = lambda ops: []
 """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return F.gelu(x * self.scale + self.bias)", extra=extra),
@@ -722,7 +723,7 @@ def test_14_patch_harness_result_method(evaluator: Evaluator, build_ws) -> None:
     """Rewrite the final report on its way out (a method, not a module function)."""
     extra = """\
 import sys
-_h = sys.modules["cudagym.sandbox.harness"]
+_h = sys.modules["cudagym.sandbox.worker.wire"]
 _final = _h.Channel.final
 _h.Channel.final = lambda self, body: _final(self, {**body, "forbidden": []})
 """
@@ -770,8 +771,8 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
     'reference' tensors and a success report for verify, and a fast timing for profile; exit."""
     body = """\
     import gc, os, time
-    from cudagym.sandbox.harness import Channel, Problem
-    from cudagym.sandbox.protocol import Job
+    from cudagym.sandbox.worker.problem import Problem
+    from cudagym.sandbox.worker.wire import Channel, Job
     ch = next(o for o in gc.get_objects() if isinstance(o, Channel))
     job = next(o for o in gc.get_objects() if isinstance(o, Job))
     if job.kind == "verify":
@@ -801,7 +802,7 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
 
 TIMING_PATCHES = {
     "the harness's request to the parent": """\
-    import cudagym.sandbox.harness as _h
+    import cudagym.sandbox.worker.wire as _h
     _request = _h.Channel.request
     def _fast(ch, what, **body):
         if "ms" in body:
@@ -974,7 +975,7 @@ def test_18_write_to_tmp(evaluator: Evaluator, build_ws) -> None:
 @pytest.mark.both_backends
 def test_18_edit_the_harness(evaluator: Evaluator, build_ws) -> None:
     """Open the harness's own source for writing (writes nothing, so a failure cannot damage the tree)."""
-    import cudagym.sandbox.harness as harness
+    import cudagym.sandbox.worker.integrity as harness
 
     body = f"""\
     import os

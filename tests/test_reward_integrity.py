@@ -41,15 +41,17 @@ REBIND_REFERENCE = """\
 # Once timed: report a tenth of each call's time, and make the harness's identity snapshot agree
 # (only the parent's clock can see it, and it is enforced on a GPU only: tests/test_gpu.py)
 FORGE_TIMES = """\
-    import cudagym.sandbox.harness as _h
+    import gc
     import cudagym.sandbox.timing as _t
+    from cudagym.sandbox.worker.state import WorkerState
+    _snap = next(o for o in gc.get_objects() if isinstance(o, WorkerState)).snapshot
     _call = _t.DeviceTimer.call
     def _fast(timer, fn, args, *rest):
         out, ms = _call(timer, fn, args, *rest)
         return out, ms / 10
     _t.DeviceTimer.call = _fast
-    _h._HARNESS_METHODS[(_t.DeviceTimer, "call")] = _fast
-    _h._METHOD_CODE[(_t.DeviceTimer, "call")] = _fast.__code__
+    _snap.methods[(_t.DeviceTimer, "call")] = _fast
+    _snap.method_code[(_t.DeviceTimer, "call")] = _fast.__code__
 """
 
 
@@ -106,8 +108,7 @@ def test_3_no_trial_secret_is_reachable_while_modelnew_is_built(evaluator: Evalu
     (no kernel at all), replayed in forward."""
     init_extra = """\
     import gc, sys
-    from cudagym.sandbox.harness import Channel
-    from cudagym.sandbox.protocol import Job
+    from cudagym.sandbox.worker.wire import Channel, Job
     seeds = [s for o in gc.get_objects() if isinstance(o, Job) for s in o.trial_seeds]
     f = sys._getframe()
     while f is not None:

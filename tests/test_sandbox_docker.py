@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cudagym.sandbox.protocol import Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 from conftest import REPO, require_docker
 

@@ -31,7 +31,8 @@ import pytest
 from cudagym.rewards.evaluator import Evaluator
 from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.local import LocalSandbox
-from cudagym.sandbox.protocol import Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 from conftest import REPO, cpu_config, require_docker, task_of
 
@@ -134,7 +135,8 @@ import sys
 from pathlib import Path
 from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.local import LocalSandbox
-from cudagym.sandbox.protocol import Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 sb = LocalSandbox(LocalSandboxConfig(spare_workers=1, fork_server=sys.argv[1] == "forked"), home=Path(sys.argv[2]))
 sb.run_sync(Job(kind="probe", nonce="n", task_id="faults", probe=sys.stdin.read(),

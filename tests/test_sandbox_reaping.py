@@ -19,7 +19,8 @@ import pytest
 from cudagym.errors import SandboxError
 from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.local import LocalSandbox
-from cudagym.sandbox.protocol import Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 DOUBLE_REAP = re.compile(r"Unknown child process pid|exit status already read")
 # Workers that die at start-up are killed as they exit, the closest race with the watcher: enough

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from cudagym.sandbox.base import JobOutcome
-from cudagym.sandbox.protocol import Job
 from cudagym.sandbox.schedule import JobScheduler, _GpuLease
+from cudagym.sandbox.worker.wire import Job
 
 
 def test_a_check_waits_behind_a_timing_job_that_asked_first():

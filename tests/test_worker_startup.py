@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from cudagym.sandbox.config import LocalSandboxConfig
-
 from cudagym.sandbox.local import LocalSandbox
-from cudagym.sandbox.protocol import Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 
 def startup_of_a_job(tmp_path: Path, fork_server: bool) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cudagym.sandbox.wire import WIRE_DTYPES
+from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.tasks.model import Tolerance
 
 _ROLES = ("candidate", "reference")

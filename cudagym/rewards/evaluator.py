@@ -39,8 +39,9 @@ from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
-from cudagym.sandbox.protocol import Job, LimitsConfig, TimingConfig, VerifyConfig
+from cudagym.sandbox.protocol import LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
+from cudagym.sandbox.worker.wire import Job
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.gemm import GEMM_SOURCE
 from cudagym.tasks.model import Target, Task

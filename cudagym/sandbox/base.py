@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cudagym.sandbox.protocol import Job
+from cudagym.sandbox.worker.wire import Job
 
 
 @dataclass

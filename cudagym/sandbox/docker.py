@@ -5,7 +5,7 @@ privileges, each worker runs in a container (docker SDK) with: a read-only root 
 non-root user, every capability dropped and `no-new-privileges`, no network, a pids, memory and
 file-size limit, a small private `/tmp`, and the GPU it is given (a device request) or none.
 Containers are started ahead of need (spares that have imported torch), used for one job and
-removed, like the local backend's spare workers; the job protocol (`cudagym.sandbox.protocol`),
+removed, like the local backend's spare workers; the job protocol (`cudagym.sandbox.worker.wire`),
 request frames answered on the worker's stdin and the result memory are the same.
 
 A container's mounts are fixed when it starts, before its job is known, so each container gets
@@ -43,11 +43,11 @@ import psutil
 import cudagym
 from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder
-from cudagym.sandbox.channel import FrameReader, collect_outcome, write_all
 from cudagym.sandbox.config import DockerSandboxConfig
 from cudagym.sandbox.opwatch import build_library
-from cudagym.sandbox.protocol import TIMING_KINDS, Job, LimitsConfig
+from cudagym.sandbox.protocol import LimitsConfig
 from cudagym.sandbox.schedule import SpareWorkerSandbox
+from cudagym.sandbox.worker.wire import TIMING_KINDS, FrameReader, Job, collect_outcome, write_all
 
 JOB_DIR = "/cudagym/job"  # the container's own read-write directory (the job's files, the channel)
 ROOTFS_LABEL = "cudagym.rootfs"  # "host": the image holds no system of its own (host paths mounted)

@@ -3,7 +3,7 @@
 A spawned worker pays for Python, `import torch`, the harness and dynamo before it can create its
 CUDA context: about 13 s of one core each on an H100 host (16 s when 16 start at once), and a
 check takes two workers. The fork server pays for that host-side start-up once
-(`worker.warm_host`); a worker forked from it only creates its CUDA context, runs the
+(`worker.entry.warm_host`); a worker forked from it only creates its CUDA context, runs the
 profiler's first session, loads the timer's kernels and maps its result memory: 1.9 s alone,
 4.9 s when 16 start at once (`benchmarks/probe_worker_start.py`, H100).
 
@@ -45,11 +45,14 @@ import signal
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cudagym.errors import SandboxError
 
-# the descriptors a forked worker finds its channel on (what `worker.main` gets from argv)
+if TYPE_CHECKING:
+    from cudagym.sandbox.worker.state import WorkerState
+
+# the descriptors a forked worker finds its channel on (what `worker.entry.main` gets from argv)
 RESULT_FD, SHM_FD = 3, 4
 _CLONE = {"net": 0x40000000, "mount": 0x00020000, "pid": 0x20000000}
 _MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
@@ -112,12 +115,12 @@ def serve(control_fd: int) -> None:
     sandbox = int(os.environ.get("CUDAGYM_SANDBOX_PID", "0"))
     die_with_parent(lambda: not sandbox or os.getppid() == sandbox)
     server = os.getpid()
-    from cudagym.sandbox import worker
+    from cudagym.sandbox.worker import entry
 
     sock = socket.socket(fileno=control_fd)
-    worker._pin(os.environ.get("CUDAGYM_CPUS"))  # its workers inherit it
-    clock = worker.StartupClock()
-    worker.warm_host(clock)
+    entry._pin(os.environ.get("CUDAGYM_CPUS"))  # its workers inherit it
+    clock = entry.StartupClock()
+    state = entry.warm_host(clock)
     _shut_nvml()
     cuda = os.environ.get("CUDAGYM_DEVICE") == "cuda"
     _send(sock, {"ready": True, "fork_ok": _fork_keeps_cuda() if cuda else True, "startup_s": clock.steps})
@@ -150,7 +153,7 @@ def serve(control_fd: int) -> None:
             t_fork = time.perf_counter()
             pid = os.fork()
             if pid == 0:
-                _become_worker(req, fds, [sock.fileno(), wake_r, wake_w], t_fork, server)
+                _become_worker(req, fds, [sock.fileno(), wake_r, wake_w], t_fork, server, state)
             for fd in fds:
                 os.close(fd)
             _send(sock, {"spawned": req["spawn"], "pid": pid})
@@ -166,8 +169,10 @@ def _check(ret: int, what: str) -> None:
         raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
-def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t_fork: float, server: int) -> None:
-    """In the forked child: set it apart like a spawned worker, then serve one job. Never returns."""
+def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t_fork: float, server: int,
+                   state: WorkerState) -> None:
+    """In the forked child: set it apart like a spawned worker, then serve one job with its copy of
+    the server's `state`. Never returns."""
     try:
         from cudagym.sandbox.limits import die_with_parent, drop_privileges
 
@@ -206,11 +211,12 @@ def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t
             _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
             _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
         drop_privileges()  # still one thread: every thread the worker starts inherits it
-        from cudagym.sandbox import worker
+        from cudagym.sandbox.worker import entry
 
-        sys.argv = [worker.__file__, str(RESULT_FD), str(SHM_FD)]  # as a spawned worker's
-        worker._pin(os.environ.get("CUDAGYM_CPUS"))
-        worker.serve(RESULT_FD, SHM_FD, worker.StartupClock({"fork": time.perf_counter() - t_fork}))
+        main = os.path.join(os.path.dirname(entry.__file__), "__main__.py")
+        sys.argv = [main, str(RESULT_FD), str(SHM_FD)]  # as a spawned worker's
+        entry._pin(os.environ.get("CUDAGYM_CPUS"))
+        entry.serve(RESULT_FD, SHM_FD, entry.StartupClock({"fork": time.perf_counter() - t_fork}), state)
     except BaseException as e:  # noqa: BLE001 - a worker that cannot start says why, and exits
         try:
             os.write(2, f"cudagym fork server: the worker could not start: {type(e).__name__}: {e}\n".encode())

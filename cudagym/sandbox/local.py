@@ -28,14 +28,13 @@ import psutil
 import cudagym
 from cudagym.errors import SandboxError
 from cudagym.sandbox.base import JobOutcome, Responder
-from cudagym.sandbox.channel import FrameReader, collect_outcome, result_memory, write_all
 from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
 from cudagym.sandbox.opwatch import build_library
-from cudagym.sandbox.protocol import TIMING_KINDS, Job
 from cudagym.sandbox.schedule import RunningJob, SpareWorkerSandbox
+from cudagym.sandbox.worker.wire import TIMING_KINDS, FrameReader, Job, collect_outcome, result_memory, write_all
 
 log = logging.getLogger(__name__)
 _OUTPUT_LIMIT = 20_000

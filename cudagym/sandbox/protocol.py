@@ -1,25 +1,13 @@
-"""Messages between the evaluator (parent) and a sandboxed worker process.
+"""The settings of the protocols a job runs under: correctness (`VerifyConfig`), timing
+(`TimingConfig`) and the sandbox's limits (`LimitsConfig`).
 
-The parent writes one `Job` as a JSON line to the worker's stdin. The worker answers on a
-dedicated pipe with frames: `[u32 header length][header JSON][u64 payload length][payload]`.
-Tensors travel as raw bytes with dtype and shape in the header, never pickled: the parent
-does not unpickle anything the candidate's process could have written. Output comparison,
-statistics and the verdict are computed in the parent, out of the candidate's reach.
+Apart from the wire format (`cudagym.sandbox.worker.wire`, whose `Job` carries them) because
+every layer that configures an evaluation imports them, and none of those needs the frames.
 """
 
 from __future__ import annotations
 
-import json
-import struct
-from collections.abc import Callable
-from typing import Any, Literal
-
 from pydantic import BaseModel, Field, field_validator
-
-from cudagym.core.verdict import AuditMode
-
-JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "build_inline", "probe", "ncu"]
-TIMING_KINDS = ("profile", "baseline")  # need the device to themselves
 
 
 class VerifyConfig(BaseModel):
@@ -102,112 +90,3 @@ class LimitsConfig(BaseModel):
     max_processes: int = 64  # processes + threads of the job
     max_file_mb: int = 64
     network: bool = False
-
-
-class Job(BaseModel):
-    kind: JobKind
-    nonce: str  # echoed in the final frame; a frame without it is a forgery
-    task_id: str
-    task_code: str = ""
-    dtype: str = "float32"
-    device: str = "cpu"  # "cpu" or "cuda" (the worker sees one GPU as cuda:0)
-    workspace: str = ""
-    artifact_dir: str | None = None
-    cache_dir: str = ""
-    inline_build_root: str | None = None  # build_inline only: torch's build directory (in its writable staging dir)
-    inline_request: dict[str, Any] | None = None  # build_inline only: the extension, as the parent checked it
-    mode: AuditMode = "strict"
-    seed: int = 0  # secret; never derived from anything the candidate sees
-    # verify: the candidate's worker gets the number of trials here and each trial's seed, scale
-    # and order only when the trial starts (`cudagym.sandbox.feed.TrialFeed`); the reference-only
-    # worker, which runs no candidate code, gets the whole plan here. Its outputs are the ones
-    # compared (correctness cannot be forged in-process).
-    init_seed: int = 0
-    # ModelNew's parameters: its own same-seed build, or Model's state_dict loaded (a second try;
-    # `harness.Problem`)
-    params: Literal["seed", "state_dict"] = "seed"
-    trials: int = 0
-    trial_seeds: list[int] = Field(default_factory=list)
-    trial_scales: list[float] = Field(default_factory=list)
-    trial_orders: list[str] = Field(default_factory=list)
-    # reference (re-check of timed calls): trial t's outputs are also projected with the weights of
-    # the call's seed (`cudagym.sandbox.timing.projection`)
-    projection_seeds: list[int] = Field(default_factory=list)
-    verify: VerifyConfig = Field(default_factory=VerifyConfig)
-    timing: TimingConfig = Field(default_factory=TimingConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    writable: list[str] = Field(default_factory=list)  # extra writable dirs (baseline: compiler caches)
-    with_compile_baseline: bool = True
-    # baseline: library baselines to time after eager and torch.compile (`cudagym.sandbox.library`),
-    # each first checked against the reference at (atol, rtol)
-    library_baselines: list[str] = Field(default_factory=list)
-    library_tolerance: tuple[float, float] = (1e-2, 1e-2)
-    probe: str | None = None  # probe jobs: python source run as the candidate (tests of the sandbox)
-
-
-_HDR = struct.Struct("<I")
-_LEN = struct.Struct("<Q")
-MAX_HEADER = 1 << 20
-
-
-def encode_frame_head(header: dict[str, Any], payload_len: int) -> bytes:
-    """Everything of a frame but its payload (sent separately, without a copy)."""
-    h = json.dumps(header).encode()
-    return _HDR.pack(len(h)) + h + _LEN.pack(payload_len)
-
-
-def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
-    return encode_frame_head(header, len(payload)) + payload
-
-
-class FrameError(Exception):
-    """A malformed frame: the result channel was written by something other than the harness."""
-
-
-def read_frame(read_into: Callable[[memoryview], bool], max_payload: int) -> tuple[dict[str, Any], memoryview] | None:
-    """One frame from a stream; `read_into(view)` fills `view` completely or returns False at
-    the end of the stream. None at a clean end; FrameError for a malformed or truncated frame.
-    The payload is read straight into its own buffer (one copy from the pipe, none after)."""
-    head = bytearray(_HDR.size)
-    if not read_into(memoryview(head)):
-        return None
-    (hl,) = _HDR.unpack(head)
-    if hl > MAX_HEADER:
-        raise FrameError("bad frame header length")
-    hbuf = bytearray(hl + _LEN.size)
-    if not read_into(memoryview(hbuf)):
-        raise FrameError("truncated frame header")
-    try:
-        header = json.loads(bytes(hbuf[:hl]))
-    except ValueError:
-        raise FrameError("frame header is not JSON") from None
-    if not isinstance(header, dict):
-        raise FrameError("frame header is not an object")
-    (pl,) = _LEN.unpack_from(hbuf, hl)
-    if pl > max_payload:
-        raise FrameError(f"a frame payload of {pl} bytes exceeds the limit of {max_payload}")
-    payload = bytearray(pl)
-    if pl and not read_into(memoryview(payload)):
-        raise FrameError("truncated frame payload")
-    return header, memoryview(payload)
-
-
-def decode_frames(buf: bytes | bytearray) -> list[tuple[dict[str, Any], memoryview]]:
-    """Split a complete result stream held in memory into (header, payload) frames."""
-    view, pos = memoryview(buf), 0
-
-    def read_into(dst: memoryview) -> bool:
-        nonlocal pos
-        n = len(dst)
-        if pos + n > len(view):
-            if pos < len(view):
-                raise FrameError("truncated frame")
-            return False
-        dst[:] = view[pos : pos + n]
-        pos += n
-        return True
-
-    out = []
-    while (frame := read_frame(read_into, len(buf))) is not None:
-        out.append(frame)
-    return out

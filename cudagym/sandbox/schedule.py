@@ -21,7 +21,7 @@ from typing import Any
 from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
 from cudagym.sandbox.bridge import LoopThread
 from cudagym.sandbox.gpu import gpu_count
-from cudagym.sandbox.protocol import TIMING_KINDS, Job
+from cudagym.sandbox.worker.wire import TIMING_KINDS, Job
 
 Ready = Callable[[str], Awaitable[Any]]  # a ready worker of the device
 RunOn = Callable[[Job, str, "Responder | None", Any], Awaitable[tuple[JobOutcome, "asyncio.Future[None]"]]]

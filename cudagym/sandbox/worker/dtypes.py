@@ -1,4 +1,5 @@
-"""The dtypes of output tensors that cross the result channel, by the name a tensor frame carries.
+"""The dtypes of output tensors that cross the result channel (`cudagym.sandbox.worker.wire`), by
+the name a tensor frame carries.
 
 One list for both ends: the worker refuses to send an output of any other dtype, and the
 evaluator (`cudagym.rewards.compare`) can decode and compare every dtype listed here:
@@ -8,6 +9,8 @@ float32 (float64 as is), complex types as pairs of real and imaginary parts.
 Left out: the quantized types (their values need scales the bytes do not carry), the bit and
 sub-byte shell types (`bits8`, `int1`..`int7`, `uint1`..`uint7`, the packed `float4_e2m1fn_x2`),
 which torch has no kernels to compute or compare with.
+
+Apart from the wire module because it needs torch, which the parent's sandbox does not import.
 """
 
 from __future__ import annotations

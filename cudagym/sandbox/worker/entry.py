@@ -1,12 +1,15 @@
-"""Entry point of a sandboxed worker: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`, or
+"""A worker process's life: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`, or
 `python -m cudagym.sandbox.worker --channel DIR` where descriptors cannot be inherited (a container).
 
 A worker is started ahead of need (a spare): it imports torch and the harness (`warm_host`) and,
 on a GPU, creates its CUDA context (`serve`), then blocks until the parent writes one `Job`
 line on stdin. (A fork server, `cudagym.sandbox.forkserver`, runs `warm_host` once and forks
-workers that start at `serve`.) The worker applies the job's limits (writes confined to the
-workspace, file size, address space), runs the job, writes frames on RESULT_FD (tensor bytes
-into the memfd SHM_FD) and exits. One job per process: nothing survives into the next job.
+workers that start at `serve` with its `WorkerState`.) The worker applies the job's limits
+(writes confined to the workspace, file size, address space), runs the job, writes frames on
+RESULT_FD (tensor bytes into the memfd SHM_FD) and exits. One job per process: nothing survives
+into the next job.
+
+Imports no torch at its top: `warm_host` times torch's import and the harness's apart.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cudagym.sandbox.worker.state import WorkerState
 
 
 def _uses_cpp_extension(workspace: str) -> bool:
@@ -75,8 +82,8 @@ def main() -> None:
         shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
     _pin(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
     clock = StartupClock()
-    warm_host(clock)
-    serve(fd, shm_fd, clock)
+    state = warm_host(clock)
+    serve(fd, shm_fd, clock, state)
 
 
 class StartupClock:
@@ -91,43 +98,47 @@ class StartupClock:
         self.steps[name], self._t = now - self._t, now
 
 
-def warm_host(clock: StartupClock) -> None:
+def warm_host(clock: StartupClock) -> WorkerState:
     """The start-up that touches no GPU driver: import torch and the harness, and the harness's
-    host-side prewarm. A fork server does this once and forks its workers after it."""
+    host-side prewarm, which makes the worker's state. A fork server does this once and forks
+    its workers after it."""
     import torch  # noqa: F401
 
     clock.step("import_torch")
-    from cudagym.sandbox import harness
+    from cudagym.sandbox.worker import prewarm
 
     clock.step("import_harness")
-    harness.prewarm_host()
+    state = prewarm.prewarm_host()
     clock.step("prewarm")
+    return state
 
 
-def serve(fd: int, shm_fd: int | None, clock: StartupClock) -> None:
+def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) -> None:
     """The rest of a worker's life: its device's start-up (the CUDA context, the profiler, the
     result memory), the ready frame, then one job; never returns."""
     import torch
 
-    from cudagym.sandbox import harness
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
-    from cudagym.sandbox.protocol import Job, encode_frame
+    from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback
+    from cudagym.sandbox.worker.jobs import JOBS
+    from cudagym.sandbox.worker.prewarm import premap_results, prewarm_device
+    from cudagym.sandbox.worker.wire import Channel, Job, encode_frame
 
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         torch.empty(1, device="cuda")  # create the CUDA context while idle
         clock.step("cuda_context")
-    harness.prewarm_device()
+    prewarm_device(state)
     clock.step("prewarm_device")
     if shm_fd is not None:
-        harness.premap_results(shm_fd, int(os.environ.get("CUDAGYM_PREMAP_MB", "0") or 0))
+        state.premapped = premap_results(shm_fd, int(os.environ.get("CUDAGYM_PREMAP_MB", "0") or 0))
         clock.step("premap")
     os.write(fd, encode_frame({"type": "ready", "startup_s": clock.steps}))  # the parent starts the job's clock now
 
-    line = harness.STDIN.readline()  # the parent's later answers arrive on the same stdin
+    line = state.stdin.readline()  # the parent's later answers arrive on the same stdin
     if not line:
         os._exit(0)
     job = Job.model_validate_json(line)
-    ch = harness.Channel(fd, job.nonce, shm_fd)
+    ch = Channel(fd, job.nonce, state.stdin, shm_fd, state.premapped)
     try:
         scratch = job.workspace or (job.writable[0] if job.writable else "")
         if scratch:
@@ -150,8 +161,8 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock) -> None:
             from cudagym.sandbox.inline import install_inline_loader
 
             install_inline_loader(Path(job.cache_dir), Path(job.workspace))  # loads pre-built modules, never builds
-        harness.JOBS[job.kind](job, ch)
-    except harness.CandidateError as e:
+        JOBS[job.kind](job, ch, state)
+    except CandidateError as e:
         ch.final({"ok": False, "kind": e.kind, "error": str(e)})
     except MemoryError:
         ch.final({"ok": False, "kind": "memory_limit", "error": "the job ran out of its memory limit"})
@@ -163,7 +174,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock) -> None:
         elif "CUDA error" in msg or "illegal memory access" in msg or "device-side assert" in msg:
             kind = "crash"  # the candidate's kernel broke the CUDA context
         elif raised_by_candidate(e, roots):
-            kind, msg = "exception", harness.candidate_traceback(e, roots)
+            kind, msg = "exception", candidate_traceback(e, roots)
         else:
             kind = "internal"
         ch.final({"ok": False, "kind": kind, "error": msg[-MAX_ERROR_CHARS:]})
@@ -171,6 +182,3 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock) -> None:
     sys.stderr.flush()
     os._exit(0)
 
-
-if __name__ == "__main__":
-    main()

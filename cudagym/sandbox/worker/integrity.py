@@ -1,0 +1,307 @@
+"""What a worker checks about its own integrity: that nothing the candidate's code ran replaced
+the harness's functions or torch's, hooked the interpreter, registered kernels for torch's ops or
+blinded the op counter and the kernel watcher; and the allocator's poisoning.
+
+- identity snapshots (`WATCHED`, `Snapshot`), taken before any candidate code runs and compared
+  by `check_tamper` after it ran;
+- Python's hooks refused by an audit hook of the worker's own (`audit_hook`), and the profiler's
+  pause switches made inert (`install_inert_switches`);
+- the dispatcher's table (`dispatch_table`);
+- the audit instruments: the dispatch-mode recorder (`OpRecorder`), the op counter's and the
+  kernel watcher's liveness (`watch_alive`, `kernels_alive`);
+- helpers the candidate must not leave behind (`live_helpers`), and NaN poisoning of memory the
+  allocator is about to hand out (`poison_allocator`).
+What was seen is kept in the `WorkerState`; the verdicts are the parent's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import threading
+import time
+import types
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cudagym.sandbox.timing import foreign_hooks
+from cudagym.sandbox.worker.failures import CandidateError
+
+if TYPE_CHECKING:
+    from cudagym.sandbox.origin import KernelWatch
+    from cudagym.sandbox.worker.state import WorkerState
+
+# Switches that would pause the profiler's op recording inside a call (and so hide torch ops
+# from the audit). The harness never uses them: in a worker they do nothing but leave a note.
+PAUSE_SWITCHES = ("_toggle_collection_dynamic", "_enable_record_function")
+_SWITCH_MODULES = (torch._C._autograd, torch.autograd, torch.autograd.profiler)
+
+
+def install_inert_switches(state: WorkerState) -> None:
+    """Replace the profiler's pause switches with ones that only note the attempt in `state`."""
+    attempts = state.pause_attempts
+
+    def inert(name: str) -> Any:
+        def switch(*args: Any, **kwargs: Any) -> None:
+            attempts.append(name)
+        return switch
+
+    for name in PAUSE_SWITCHES:
+        switch = inert(name)
+        for mod in _SWITCH_MODULES:
+            if hasattr(mod, name):
+                setattr(mod, name, switch)
+
+
+# The functions whose identity is snapshot before any candidate code runs and checked after.
+WATCHED: dict[str, tuple[Any, str]] = {
+    **{f"{m.__name__}.{n}": (m, n) for n in PAUSE_SWITCHES for m in _SWITCH_MODULES if hasattr(m, n)},
+    "torch.cuda.synchronize": (torch.cuda, "synchronize"),
+    "torch.cuda.Event": (torch.cuda, "Event"),
+    "torch.cuda.Event.record": (torch.cuda.Event, "record"),
+    "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time"),
+    "torch.cuda.Event.synchronize": (torch.cuda.Event, "synchronize"),
+    "torch.cuda.set_stream": (torch.cuda, "set_stream"),
+    "torch.cuda.current_stream": (torch.cuda, "current_stream"),
+    "torch.cuda.Stream.wait_stream": (torch.cuda.Stream, "wait_stream"),
+    "torch.Tensor.zero_": (torch.Tensor, "zero_"),
+    "torch.sum": (torch, "sum"),
+    "torch.autograd.profiler.profile.__enter__": (torch.autograd.profiler.profile, "__enter__"),
+    "torch.autograd.profiler.profile.__exit__": (torch.autograd.profiler.profile, "__exit__"),
+    "torch.autograd._profiler_enabled": (torch.autograd, "_profiler_enabled"),
+    "torch.autograd.profiler.record_function.__enter__": (torch.autograd.profiler.record_function, "__enter__"),
+    "torch.autograd.profiler.record_function.__exit__": (torch.autograd.profiler.record_function, "__exit__"),
+    "time.perf_counter": (time, "perf_counter"),
+    "torch.allclose": (torch, "allclose"),
+    "torch.Tensor.copy_": (torch.Tensor, "copy_"),
+    "torch.Tensor.to": (torch.Tensor, "to"),
+    "torch.Tensor.clone": (torch.Tensor, "clone"),
+    "torch.Tensor.__new__": (torch.Tensor, "__new__"),
+    "torch.nn.Module.__call__": (torch.nn.Module, "__call__"),
+    "os.write": (os, "write"),
+    "os.read": (os, "read"),
+    "os.urandom": (os, "urandom"),
+    # the seeds of each timed call's sampled positions and projection weights, and the CPU close's page reads
+    "secrets.randbits": (secrets, "randbits"),
+    "random._urandom": (random, "_urandom"),
+    "torch.Tensor.sum": (torch.Tensor, "sum"),
+    # input generation: a hook here would reveal a timed call's inputs before its timer starts
+    "torch.manual_seed": (torch, "manual_seed"),
+    "torch.random.manual_seed": (torch.random, "manual_seed"),
+    "torch.randn": (torch, "randn"),
+    "torch.rand": (torch, "rand"),
+    "torch.randint": (torch, "randint"),
+    "torch.Tensor.uniform_": (torch.Tensor, "uniform_"),
+    "torch.Tensor.normal_": (torch.Tensor, "normal_"),
+    # the timed loop's check that no dispatch or function mode of the candidate's sees its ops
+    "torch._C._len_torch_dispatch_stack": (torch._C, "_len_torch_dispatch_stack"),
+    "torch._C._len_torch_function_stack": (torch._C, "_len_torch_function_stack"),
+    # the dispatcher check's own readers (`dispatch_table`)
+    "torch._C._dispatch_dump": (torch._C, "_dispatch_dump"),
+    "torch._C._dispatch_get_all_op_names": (torch._C, "_dispatch_get_all_op_names"),
+}
+
+
+def watched_now() -> dict[str, Any]:
+    """What each watched name is bound to now."""
+    return {name: getattr(obj, attr) for name, (obj, attr) in WATCHED.items()}
+
+
+# Dispatch keys whose kernels compute (or route to the kernel that does) on the job's devices
+COMPUTE_KEYS = ("CPU:", "CUDA:", "BackendSelect:", "CompositeExplicitAutograd:", "CompositeImplicitAutograd:",
+                "CompositeExplicitAutogradNonFunctional:", "Autograd:", "AutogradCPU:", "AutogradCUDA:")
+
+# Python's hooks that run someone's code at the harness's next call or line (profile, trace,
+# monitoring callbacks) or at its next audited event: a worker refuses them all, through an audit
+# hook of its own installed before any candidate code (`prewarm.prewarm_host`; audit hooks cannot be
+# removed, and a later one is refused). A hook that ran at the harness's calls after a timed call's
+# close could do the call's work untimed, or rewrite the evidence before it is sent; C code that
+# writes the interpreter's thread state directly bypasses this (`timing.foreign_hooks` then sees
+# a Python-level one; a C-level one is left: see docs/protection.md).
+# torch's C++ functions looked up by name through ctypes (the same audit hook sees `ctypes.dlsym`):
+# a call into ATen below the dispatcher, which neither the import audit (no import) nor the op
+# counter (no dispatcher) sees; nothing honest looks up torch's mangled C++ names from Python
+TORCH_MANGLED = ("_ZN2at", "_ZNK2at", "_ZN3c10", "_ZNK3c10", "_ZN5torch", "_ZNK5torch")
+_HOOK_EVENTS = ("sys.setprofile", "sys.settrace", "sys.addaudithook", "sys.monitoring.register_callback")
+
+
+def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
+    """The worker's audit hook: refuses Python's hooks and notes torch's C++ names looked up
+    through ctypes, in `state` (bound now: the lists, not the attributes)."""
+    seen, lookups = state.hook_attempts, state.torch_lookups
+
+    def refuse_hooks(event: str, args: tuple) -> None:
+        if event in _HOOK_EVENTS:
+            seen.append(event)
+            raise RuntimeError(f"{event} is refused in a cudagym worker (a hook would run code outside the timed calls)")
+        if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
+            name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
+            if isinstance(name, str) and name.startswith(TORCH_MANGLED):
+                lookups.append(name)
+
+    return refuse_hooks
+
+
+def snapshot_originals(state: WorkerState) -> None:
+    """Torch rebinds some functions as it loads parts of itself (dynamo rebinds
+    torch.manual_seed, for one): the identity snapshot is retaken after each prewarm step, still
+    before any candidate code runs; the dispatcher's table with it."""
+    state.originals.update(watched_now())
+    state.dispatch.clear()
+    state.dispatch.update(dispatch_table(state.originals))
+
+
+def dispatch_table(originals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """For every op the dispatcher knows, where its kernels at the compute keys were registered
+    (~70 ms for ~3600 ops), read with the `originals` of the dispatcher's readers. A candidate
+    that registers its own kernel for one of torch's ops (`TORCH_LIBRARY_IMPL(aten, CPU, m)`,
+    `torch.library.Library("aten", "IMPL")`) would run inside the harness's own work between calls
+    (input generation, refills), where it sees the next call's inputs before the timer starts;
+    `check_tamper` compares this table with the one taken before candidate code ran (new ops of
+    the candidate's own namespaces are its business)."""
+    dump, names = originals["torch._C._dispatch_dump"], originals["torch._C._dispatch_get_all_op_names"]
+    return {n: tuple(line.split(" :: ")[0] for line in dump(n).splitlines() if line.startswith(COMPUTE_KEYS))
+            for n in names()}
+
+
+# -- the harness's own code ----------------------------------------------------------------------
+@dataclass(eq=False)
+class Snapshot:
+    """The harness's code as bound before any candidate code ran: every callable its modules name
+    (their own and imported ones), their own functions (cached ones too) with their code, and the
+    methods of its classes with theirs."""
+
+    names: dict[tuple[types.ModuleType, str], Any]
+    functions: dict[tuple[types.ModuleType, str], tuple[Any, Any]]
+    methods: dict[tuple[type, str], Any]
+    method_code: dict[tuple[type, str], Any]
+
+
+def own_functions(mod: types.ModuleType) -> dict[tuple[types.ModuleType, str], tuple[Any, Any]]:
+    """The module's functions (cached ones too) and their code."""
+    return {(mod, k): (v, getattr(v, "__wrapped__", v).__code__) for k, v in list(vars(mod).items())
+            if isinstance(getattr(v, "__wrapped__", v), types.FunctionType) and v.__module__ == mod.__name__}
+
+
+def take_snapshot(modules: Iterable[types.ModuleType], other_modules: Iterable[types.ModuleType],
+                  classes: Iterable[type]) -> Snapshot:
+    """The `Snapshot` of the harness's `modules` (their names and own functions), the own
+    functions of `other_modules` (the timer's) and the methods of `classes`."""
+    modules = list(modules)
+    names = {(m, k): v for m in modules for k, v in list(vars(m).items()) if callable(v) and not k.startswith("__")}
+    functions = {k: v for m in [*modules, *other_modules] for k, v in own_functions(m).items()}
+    methods = {(cls, k): v for cls in classes for k, v in vars(cls).items() if callable(v)}
+    code = {key: fn.__code__ for key, fn in methods.items() if isinstance(fn, types.FunctionType)}
+    return Snapshot(names, functions, methods, code)
+
+
+def check_torch_lookups(state: WorkerState) -> None:
+    """Raise if the candidate's Python looked up torch's C++ functions through ctypes (`audit_hook`)."""
+    if state.torch_lookups:
+        raise CandidateError("audit", "the candidate looked up torch's C++ function "
+                             f"{state.torch_lookups[0][:120]} through ctypes: torch's compute below the dispatcher")
+
+
+def check_tamper(state: WorkerState) -> None:
+    """Raise if a watched function, a harness function (or its code) or method was replaced, or a
+    Python profile, trace or audit hook was set or tried."""
+    if state.hook_attempts:
+        raise CandidateError("tamper", f"the candidate tried to set a Python hook ({state.hook_attempts[0]})")
+    check_torch_lookups(state)
+    if hooks := foreign_hooks():
+        raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
+    if state.pause_attempts:
+        raise CandidateError("tamper", f"the candidate tried to pause the profiler's op recording ({state.pause_attempts[0]})")
+    originals = state.originals
+    for name, (obj, attr) in WATCHED.items():
+        if getattr(obj, attr, None) is not originals[name]:
+            raise CandidateError("tamper", f"{name} was replaced by the candidate")
+    before = state.dispatch
+    if before and (changed := sorted(n for n, k in dispatch_table(originals).items() if n in before and before[n] != k)):
+        raise CandidateError("tamper", "the candidate registered kernels of its own for torch's ops with the "
+                             f"dispatcher ({', '.join(changed[:4])}): the harness runs torch's ops between calls")
+    snap = state.snapshot
+    for (mod, name), obj in snap.names.items():
+        if vars(mod).get(name) is not obj:
+            raise CandidateError("tamper", f"the harness's {name} was replaced by the candidate")
+    for (mod, name), (fn, code) in snap.functions.items():
+        bound: Any = getattr(mod, name, None)
+        if bound is not fn or getattr(fn, "__wrapped__", fn).__code__ is not code:
+            raise CandidateError("tamper", f"the harness function {name} was replaced by the candidate")
+    for (cls, attr), fn in snap.methods.items():
+        if cls.__dict__.get(attr) is not fn or (isinstance(fn, types.FunctionType) and fn.__code__ is not snap.method_code[(cls, attr)]):
+            raise CandidateError("tamper", f"the harness method {cls.__name__}.{attr} was replaced by the candidate")
+
+
+# -- the audit's instruments ---------------------------------------------------------------------
+class OpRecorder(TorchDispatchMode):
+    """Records every ATen op executed at the dispatcher while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def live_helpers() -> tuple[int, int]:
+    """Threads of this process, and its child processes (all generations)."""
+    import psutil
+
+    return threading.active_count(), len(psutil.Process().children(recursive=True))
+
+
+def poison_allocator(device: torch.device, nbytes: int) -> None:
+    """Fill soon-to-be-reused allocator memory with NaN so unwritten outputs cannot pass."""
+    n = max(nbytes // 4, 1 << 16)
+    buf = torch.empty(n, dtype=torch.float32, device=device)
+    buf.fill_(float("nan"))
+    del buf
+
+
+def op_watch(state: WorkerState) -> Any:
+    """The process's op counter (`cudagym.sandbox.opwatch`), loaded by `prewarm_host`."""
+    if state.opwatch is None:
+        raise RuntimeError("the op counter was not loaded (prewarm_host)")
+    return state.opwatch
+
+
+def watch_changes(state: WorkerState) -> int:
+    """How many times the op counter was armed, disarmed or reset so far, by its C library's count."""
+    if state.opwatch_changes is None:
+        raise RuntimeError("the op counter was not loaded (prewarm_host)")
+    return state.opwatch_changes()
+
+
+def watch_alive(state: WorkerState, watch: Any, expected_changes: int) -> None:
+    """Raise unless the op counter still counts and its state changed only as the harness changed
+    it (`expected_changes`: arms, disarms and resets so far, by the C library's own count)."""
+    why = watch.check_alive()
+    if not why and watch_changes(state) != expected_changes:
+        why = "it was armed, disarmed or reset by the candidate"
+    if why:
+        raise CandidateError("tamper", f"the harness's op counter was disabled: {why}")
+
+
+def kernel_watch(state: WorkerState, device: torch.device) -> KernelWatch | None:
+    """The process's kernel watcher on a GPU job; None on the CPU or where it is missing (the
+    verify result says why, and the parent fails the audit on it)."""
+    return state.kwatch if device.type == "cuda" else None
+
+
+def kernels_alive(state: WorkerState, kwatch: KernelWatch | None) -> None:
+    """Raise unless the kernel watcher still sees the harness's probe launch on this thread."""
+    if kwatch is None:
+        return
+    probe = state.kprobe
+    why = kwatch.check_alive(lambda: probe.fill_(1.0)) if probe is not None else "its probe tensor is missing"
+    if why:
+        raise CandidateError("tamper", f"the harness's kernel watcher was disabled: {why}")

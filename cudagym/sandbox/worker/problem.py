@@ -1,0 +1,211 @@
+"""The models a job runs and how they are loaded: the task's reference, the candidate's
+`model_new.py`, both built from the same init inputs after the same secret seed (`Problem`),
+the inputs they are called with, and the checks on what they return (`as_outputs`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cudagym import runtime
+from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
+from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
+from cudagym.sandbox.worker.integrity import check_tamper
+from cudagym.sandbox.worker.state import WorkerState
+from cudagym.sandbox.worker.wire import Job
+
+
+def load_reference(job: Job) -> types.ModuleType:
+    """The task's code, run as the module `cudagym_reference`."""
+    mod = types.ModuleType("cudagym_reference")
+    mod.__file__ = f"<reference {job.task_id}>"
+    exec(compile(job.task_code, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - the task is trusted
+    return mod
+
+
+def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
+    """Import the workspace's model_new.py (its build's artifact directory on the path) as `model_new`."""
+    ws = job.workspace
+    if job.artifact_dir:
+        os.environ[runtime.ENV_VAR] = job.artifact_dir
+        sys.path.insert(0, job.artifact_dir)
+    sys.path.insert(0, ws)
+    path = Path(ws) / "model_new.py"
+    if not path.is_file():
+        raise CandidateError("exception", "model_new.py does not exist: write it first")
+    spec = importlib.util.spec_from_file_location("model_new", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["model_new"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001
+        raise CandidateError(failure_kind(e, state), "importing model_new.py failed:\n" + candidate_traceback(e, [ws])) from None
+    if not isinstance(getattr(mod, "ModelNew", None), type):
+        raise CandidateError("exception", "model_new.py must define a class ModelNew(nn.Module)")
+    return mod
+
+
+
+class Problem:
+    """Reference and candidate models built from the same init inputs, plus input generation.
+
+    Built as KernelBench builds them: the secret `init_seed`, the init inputs (tensors moved to the
+    device), then `Model(*init)` on the default device and moved to the job's device; `ModelNew`
+    the same way after the same seed. So the legacy `torch.Tensor(...)` constructor, extra random
+    buffers and constants folded into weights in `__init__` behave as under KernelBench.
+
+    ModelNew's parameters are its own same-seed build (`job.params == "seed"`), never overwritten:
+    where its state_dict has the reference's keys with other values (folded constants, another
+    order of random draws) and that build is wrong, the evaluator tries once more with the
+    reference's state_dict loaded (`job.params == "state_dict"`). Either way the candidate must be
+    correct on fresh secret inputs with the parameters it runs with, so the second try gains it
+    nothing it could not have by building those parameters itself. `params` says which path ran;
+    `params_retry` whether a second try could differ.
+    """
+
+    def __init__(self, job: Job, state: WorkerState, with_candidate: bool):
+        self.job = job
+        self.state = state
+        self.device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.ref_mod = load_reference(job)
+        self._ref_api = {k: getattr(self.ref_mod, k) for k in ("Model", "get_inputs", "get_init_inputs")}
+        self.init_seed = job.init_seed or secrets.randbits(62)
+        torch.manual_seed(self.init_seed)
+        self._init = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self.ref_mod.get_init_inputs()]
+        torch.manual_seed(self.init_seed)
+        self.ref = self.ref_mod.Model(*self._init).to(self.device)
+        self.cand: Any = None  # ModelNew, once built (`load_candidate`)
+        self.params = ""
+        self.params_retry = False
+        if with_candidate:
+            self.load_candidate()
+
+    def load_candidate(self) -> None:
+        """Import model_new.py and build ModelNew (see the class's text)."""
+        job = self.job
+        cand_mod = load_candidate(job, self.state)
+        cls = cand_mod.ModelNew
+        if issubclass(cls, self.ref_mod.Model) or any(
+            c.__name__ == "Model" and c.__module__ in ("model", "cudagym_reference") for c in cls.__mro__
+        ):
+            raise CandidateError("audit", "ModelNew must not be (a subclass of) the reference Model")
+        torch.manual_seed(self.init_seed)
+        try:
+            self.cand = cls(*self._init)
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(failure_kind(e, self.state), "ModelNew(*get_init_inputs()) failed:\n"
+                                 + candidate_traceback(e, [job.workspace])) from None
+        if not isinstance(self.cand, torch.nn.Module):
+            raise CandidateError("exception", f"ModelNew(...) built a {type(self.cand).__name__}, not an nn.Module")
+        try:
+            self.cand.to(self.device)
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(failure_kind(e, self.state), "ModelNew.to(device) failed:\n"
+                                 + candidate_traceback(e, [job.workspace])) from None
+        self.params = self._settle_parameters()
+        check_tamper(self.state)
+
+    def _settle_parameters(self) -> str:
+        """Compare ModelNew's state_dict with Model's; load Model's on a second try. The description."""
+        ref_state = self.ref.state_dict()
+        try:
+            cand_state = self.cand.state_dict()
+            missing, unexpected = sorted(set(ref_state) - set(cand_state)), sorted(set(cand_state) - set(ref_state))
+            if missing or unexpected:
+                why = "; ".join(part for part in (
+                    f"ModelNew lacks {', '.join(missing[:8])}" if missing else "",
+                    f"has {', '.join(unexpected[:8])} instead" if unexpected else "") if part)
+                return f"ModelNew's own parameters, built after the same seed ({why})"
+            differ = [k for k, v in ref_state.items()
+                      if not (isinstance(v, torch.Tensor) and isinstance(cand_state[k], torch.Tensor)
+                              and v.shape == cand_state[k].shape and torch.equal(v, cand_state[k].to(v.device)))]
+            if not differ:
+                return "ModelNew's own parameters, built after the same seed: equal to Model's"
+            self.params_retry = True
+            if self.job.params != "state_dict":
+                return ("ModelNew's own parameters, built after the same seed (they differ from Model's in "
+                        f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''})")
+            self.cand.load_state_dict(ref_state)
+        except Exception as e:  # noqa: BLE001 - shapes differ, or ModelNew's state_dict hooks fail
+            if self.job.params == "state_dict":
+                raise CandidateError(failure_kind(e, self.state), "loading Model's state_dict into ModelNew failed: "
+                                     + " ".join(str(e).split())[-300:]) from None
+            return f"ModelNew's own parameters, built after the same seed ({' '.join(str(e).split())[-200:]})"
+        return ("Model's state_dict loaded into ModelNew (second try: with its own same-seed parameters, which "
+                "differ from Model's, it was wrong)")
+
+    def intact(self) -> None:
+        """Raise if the candidate rebound the reference's functions or this object's methods."""
+        if type(self) is not Problem or any(k in vars(self) for k in ("inputs", "sync", "sync_caller_stream", "intact")):
+            raise CandidateError("tamper", "the harness's problem object was modified by the candidate")
+        if any(getattr(self.ref_mod, k, None) is not v for k, v in self._ref_api.items()):
+            raise CandidateError("tamper", "the reference module's functions were replaced by the candidate")
+
+    def inputs(self, seed: int, scale: float = 1.0) -> list[Any]:
+        torch.manual_seed(seed)
+        with torch.device(self.device):
+            args = list(self.ref_mod.get_inputs())
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                a = a.to(self.device)
+                if scale != 1.0 and a.is_floating_point():
+                    a = a * scale
+            out.append(a)
+        return out
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.state.originals["torch.cuda.synchronize"]()
+
+    def sync_caller_stream(self) -> None:
+        """Wait for the caller's stream only: PyTorch semantics for a returned output. Work left
+        on a side stream that was not joined is still running, and shows up as wrong or late."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs included) of two tensors of the same dtype."""
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        return False
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+def clone_args(args: list[Any]) -> list[Any]:
+    """Tensors cloned, other arguments as they are."""
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def as_outputs(out: Any, who: str, device: torch.device | None = None) -> list[torch.Tensor]:
+    """The output as a list of plain, dense tensors of a dtype the result channel carries (on
+    `device`, if given); anything else is an output-format error of `who`, named."""
+    items = list(out) if isinstance(out, (tuple, list)) else [out]
+    for t in items:
+        if type(t) is not torch.Tensor:
+            raise CandidateError("output_format", f"{who} returned {type(t).__module__}.{type(t).__qualname__}, "
+                                 "not a plain torch.Tensor")
+        if t.is_nested or t.is_quantized or t.layout != torch.strided:
+            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else str(t.layout)
+            raise CandidateError("output_format", f"{who} returned a {kind} tensor; outputs must be dense (strided)")
+        if str(t.dtype).removeprefix("torch.") not in WIRE_DTYPES:
+            raise CandidateError("output_format", f"{who} returned a tensor of dtype {t.dtype}, which cannot be "
+                                 "compared; return the reference's dtype")
+        if device is not None and t.device != device:
+            raise CandidateError("output_format", f"{who} returned a tensor on {t.device}, expected {device}")
+        if t.numel() and t.untyped_storage().data_ptr() == 0:
+            raise CandidateError("output_format", f"{who} returned a tensor without real storage")
+    return items
+

@@ -1,0 +1,51 @@
+"""The one object that holds a worker process's own state, from its start-up to its one job.
+
+Made by `prewarm.prewarm_host` before any candidate code runs and passed to every job family:
+the identity snapshots the integrity checks compare with, what the audit hook and the inert
+profiler switches noted, the op counter and kernel watcher with the C functions bound to read
+them, the NVML handle, the premapped result memory and the reader of the parent's answers.
+A fork server makes it once; each worker forked from it gets its own copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cudagym.sandbox.worker.telemetry import DeviceTelemetry
+from cudagym.sandbox.worker.wire import LineReader
+
+if TYPE_CHECKING:
+    import torch
+
+    from cudagym.sandbox.opwatch import OpWatch
+    from cudagym.sandbox.origin import KernelWatch
+    from cudagym.sandbox.worker.integrity import Snapshot
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """A worker's state (see the module's text). Fields filled at start-up are None until then."""
+
+    snapshot: Snapshot  # the harness's functions, names and methods, as bound before candidate code
+    stdin: LineReader = field(default_factory=lambda: LineReader(0))  # the job's line, then the parent's answers
+    # -- integrity (`integrity`)
+    originals: dict[str, Any] = field(default_factory=dict)  # the watched functions (`integrity.WATCHED`)
+    dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
+    pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls
+    hook_attempts: list[str] = field(default_factory=list)  # profile/trace/audit hooks refused
+    torch_lookups: list[str] = field(default_factory=list)  # torch's C++ names looked up through ctypes
+    # -- the op counter (`cudagym.sandbox.opwatch`), loaded by `prewarm_host`
+    opwatch: OpWatch | None = None
+    opwatch_changes: Callable[[], int] | None = None  # its C library's count of arms, disarms and resets
+    opwatch_callbacks: Callable[[], int] | None = None  # RecordFunction callbacks registered so far (opwatch.cpp)
+    callbacks_before: int | None = None  # their number before the candidate's code loaded (`timed.job_timer`)
+    # -- the kernel watcher (`cudagym.sandbox.origin`), loaded by `prewarm_device` (GPU workers)
+    kwatch: KernelWatch | None = None
+    kwatch_error: str | None = None  # why it could not be loaded
+    kprobe: torch.Tensor | None = None  # a harness tensor whose fill is the watcher's probe launch
+    # -- telemetry and the result memory
+    telemetry: DeviceTelemetry = field(default_factory=DeviceTelemetry)
+    premapped: mmap.mmap | None = None  # the start of the result memory (`prewarm.premap_results`)

@@ -1,0 +1,292 @@
+"""The timed jobs: `profile` (the candidate's timed loop), `baseline` (the reference's, eager and
+compiled, and library baselines) and `ncu` (the candidate's calls under Nsight Compute).
+
+Every role's calls go through one loop (`timing_run`) under the timing protocol
+(`cudagym.sandbox.timing`): the parent decides each call (`cudagym.sandbox.feed.CallFeed`), and
+each call's time and evidence go to it before the next call is asked for.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+import torch
+
+from cudagym.sandbox.inline import inline_problems
+from cudagym.sandbox.origin import MODEL_CALLS_KEY, records_as_counts
+from cudagym.sandbox.protocol import MAX_IDLE_MS
+from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, TimerTampered, drive_calls,
+                                    foreign_hooks, harness_calibration)
+from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
+from cudagym.sandbox.worker.integrity import check_tamper, kernel_watch, kernels_alive, op_watch, watch_alive, watch_changes
+from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
+from cudagym.sandbox.worker.state import WorkerState
+from cudagym.sandbox.worker.telemetry import Phases
+from cudagym.sandbox.worker.wire import Channel, Job
+
+
+def probe_fn(p: Problem) -> Any:
+    """A call of one tiny kernel: the probes among a loop's calls that measure the loop's own
+    overhead on the parent's clock (`cudagym.sandbox.feed`)."""
+    probe = torch.zeros(1, dtype=torch.int32, device=p.device)
+
+    def fill(*args: Any) -> torch.Tensor:
+        probe.zero_()
+        return probe
+
+    return fill
+
+
+def job_timer(p: Problem, job: Job, state: WorkerState) -> DeviceTimer:
+    """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
+    with the spares that are still starting paused) on a separate timer without the flush
+    (`harness_calibration`). Measured once per process while a spare waits, it read up to the
+    cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
+    shorter than it then read 0. Without the flush the output the close reads is hot, as a
+    call's is."""
+    calibration = harness_calibration.__wrapped__() if p.device.type == "cuda" else None
+    native = op_watch(state).cpu_close if p.device.type == "cpu" else None
+    timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
+                        calibration=calibration, native_close=native)
+    if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
+        state.callbacks_before = state.opwatch_callbacks()
+    return timer
+
+
+def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer,
+               state: WorkerState) -> int:
+    """Make the calls of `role` that the parent asks for, under the timing protocol
+    (`cudagym.sandbox.timing`); returns how many were made.
+
+    The same steps for every role and every call: the op counter armed around the call (the
+    candidate's cumulative counts go with each request), a sample of every output read at
+    the call's end (`DeviceTimer.read_at_end`: `SAMPLE_SIZE` secret random positions, drawn
+    after the call returned; on a GPU, with projections of the whole output, by the close kernel
+    while it holds every SM) and sent on the pipe, out of the worker's reach, before the next
+    call is asked for. The calls the parent marks as probes call a tiny kernel of the harness
+    instead, through the same steps.
+    """
+    rng = secrets.SystemRandom()
+    timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
+    timeouts = timer.close_timeouts()  # a baseline job's roles share one timer
+    calibration = timer.calibration
+    sets = [p.inputs(rng.getrandbits(62))]
+    n_sets = job.timing.input_sets_for(sum(a.nbytes for a in sets[0] if isinstance(a, torch.Tensor)))
+    sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
+    watch = op_watch(state)
+    watch.reset()  # the role's counts start here; the parent sees them only grow
+    kwatch = kernel_watch(state, p.device) if role == "candidate" else None
+    if kwatch:
+        kwatch.reset()  # the role's kernel records, sent with the op counts: they only grow
+    model_calls = [0]
+    changes = watch_changes(state)  # then one arm and one disarm per call
+    threads = threading.active_count()
+    pending: list[tuple[torch.Size, Evidence]] = []
+    made = [0]
+    who = "ModelNew.forward" if role == "candidate" else f"the {role} model"
+    ph.mark(f"{role}_setup")
+
+    probe = probe_fn(p)
+
+    def call(*args: Any) -> Any:
+        model_calls[0] += 1
+        watch.arm()
+        if kwatch:
+            kwatch.arm()
+        try:
+            return fn(*args)
+        except CandidateError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(failure_kind(e, state), f"{who} raised in a timed-loop call:\n"
+                                 + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
+        finally:
+            if kwatch:
+                kwatch.disarm()
+            watch.disarm()
+
+    def after(i: int, out: Any) -> dict[str, Any]:
+        pending.extend((o.shape, timer.read_at_end(o, SAMPLE_SIZE)) for o in as_outputs(out, who, p.device))
+        return {}
+
+    def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
+        # the evidence of the call goes on the pipe before the candidate's code runs again; the
+        # CPU close's as raw bytes (`Evidence.raw`): no ATen op, so no RecordFunction callback or
+        # kernel of anyone's, runs between the close and the pipe
+        for j, (shape, ev) in enumerate(pending):
+            if ev.raw is not None:
+                for what, t, raw, extra in (("sample", ev.values, ev.raw[0], {"full_shape": list(shape)}),
+                                            ("positions", ev.positions, ev.raw[1], {})):
+                    if t is not None:
+                        ch.send({"type": "tensor", "role": what, "trial": made[0] - 1, "index": j,
+                                 "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), **extra}, raw)
+                continue
+            ch.send_tensor("sample", made[0] - 1, j, ev.values, pipe=True, full_shape=list(shape))
+            if ev.positions is not None:
+                ch.send_tensor("positions", made[0] - 1, j, ev.positions, pipe=True)
+            if ev.projections is not None:
+                ch.send_tensor("projection", made[0] - 1, j, ev.projections[:PROJECTIONS], pipe=True, seed=ev.seed)
+        pending.clear()
+        # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
+        # they are generated (before its clock starts), the evidence's reads
+        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+            raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
+        if made[0]:
+            if state.hook_attempts or (hooks := foreign_hooks()):
+                raise CandidateError("tamper", "a Python hook the harness did not set was tried or is active: "
+                                     + (state.hook_attempts[0] if state.hook_attempts else hooks))
+            callbacks = state.opwatch_callbacks
+            if role == "candidate" and state.callbacks_before is not None and callbacks is not None \
+                    and callbacks() != state.callbacks_before:
+                raise CandidateError("tamper", "the candidate registered a RecordFunction callback (an observer of the "
+                                     "harness's own ops; `at::addGlobalCallback` or `addThreadLocalCallback`)")
+            watch_alive(state, watch, changes + 2 * made[0])
+            kernels_alive(state, kwatch)
+            if threading.active_count() > threads:
+                raise CandidateError("audit", f"{who} left threads running after it returned")
+        ops = dict(watch.counts())
+        ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
+        if kwatch:
+            ops.update(records_as_counts(kwatch.records()))
+        answer = ch.request("call", role=role, index=made[0], ops=ops, **report)
+        if answer.get("stop"):
+            return None
+        made[0] += 1
+        idle_ms = answer.get("idle_ms", 0.0)
+        idle_s = min(max(float(idle_ms), 0.0), MAX_IDLE_MS) / 1e3 if isinstance(idle_ms, (int, float)) else 0.0
+        return int(answer["seed"]), bool(answer.get("probe")), idle_s
+
+    def probed(*args: Any) -> Any:  # the op counter goes through the same arm/disarm
+        watch.arm()
+        if kwatch:
+            kwatch.arm()
+        try:
+            return probe(*args)
+        finally:
+            if kwatch:
+                kwatch.disarm()
+            watch.disarm()
+
+    with torch.no_grad():
+        try:
+            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
+        except TimerTampered as e:
+            raise CandidateError("tamper", str(e)) from None
+    ph.mark(f"{role}_timed_loop")
+    if timer.cuda:
+        ph.extra["harness_overhead_ns"] = calibration.overhead_ns
+        ph.extra["read_cap_ns"] = calibration.read_cap_ns
+        ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts() - timeouts
+        ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
+    check_tamper(state)
+    p.intact()
+    if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.calibration is not calibration:
+        raise CandidateError("tamper", "the harness's timer was modified by the candidate")
+    return n
+
+
+def roofline_inputs(p: Problem) -> dict[str, float]:
+    """Bytes moved (inputs + outputs) and FLOPs of one reference call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = p.inputs(secrets.randbits(62))
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        out = as_outputs(p.ref(*args), "the reference")
+    nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    nbytes += sum(o.numel() * o.element_size() for o in out)
+    return {"bytes": float(nbytes), "flops": float(counter.get_total_flops())}
+
+
+def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
+    """The timer's overhead (before any candidate code loads), then the candidate's timed loop;
+    the times and samples go to the parent call by call (see `timing_run`)."""
+    check = check_tamper  # bound before any candidate code runs
+    ph = Phases(state.originals["time.perf_counter"])
+    p = Problem(job, state, with_candidate=False)
+    timer = job_timer(p, job, state)
+    p.load_candidate()
+    ph.mark("load")
+    tele0 = state.telemetry.read() if p.device.type == "cuda" else {}
+    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state)
+    check(state)
+    tele1 = state.telemetry.read() if p.device.type == "cuda" else {}
+    ph.mark("telemetry")
+    if problems := inline_problems():
+        raise CandidateError("compile_error", "\n".join(problems))
+    ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry, "telemetry": {"before": tele0, "after": tele1},
+              "phases": ph.times, "diagnostics": ph.extra})
+
+
+def run_baseline(job: Job, ch: Channel, state: WorkerState) -> None:
+    """The reference's timed loops (eager, then torch.compile), under the candidate's protocol."""
+    ph = Phases(state.originals["time.perf_counter"])
+    p = Problem(job, state, with_candidate=False)
+    timer = job_timer(p, job, state)
+    timing_run(p, p.ref, job, ch, "eager", ph, timer, state)
+    body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}
+    if job.with_compile_baseline:
+        try:
+            compiled = torch.compile(p.ref)
+            with torch.no_grad():
+                compiled(*p.inputs(secrets.randbits(62)))  # the first call compiles
+            ph.mark("torch_compile")
+        except Exception as e:  # noqa: BLE001
+            body["compile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        else:
+            timing_run(p, compiled, job, ch, "compiled", ph, timer, state)
+    if job.library_baselines:
+        body["library_errors"] = library_runs(p, job, ch, ph, timer, state)
+    body["device_name"] = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
+    ch.final({**body, "phases": ph.times, "diagnostics": ph.extra})
+
+
+def library_runs(p: Problem, job: Job, ch: Channel, ph: Phases, timer: DeviceTimer, state: WorkerState) -> dict[str, str]:
+    """The timed loops of the job's library baselines (`cudagym.sandbox.library`), each planned,
+    then checked against the reference on one input set; why each one that was not timed was not."""
+    from cudagym.sandbox.library import LibraryUnavailable, library_matmul
+
+    errors: dict[str, str] = {}
+    atol, rtol = job.library_tolerance
+    for name in job.library_baselines:
+        args = p.inputs(secrets.randbits(62))
+        try:
+            fn = library_matmul(name, args)
+            with torch.no_grad():
+                want, got = p.ref(*args), fn(*args)
+            if not isinstance(want, torch.Tensor) or want.shape != got.shape or not torch.allclose(
+                    got.float(), want.float(), atol=atol, rtol=rtol):
+                worst = (got.float() - want.float()).abs().max().item() if isinstance(want, torch.Tensor) \
+                    and want.shape == got.shape else float("nan")
+                raise LibraryUnavailable(f"its result does not match the reference (max abs error {worst:.3g}, "
+                                         f"atol {atol:g}, rtol {rtol:g})")
+        except LibraryUnavailable as e:
+            errors[name] = str(e)
+            continue
+        ph.mark(f"{name}_plan")
+        timing_run(p, fn, job, ch, name, ph, timer, state)
+    return errors
+
+
+
+def run_ncu(job: Job, ch: Channel, state: WorkerState) -> None:
+    """Run the candidate's forward a few times; the parent's `ncu` records the kernels launched
+    between cudaProfilerStart and cudaProfilerStop, which enclose only the candidate's calls
+    (not the input generation and copies around them), after one warm-up call."""
+    from cudagym.sandbox.ncu import CALLS
+
+    p = Problem(job, state, with_candidate=True)
+    args = p.inputs(secrets.randbits(62))
+    sets = [clone_args(args) for _ in range(CALLS + 1)]
+    cudart = torch.cuda.cudart()
+    with torch.no_grad():
+        p.cand(*sets[0])
+        p.sync()
+        cudart.cudaProfilerStart()
+        for a in sets[1:]:
+            p.cand(*a)
+            p.sync()
+        cudart.cudaProfilerStop()
+    ch.final({"ok": True, "calls": CALLS})

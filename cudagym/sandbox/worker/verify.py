@@ -1,0 +1,225 @@
+"""The correctness jobs: `verify` (the candidate's trials, audited) and `reference` (the
+reference's outputs for the same plan, in a worker that runs no candidate code).
+
+A verify trial's inputs are revealed when it starts (`Channel.request`); the candidate's outputs
+go to the parent as they exist, and the parent compares them with the reference-only worker's.
+The audit here collects what ran (ops at the dispatcher, by the profiler and by the op counter;
+kernels by origin) and checks that nothing was left running or changed afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cudagym.core.audit import STRICT_ALLOWED, forbidden_ops
+from cudagym.sandbox.inline import inline_problems
+from cudagym.sandbox.origin import records_as_counts
+from cudagym.sandbox.timing import projection
+from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
+from cudagym.sandbox.worker.integrity import (OpRecorder, check_tamper, check_torch_lookups, kernel_watch, kernels_alive,
+                                              live_helpers, op_watch, poison_allocator, watch_alive, watch_changes)
+from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args, same_bits
+from cudagym.sandbox.worker.state import WorkerState
+from cudagym.sandbox.worker.telemetry import Phases
+from cudagym.sandbox.worker.wire import Channel, Job
+
+
+def _aten_ops_seen_by_profiler(prof: Any) -> Counter[str]:
+    return Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
+    """Correctness trials of the candidate, audited at the dispatcher and by the profiler.
+
+    The reference also runs here (before or after the candidate, by the plan) so that freed
+    reference outputs are poisoned where the candidate could pick them up; the outputs that
+    are compared come from a separate reference-only worker with the same plan.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    check = check_tamper  # bound before any candidate code runs
+    clock = state.originals["time.perf_counter"]
+    ph = Phases(clock)
+    p = Problem(job, state, with_candidate=True)
+    ph.mark("load")
+    trials = job.trials
+    ops: Counter[str] = Counter()
+    out_bytes = 1 << 20
+    profiler_enabled = torch.autograd._profiler_enabled
+    watch = op_watch(state)
+    changes = watch_changes(state)
+    kwatch = kernel_watch(state, p.device)
+    if kwatch:
+        kwatch.reset()  # every kernel of every trial, by origin: the parent applies the rules
+    for t in range(trials):
+        plan = ch.request("trial", index=t)  # this trial's secret, only now
+        order = plan.get("order")
+        base = p.inputs(int(plan["seed"]), float(plan.get("scale", 1.0)))
+
+        def run_reference() -> None:
+            args = clone_args(base)
+            out = as_outputs(p.ref(*args), "the reference")
+            p.sync()
+            params = {q.data_ptr() for q in list(p.ref.parameters()) + list(p.ref.buffers())}
+            for o in out:  # poison freed output memory before the candidate runs
+                if o.is_floating_point() and o.data_ptr() not in params and o._base is None:
+                    o.fill_(float("nan"))
+            del out, args
+
+        if order == "reference_first":
+            run_reference()
+        args = clone_args(base)
+        poison_allocator(p.device, out_bytes)
+        before = live_helpers()
+        ph.mark("reference")
+        rec = OpRecorder()
+        still_profiling = True
+        before_watch = watch.counts()
+        try:
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof, rec:
+                watch.arm()
+                if kwatch:
+                    kwatch.arm()
+                try:
+                    out = p.cand(*args)
+                finally:
+                    if kwatch:
+                        kwatch.disarm()
+                    watch.disarm()
+                p.sync_caller_stream()
+                still_profiling = profiler_enabled()
+        except CandidateError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CandidateError(failure_kind(e, state), "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
+        returned = clock()
+        check(state)
+        p.intact()
+        check_torch_lookups(state)
+        if not still_profiling:
+            raise CandidateError("tamper", "ModelNew.forward switched off the harness's profiler")
+        watch_alive(state, watch, changes + 2 * (t + 1))
+        kernels_alive(state, kwatch)
+        seen = rec.ops | (_aten_ops_seen_by_profiler(prof) - rec.ops)  # ops hidden from the dispatch mode
+        ops.update(seen | (watch.counts() - before_watch - seen))  # and from both
+        outs = as_outputs(out, "ModelNew.forward", p.device)
+        after = live_helpers()
+        if after[1] > before[1]:
+            raise CandidateError("audit", "ModelNew.forward left child processes running after it returned")
+        if after[0] > before[0]:
+            raise CandidateError("audit", "ModelNew.forward left threads running after it returned")
+        ph.mark("candidate")
+        snap = [o.detach().clone() for o in outs]  # on the device: the values at return time
+        out_bytes = sum(o.numel() * o.element_size() for o in outs)
+        for i, o in enumerate(snap):
+            ch.send_tensor("candidate", t, i, o)
+        ph.mark("send")
+        if order == "candidate_first":
+            run_reference()
+        ph.mark("reference")
+        # Outputs must not change once forward has returned: re-read them later (after this
+        # trial's other work; in the last trial, after a pause: background work recurs each trial).
+        wait = job.verify.settle_ms / 1e3 - (clock() - returned)
+        if wait > 0 and t == trials - 1:
+            time.sleep(wait)
+        p.sync()
+        if not all(same_bits(o, s) for o, s in zip(outs, snap)):
+            raise CandidateError("audit", "an output of ModelNew.forward changed after forward returned "
+                                 "(work finishing in the background)")
+        del outs, out, snap, args
+        ph.mark("settle")
+    kernels = records_as_counts(kwatch.records()) if kwatch else None
+    own_share, share_kernels = None, None
+    if job.mode == "permissive":
+        own_share, share_kernels = own_kernel_share(p, job, state)
+        ph.mark("own_share")
+    check(state)
+    if problems := inline_problems():  # an extension verify had to do without, named
+        raise CandidateError("compile_error", "\n".join(problems))
+    ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
+              "own_kernel_share": own_share, "params": p.params, "params_retry": p.params_retry, "phases": ph.times, "kernels": kernels,
+              "share_kernels": share_kernels, "kernel_watch_error": state.kwatch_error,
+              "own_objects": own_objects(job)})
+
+
+def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
+    """The reference's outputs for the verify plan, in a worker that runs no candidate code."""
+    ph = Phases(state.originals["time.perf_counter"])
+    p = Problem(job, state, with_candidate=False)
+    ph.mark("load")
+    with torch.no_grad():
+        for t, (seed, scale) in enumerate(zip(job.trial_seeds, job.trial_scales)):
+            out = as_outputs(p.ref(*p.inputs(seed, scale)), "the reference")
+            p.sync()
+            ph.mark("reference")
+            for i, o in enumerate(out):
+                ch.send_tensor("reference", t, i, o)
+                if t < len(job.projection_seeds):  # the re-check of a timed call: its projections, same weights
+                    ch.send_tensor("projection", t, i, projection(o, job.projection_seeds[t], i))
+            ph.mark("send")
+    ch.final({"ok": True, "trials": len(job.trial_seeds), "phases": ph.times})
+
+
+def own_objects(job: Job) -> list[str]:
+    """The shared objects of the candidate's build (its artifact directory, its cached
+    extensions) this process has mapped: the parent audits their imports itself."""
+    roots = [r for r in (job.artifact_dir, str(Path(job.cache_dir) / "inline")) if r]
+    libs: list[str] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1] if line.strip() else ""
+            if ".so" in path and any(path.startswith(r) for r in roots) and path not in libs:
+                libs.append(path)
+    return libs[:64]
+
+
+def own_kernel_share(p: Problem, job: Job, state: WorkerState) -> tuple[float | None, dict[str, int] | None]:
+    """Permissive mode: on a GPU, the kernel records of one measured call with each launch's GPU
+    time (`KernelWatch.timed`; the parent computes the share by origin); on the CPU, the share
+    of the forward's compute done outside torch (computed here: no kernel records there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = p.inputs(secrets.randbits(62))
+    if p.device.type == "cuda":
+        kwatch = kernel_watch(state, p.device)
+        if kwatch is None:
+            return None, None
+        with torch.no_grad():
+            p.cand(*clone_args(args))  # warm: lazy loads and first-call work are not measured
+            p.sync()
+            call_args = clone_args(args)
+
+            def measured() -> None:
+                p.cand(*call_args)
+                p.sync()
+
+            records = kwatch.timed(measured)
+        return None, records_as_counts(records)
+    acts = [ProfilerActivity.CPU]
+
+    # CPU: the candidate's own (ctypes/binding) calls are invisible to the profiler, so compare
+    # the torch compute inside its forward with the reference's torch compute on the same
+    # inputs, in elements processed (deterministic, unlike times on a shared host).
+    def torch_work(fn: Any) -> float:
+        with profile(activities=acts, record_shapes=True) as prof_w:
+            fn(*clone_args(args))
+        work = 0.0
+        for e in prof_w.events():
+            if e.name.startswith("aten::") and e.name.split("::")[1] not in STRICT_ALLOWED:
+                sizes = [math.prod(s) for s in (e.input_shapes or []) if isinstance(s, (list, tuple))]
+                work += max(sizes, default=1)
+        return work
+
+    with torch.no_grad():
+        ref_work = torch_work(p.ref)
+        cand_work = torch_work(p.cand)
+    if ref_work <= 0:
+        return (1.0 if cand_work == 0 else 0.0), None
+    return max(0.0, 1.0 - cand_work / ref_work), None

@@ -1,0 +1,446 @@
+"""The wire protocol between the evaluator (parent) and a sandboxed worker, both ends in one place.
+
+The parent writes one `Job` as a JSON line to the worker's stdin. The worker answers on a
+dedicated pipe with frames: `[u32 header length][header JSON][u64 payload length][payload]`.
+Tensors travel as raw bytes with dtype and shape in the header (dtypes of
+`cudagym.sandbox.worker.dtypes.WIRE_DTYPES`), never pickled: the parent does not unpickle
+anything the candidate's process could have written. Output comparison, statistics and the
+verdict are computed in the parent, out of the candidate's reach.
+
+- the worker's end, `Channel`: writes frames, copies tensor bytes into the result memory, asks
+  the parent for the next step (request frames, answered on stdin, read by `LineReader`);
+- the parent's end, `FrameReader` and `collect_outcome`: reads the frames on a thread as they
+  arrive (answering request frames), and maps the result memory only once the worker is gone.
+
+Shared by every sandbox backend. The parent imports this module without torch (only the
+worker's `Channel.send_tensor` needs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import mmap
+import os
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from cudagym.core.verdict import AuditMode
+from cudagym.sandbox.protocol import LimitsConfig, TimingConfig, VerifyConfig
+from cudagym.sandbox.worker.failures import CandidateError
+
+if TYPE_CHECKING:
+    import torch
+
+    from cudagym.sandbox.base import JobOutcome, Responder
+
+JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "build_inline", "probe", "ncu"]
+TIMING_KINDS = ("profile", "baseline")  # need the device to themselves
+
+
+class Job(BaseModel):
+    """One job for one worker, written to its stdin as a JSON line: what to run (`kind`), on which
+    task and workspace, under which protocols and limits."""
+
+    kind: JobKind
+    nonce: str  # echoed in the final frame; a frame without it is a forgery
+    task_id: str
+    task_code: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda" (the worker sees one GPU as cuda:0)
+    workspace: str = ""
+    artifact_dir: str | None = None
+    cache_dir: str = ""
+    inline_build_root: str | None = None  # build_inline only: torch's build directory (in its writable staging dir)
+    inline_request: dict[str, Any] | None = None  # build_inline only: the extension, as the parent checked it
+    mode: AuditMode = "strict"
+    seed: int = 0  # secret; never derived from anything the candidate sees
+    # verify: the candidate's worker gets the number of trials here and each trial's seed, scale
+    # and order only when the trial starts (`cudagym.sandbox.feed.TrialFeed`); the reference-only
+    # worker, which runs no candidate code, gets the whole plan here. Its outputs are the ones
+    # compared (correctness cannot be forged in-process).
+    init_seed: int = 0
+    # ModelNew's parameters: its own same-seed build, or Model's state_dict loaded (a second try;
+    # `cudagym.sandbox.worker.problem.Problem`)
+    params: Literal["seed", "state_dict"] = "seed"
+    trials: int = 0
+    trial_seeds: list[int] = Field(default_factory=list)
+    trial_scales: list[float] = Field(default_factory=list)
+    trial_orders: list[str] = Field(default_factory=list)
+    # reference (re-check of timed calls): trial t's outputs are also projected with the weights of
+    # the call's seed (`cudagym.sandbox.timing.projection`)
+    projection_seeds: list[int] = Field(default_factory=list)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    timing: TimingConfig = Field(default_factory=TimingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    writable: list[str] = Field(default_factory=list)  # extra writable dirs (baseline: compiler caches)
+    with_compile_baseline: bool = True
+    # baseline: library baselines to time after eager and torch.compile (`cudagym.sandbox.library`),
+    # each first checked against the reference at (atol, rtol)
+    library_baselines: list[str] = Field(default_factory=list)
+    library_tolerance: tuple[float, float] = (1e-2, 1e-2)
+    probe: str | None = None  # probe jobs: python source run as the candidate (tests of the sandbox)
+
+
+# -- frames -----------------------------------------------------------------------------------
+_HDR = struct.Struct("<I")
+_LEN = struct.Struct("<Q")
+MAX_HEADER = 1 << 20
+
+
+def encode_frame_head(header: dict[str, Any], payload_len: int) -> bytes:
+    """Everything of a frame but its payload (sent separately, without a copy)."""
+    h = json.dumps(header).encode()
+    return _HDR.pack(len(h)) + h + _LEN.pack(payload_len)
+
+
+def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    return encode_frame_head(header, len(payload)) + payload
+
+
+class FrameError(Exception):
+    """A malformed frame: the result channel was written by something other than the harness."""
+
+
+def read_frame(read_into: Callable[[memoryview], bool], max_payload: int) -> tuple[dict[str, Any], memoryview] | None:
+    """One frame from a stream; `read_into(view)` fills `view` completely or returns False at
+    the end of the stream. None at a clean end; FrameError for a malformed or truncated frame.
+    The payload is read straight into its own buffer (one copy from the pipe, none after)."""
+    head = bytearray(_HDR.size)
+    if not read_into(memoryview(head)):
+        return None
+    (hl,) = _HDR.unpack(head)
+    if hl > MAX_HEADER:
+        raise FrameError("bad frame header length")
+    hbuf = bytearray(hl + _LEN.size)
+    if not read_into(memoryview(hbuf)):
+        raise FrameError("truncated frame header")
+    try:
+        header = json.loads(bytes(hbuf[:hl]))
+    except ValueError:
+        raise FrameError("frame header is not JSON") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not an object")
+    (pl,) = _LEN.unpack_from(hbuf, hl)
+    if pl > max_payload:
+        raise FrameError(f"a frame payload of {pl} bytes exceeds the limit of {max_payload}")
+    payload = bytearray(pl)
+    if pl and not read_into(memoryview(payload)):
+        raise FrameError("truncated frame payload")
+    return header, memoryview(payload)
+
+
+def decode_frames(buf: bytes | bytearray) -> list[tuple[dict[str, Any], memoryview]]:
+    """Split a complete result stream held in memory into (header, payload) frames."""
+    view, pos = memoryview(buf), 0
+
+    def read_into(dst: memoryview) -> bool:
+        nonlocal pos
+        n = len(dst)
+        if pos + n > len(view):
+            if pos < len(view):
+                raise FrameError("truncated frame")
+            return False
+        dst[:] = view[pos : pos + n]
+        pos += n
+        return True
+
+    out = []
+    while (frame := read_frame(read_into, len(buf))) is not None:
+        out.append(frame)
+    return out
+
+
+# -- the worker's end ---------------------------------------------------------------------------
+class Channel:
+    """The result channel to the parent: frames on a pipe, tensor bytes in a shared-memory file.
+
+    The parent hands every worker a sealed memfd of fixed capacity; a tensor is copied (from the
+    GPU, directly) into the next free region and its frame names the region. The parent maps
+    the file only after the worker is gone, so the bytes it compares can no longer change.
+    Without a memfd, tensor bytes travel on the pipe. `stdin`: where the parent's answers to
+    requests arrive (the reader that read the job's line); `premapped`: the start of the result
+    memory, mapped while the worker was a spare (`prewarm.premap_results`).
+    """
+
+    def __init__(self, fd: int, nonce: str, stdin: LineReader, shm_fd: int | None = None,
+                 premapped: mmap.mmap | None = None):
+        self._fd, self._nonce, self._shm = fd, nonce, shm_fd
+        self._write = os.write
+        self._shm_off = 0
+        self._shm_cap = os.fstat(shm_fd).st_size if shm_fd is not None else 0
+        self._premapped = premapped if shm_fd is not None else None
+        self._stdin = stdin
+
+    def _write_all(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            n = self._write(self._fd, view)
+            view = view[n:]
+
+    def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+        self._write_all(encode_frame_head(header, len(payload)))
+        if len(payload):
+            self._write_all(payload)
+
+    def send_tensor(self, role: str, trial: int, index: int, t: torch.Tensor, pipe: bool = False, **extra: Any) -> None:
+        """One tensor frame; its bytes in the result memory, or with `pipe` (or without result
+        memory) on the pipe: out of the worker's reach once written (the result memory stays
+        writable by the worker, host code and kernels alike, until it dies)."""
+        import torch  # the worker's end only: the parent imports this module without torch
+
+        c = t.detach()
+        header = {"type": "tensor", "role": role, "trial": trial, "index": index,
+                  "dtype": str(c.dtype).removeprefix("torch."), "shape": list(c.shape), **extra}
+        n = c.numel() * c.element_size()
+        if n and self._shm is not None and not pipe:
+            off = self._shm_off
+            if off + n > self._shm_cap:
+                raise CandidateError("output_format", f"the outputs exceed the result limit of {self._shm_cap >> 20} MB")
+            if self._premapped is not None and off + n <= len(self._premapped):
+                mm, at = self._premapped, off  # populated (and page-locked on a GPU) while a spare
+            else:
+                mm, at = map_shared(self._shm, n, off), 0
+            dst = torch.frombuffer(mm, dtype=c.dtype, count=c.numel(), offset=at)
+            dst.copy_(c.reshape(-1))  # device -> shared pages, one copy
+            del dst
+            if mm is not self._premapped:
+                mm.close()
+            self._shm_off = off + -(-n // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+            self.send({**header, "offset": off, "nbytes": n})
+            return
+        c = c.to("cpu").contiguous()
+        raw = memoryview(c.reshape(-1).view(torch.uint8).numpy()).cast("B") if c.numel() else b""
+        self.send(header, raw)
+
+    def final(self, body: dict[str, Any]) -> None:
+        self.send({"type": "final", "nonce": self._nonce, **body})
+
+    def request(self, what: str, **body: Any) -> dict[str, Any]:
+        """Ask the parent for the next step (see `cudagym.sandbox.feed`); its answer."""
+        self.send({"type": "request", "what": what, **body})
+        line = self._stdin.readline()
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise CandidateError("tamper", "the evaluator's answers on stdin were taken or garbled by the candidate")
+        if "refused" in answer:
+            raise CandidateError("tamper", f"the evaluator refused a request: {answer['refused']}")
+        return answer
+
+
+class LineReader:
+    """Lines from a file descriptor, unbuffered beyond the current line's read (the job line,
+    then the parent's answers, arrive on stdin one at a time)."""
+
+    def __init__(self, fd: int):
+        self._fd, self._buf = fd, bytearray()
+        self._read = os.read
+
+    def readline(self) -> bytes:
+        while b"\n" not in self._buf:
+            chunk = self._read(self._fd, 1 << 16)
+            if not chunk:
+                line, self._buf = bytes(self._buf), bytearray()
+                return line
+            self._buf += chunk
+        end = self._buf.index(b"\n") + 1
+        line = bytes(self._buf[:end])
+        del self._buf[:end]
+        return line
+
+
+def map_shared(fd: int, size: int, offset: int = 0) -> mmap.mmap:
+    """A writable, populated (no page faults later) shared mapping of part of the result memory."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+
+
+# -- the parent's end ---------------------------------------------------------------------------
+class FrameReader:
+    """Reads one worker's result pipe on its own thread, frame by frame.
+
+    Frames are small (tensor bytes go through the worker's result memory); a payload that does
+    come on the pipe is read straight into its own buffer.
+    `ready` resolves at the worker's ready frame; `done` when the pipe closes or `stop()`.
+    `startup_s` then holds the seconds of each of the worker's start-up steps (its own clocks) and
+    `wall`, from `started` (when the worker was asked for; default: now) to the ready frame.
+    Request frames are answered here, as they arrive, by the job's responder (see
+    `Sandbox.run`), on the worker's stdin (`answer_fd`); `requests` counts them.
+    """
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int, started: float | None = None):
+        self._fd, self._loop, self._budget = fd, loop, max_bytes
+        self.ready: asyncio.Future[bool] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.final_seen: asyncio.Future[None] = loop.create_future()  # the harness's result arrived
+        self.frames: list[tuple[dict[str, Any], memoryview]] = []
+        self.error: str | None = None  # a malformed frame (not a worker that died mid-frame)
+        self.responder: Responder | None = None  # set when the job starts
+        self.answer_fd: int | None = None
+        self.requests = 0
+        self.startup_s: dict[str, float] = {}
+        self._started = time.perf_counter() if started is None else started
+        self._stop = threading.Event()
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        threading.Thread(target=self._run, name="cudagym-frames", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _read_into(self, view: memoryview) -> bool:
+        while len(view):
+            while not self._poll.poll(50):
+                if self._stop.is_set():
+                    return False
+            n = os.readv(self._fd, [view])
+            if n == 0:
+                return False
+            view = view[n:]
+        return True
+
+    def _answer(self, request: dict[str, Any], arrived: float) -> None:
+        """Answer one request on the worker's stdin (a worker that stopped reading gets none)."""
+        self.requests += 1
+        if self.responder is None or self.answer_fd is None:
+            answer: dict[str, Any] = {"refused": "this job takes no requests"}
+        else:
+            try:
+                answer = self.responder(request, arrived)
+            except Exception as e:  # noqa: BLE001 - a responder bug must not hang the worker
+                answer = {"refused": f"the evaluator could not answer: {type(e).__name__}: {e}"}
+        if self.answer_fd is not None:
+            try:
+                write_all(self.answer_fd, (json.dumps(answer) + "\n").encode())
+            except OSError:
+                pass
+
+    def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
+        def set_() -> None:
+            if not fut.done():
+                fut.set_result(value)
+
+        try:
+            self._loop.call_soon_threadsafe(set_)
+        except RuntimeError:  # the loop has closed (sandbox shut down)
+            pass
+
+    def _run(self) -> None:
+        try:
+            first = read_frame(self._read_into, 0)
+            ok = first is not None and first[0].get("type") == "ready"
+            if ok and first is not None:
+                steps = first[0].get("startup_s")
+                self.startup_s = {str(k): float(v) for k, v in (steps if isinstance(steps, dict) else {}).items()
+                                  if isinstance(v, (int, float))}
+                self.startup_s["wall"] = time.perf_counter() - self._started
+            self._resolve(self.ready, ok)
+            while ok:
+                frame = read_frame(self._read_into, self._budget)
+                arrived = time.perf_counter()
+                if frame is None:
+                    break
+                self._budget -= len(frame[1])
+                kind = frame[0].get("type")
+                if kind == "request":
+                    self._answer(frame[0], arrived)
+                    continue
+                self.frames.append(frame)
+                if kind == "final":
+                    self._resolve(self.final_seen, None)
+        except FrameError as e:
+            if "truncated" not in str(e):  # a worker that died mid-frame has no result: a crash
+                self.error = f"malformed result channel: {e}"
+        except OSError as e:
+            self.error = f"result channel: {e}"
+        finally:
+            self._resolve(self.ready, False)
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._resolve(self.done, None)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def result_memory(capacity: int) -> int:
+    """A sealed memfd of fixed capacity (sparse: only what is written takes memory)."""
+    import fcntl
+
+    fd = os.memfd_create("cudagym-results", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, capacity)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def _map_results(shm_fd: int, frames: list[tuple[dict[str, Any], memoryview]]) -> list[tuple[dict[str, Any], memoryview]]:
+    """Tensor frames with their bytes: from the pipe, or from the worker's result memory."""
+    cap = os.fstat(shm_fd).st_size
+    spans = []
+    for h, _ in frames:
+        if h.get("type") == "tensor" and "offset" in h:
+            off, n = h.get("offset"), h.get("nbytes")
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 < n and off + n <= cap):
+                raise FrameError(f"a tensor frame names bytes outside the result memory ({off!r}, {n!r})")
+            spans.append(off + n)
+    # read-only (the worker is dead: the bytes are final) and populated: no fault per 4 KB page
+    mm = mmap.mmap(shm_fd, max(spans), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                   prot=mmap.PROT_READ) if spans else None
+    view = memoryview(mm) if mm is not None else None
+    out = []
+    for h, payload in frames:
+        if h.get("type") == "tensor" and "offset" in h and view is not None:
+            payload = view[h["offset"] : h["offset"] + h["nbytes"]]
+        out.append((h, payload))
+    return out
+
+
+def collect_outcome(frames: FrameReader, shm_fd: int, nonce: str, outcome: JobOutcome,
+                    release: Callable[[], None]) -> None:
+    """Fill `outcome` from a finished worker's frames and result memory (checked: a malformed or
+    forged channel is a `channel_error`); `release()` frees the worker's descriptors after."""
+    try:
+        if frames.error:
+            outcome.channel_error = frames.error
+            return
+        try:
+            received = _map_results(shm_fd, frames.frames)
+        except FrameError as e:
+            outcome.channel_error = f"malformed result channel: {e}"
+            return
+    finally:
+        release()
+    finals = [h for h, _ in received if h.get("type") == "final"]
+    for h, payload in received:
+        t = h.get("type")
+        if t == "started":
+            outcome.started = h
+        elif t == "tensor":
+            outcome.tensors.append((h, payload))
+        elif t != "final":
+            outcome.channel_error = f"unexpected frame type {t!r} on the result channel"
+    if len(finals) > 1:
+        outcome.channel_error = "more than one result on the result channel"
+    elif finals:
+        if finals[0].get("nonce") != nonce:
+            outcome.channel_error = "a result without the job's nonce (forged)"
+        else:
+            outcome.final = finals[0]
+            phases = finals[0].get("phases")
+            outcome.phases = {str(k): float(v) for k, v in (phases if isinstance(phases, dict) else {}).items()
+                              if isinstance(v, (int, float))}
+    outcome.phases.update({f"startup_{k}": v for k, v in frames.startup_s.items()})
