@@ -77,8 +77,9 @@ def test_workers_are_apart_from_each_other(tmp_path: Path, fork_server: bool) ->
 
 
 def test_a_fork_server_that_dies_is_started_again(tmp_path: Path) -> None:
-    """Killing the fork server (out of memory, an operator) costs the spares it had forked, not
-    the sandbox: the next job gets a worker from a new server."""
+    """Killing the fork server (out of memory, an operator) costs the spares it had forked (they
+    die with it), not the sandbox and not a job: a job given a spare that died before it started
+    runs again on another worker, from a new server."""
     import os
     import signal
 
@@ -94,7 +95,7 @@ def test_a_fork_server_that_dies_is_started_again(tmp_path: Path) -> None:
         second = sandbox._fork_servers["cpu"]
     finally:
         sandbox.close()
-    # the spare forked before the kill still serves (it is the sandbox's, not the server's);
-    # the workers after it come from a new server
-    assert all(o.final is not None and o.final["result"] == "42" for o in outcomes), [o.output for o in outcomes]
+    # the spare forked before the kill may die with the server before or after it is taken: its
+    # job then runs on a worker of the new server
+    assert all(o.final is not None and o.final["result"] == "42" for o in outcomes), [(o.final, o.returncode, o.channel_error, o.timed_out, o.output) for o in outcomes]
     assert second is not None and second is not first

@@ -384,20 +384,24 @@ class LocalSandbox(SpareWorkerSandbox):
     async def _ready(self, device: str) -> _Worker:
         """A spare of `device` that is ready (started spares start its replacement now; a
         timing job pauses them in its quiet windows); SandboxError if none starts."""
-        w = await self._take(device)
-        try:
-            ready = await asyncio.wait_for(asyncio.shield(w.frames.ready), timeout=self.config.start_timeout_s)
-        except asyncio.TimeoutError:
-            ready = False
-        except asyncio.CancelledError:
-            self._spares.setdefault(device, []).insert(0, w)  # not used: it stays a spare
-            raise
-        if not ready:
+        for attempt in range(self.LOST_WORKER_RETRIES + 1):
+            w = await self._take(device)
+            died = True  # its pipe closed before the ready frame (not the start-up timeout)
+            try:
+                ready = await asyncio.wait_for(asyncio.shield(w.frames.ready), timeout=self.config.start_timeout_s)
+            except asyncio.TimeoutError:
+                ready = died = False
+            except asyncio.CancelledError:
+                self._spares.setdefault(device, []).insert(0, w)  # not used: it stays a spare
+                raise
+            if ready:
+                return w
             self._kill(w)
             w.release()
             await w.proc.wait()
-            raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
-        return w
+            if not died or attempt == self.LOST_WORKER_RETRIES:  # died: its fork server killed while it started?
+                break
+        raise SandboxError("a sandbox worker failed to start (python -m cudagym.sandbox.worker)")
 
     def _unused(self, w: _Worker) -> None:
         self._spares.setdefault(w.device, []).insert(0, w)

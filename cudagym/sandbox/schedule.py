@@ -285,6 +285,15 @@ class RunningJob:
         return self.frozen_total_s + (now - self.frozen_since if self.frozen_since is not None else 0.0)
 
 
+def lost_before_start(outcome: JobOutcome) -> bool:
+    """Whether the worker was gone before it started its job: it exited without the `started`
+    frame it sends once the job is read and confined, before any candidate code runs (a spare
+    killed with its fork server, or by the OOM killer, while it waited)."""
+    return (outcome.final is None and outcome.started is None and not outcome.timed_out
+            and outcome.channel_error is None and not outcome.memory_exceeded and not outcome.process_limited
+            and outcome.device_busy is None)
+
+
 class SpareWorkerSandbox(Sandbox):
     """A sandbox whose workers are started ahead of need and used for one job each, driven from
     one private event-loop thread (so callers on any loop, or none, can use it). Backends
@@ -388,12 +397,24 @@ class SpareWorkerSandbox(Sandbox):
     @abc.abstractmethod
     async def _stop_spares(self) -> None: ...
 
+    # a spare that dies before it takes its job (its fork server killed, the OOM killer) costs
+    # another worker, not the job: retried this many times
+    LOST_WORKER_RETRIES = 2
+
+    async def _run_job(self, job: Job, device: str, responder: Responder | None) -> JobOutcome:
+        """Run `job` on a spare; again on another one while the worker was lost before it started
+        the job (no `started` frame: no candidate code ran and no request was answered)."""
+        for _ in range(self.LOST_WORKER_RETRIES):
+            outcome = await self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused)
+            if not lost_before_start(outcome):
+                return outcome
+        return await self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused)
+
     async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return await self._loop_thread.acall(
-            self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused))
+        return await self._loop_thread.acall(self._run_job(job, device, responder))
 
     def run_sync(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
-        return self._loop_thread.call(self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused))
+        return self._loop_thread.call(self._run_job(job, device, responder))
 
     @property
     def lease_holds(self) -> list[LeaseHold]:
