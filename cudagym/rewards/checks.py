@@ -18,23 +18,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import TypeAdapter
 
 from cudagym.core.audit import (
     Origins, foreign_kernels, foreign_work, forbidden_ops, op_counts, own_time_share, unmeasured_work,
 )
-from cudagym.core.verdict import ErrorKind, TimingStats, VerifyResult
+from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
 from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
 from cudagym.sandbox.base import JobOutcome
 from cudagym.sandbox.feed import CallFeed
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
 from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.model import Target, Task
-
-if TYPE_CHECKING:
-    from cudagym.rewards.evaluator import EvaluatorConfig
 
 _KIND = {k.value: k for k in ErrorKind}
 _COUNT = TypeAdapter(int)  # a count the worker reported, read as `ProfileResult`'s fields read it
@@ -80,11 +77,18 @@ def release_later(*outcomes: JobOutcome) -> None:
 
 
 # -- the audit of the candidate's build and kernels (verify and profile) -----------------------------
+class AuditSettings(Protocol):
+    """What the audit reads of the evaluator's config (`EvaluatorConfig`), each time it runs."""
+
+    mode: AuditMode
+    cache_dir: Path
+
+
 class Audit:
     """The audit rules (`cudagym.core.audit`) under the evaluator's mode and target, applied to
     the candidate's build artifacts and to the op counts and kernel records its worker reported."""
 
-    def __init__(self, config: EvaluatorConfig, target: Target):
+    def __init__(self, config: AuditSettings, target: Target):
         self.config, self.target = config, target
 
     def imports(self, artifact_dir: str | None, loaded: list[Any]) -> ImportAudit:

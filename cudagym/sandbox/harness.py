@@ -37,7 +37,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cudagym import runtime
 from cudagym.core.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
-from cudagym.sandbox.ncu import run_ncu  # the ncu job kind (JOBS["ncu"])
 from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, KernelWatch, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS, Job, encode_frame_head
@@ -1208,6 +1207,32 @@ def run_build_inline(job: Job, ch: Channel) -> None:
     except InlineCompileError as e:
         raise CandidateError("compile_error", str(e)) from None
     ch.final({"ok": True})
+
+
+def run_ncu(job: Job, ch: Channel) -> None:
+    """The ncu job kind (`cudagym.sandbox.ncu`). In the sandboxed worker: Nsight Compute over a
+    child worker on the same job, and its metrics in the final frame. In that child (under ncu):
+    run the candidate's forward a few times; ncu records the kernels launched between
+    cudaProfilerStart and cudaProfilerStop, which enclose only the candidate's calls (not the
+    input generation and copies around them), after one warm-up call."""
+    from cudagym.sandbox.ncu import CALLS, UNDER_NCU, ncu_summary
+
+    if not os.environ.get(UNDER_NCU):
+        ch.final({"ok": True, "ncu": ncu_summary(job)})
+        return
+    p = Problem(job, with_candidate=True)
+    args = p.inputs(secrets.randbits(62))
+    sets = [clone_args(args) for _ in range(CALLS + 1)]
+    cudart = torch.cuda.cudart()
+    with torch.no_grad():
+        p.cand(*sets[0])
+        p.sync()
+        cudart.cudaProfilerStart()
+        for a in sets[1:]:
+            p.cand(*a)
+            p.sync()
+        cudart.cudaProfilerStop()
+    ch.final({"ok": True, "calls": CALLS})
 
 
 def run_probe(job: Job, ch: Channel) -> None:

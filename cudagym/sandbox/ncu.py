@@ -1,11 +1,12 @@
-"""Nsight Compute metrics for the profile tool: the `ncu` job kind.
+"""Nsight Compute metrics for the profile tool: the `ncu` job kind's worker side.
 
 The evaluator sends an "ncu" job through `Sandbox.run` like any other job, so the backend's
 isolation (its container, namespaces, Landlock, limits) and the GPU lease apply to it. Inside the
-sandboxed worker, `run_ncu` starts `ncu` over a child worker on the same job (`UNDER_NCU` set in
-its environment); the child runs the candidate's forward a few times between cudaProfilerStart
-and cudaProfilerStop (`ncu_calls`), and the worker returns ncu's metrics, parsed from its CSV log,
-in its final frame: `{"ok": true, "ncu": {...}}` (`{"error": ...}` inside when ncu gave none).
+sandboxed worker, the harness's `run_ncu` calls `ncu_summary`, which starts `ncu` over a child
+worker on the same job (`UNDER_NCU` set in its environment); the child (`run_ncu` again, under
+ncu) runs the candidate's forward a few times between cudaProfilerStart and cudaProfilerStop,
+and the worker returns ncu's metrics, parsed from its CSV log, in its final frame:
+`{"ok": true, "ncu": {...}}` (`{"error": ...}` inside when ncu gave none).
 """
 
 from __future__ import annotations
@@ -13,19 +14,15 @@ from __future__ import annotations
 import csv
 import io
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cudagym.sandbox.protocol import Job, LimitsConfig
-
-if TYPE_CHECKING:
-    from cudagym.sandbox.harness import Channel
 
 METRICS = (
     "gpu__time_duration.sum",
@@ -75,15 +72,6 @@ def parse_ncu_csv(text: str) -> dict[str, Any]:
     return {"kernels": kernels, "kernel_ms_per_call": total_ms / CALLS}
 
 
-def run_ncu(job: Job, ch: Channel) -> None:
-    """The ncu job kind in a sandboxed worker: under ncu (the child), the candidate's calls;
-    otherwise ncu over a child worker on the same job, and its metrics in the final frame."""
-    if os.environ.get(UNDER_NCU):
-        ncu_calls(job, ch)
-    else:
-        ch.final({"ok": True, "ncu": ncu_summary(job)})
-
-
 def ncu_summary(job: Job) -> dict[str, Any]:
     """Run `ncu` over a child worker (`python -m cudagym.sandbox.worker`) given `job`, recording
     only what the child runs between cudaProfilerStart and cudaProfilerStop; the parsed metrics,
@@ -125,27 +113,3 @@ def ncu_summary(job: Job) -> dict[str, Any]:
     if "error" in result:  # ncu writes its own messages (permissions, no kernels) to the log file
         result["output"] = (out.decode(errors="replace")[-1500:] + "\n--- ncu log ---\n" + text[-1500:]).strip()
     return result
-
-
-def ncu_calls(job: Job, ch: Channel) -> None:
-    """The child under ncu: run the candidate's forward a few times; ncu records the kernels
-    launched between cudaProfilerStart and cudaProfilerStop, which enclose only the candidate's
-    calls (not the input generation and copies around them), after one warm-up call."""
-    import torch
-
-    from cudagym.sandbox.harness import Problem, clone_args
-
-    p = Problem(job, with_candidate=True)
-    args = p.inputs(secrets.randbits(62))
-    sets = [clone_args(args) for _ in range(CALLS + 1)]
-    cudart: Any = torch.cuda.cudart()
-    model: Any = p.cand  # built by Problem(with_candidate=True)
-    with torch.no_grad():
-        model(*sets[0])
-        p.sync()
-        cudart.cudaProfilerStart()
-        for a in sets[1:]:
-            model(*a)
-            p.sync()
-        cudart.cudaProfilerStop()
-    ch.final({"ok": True, "calls": CALLS})
