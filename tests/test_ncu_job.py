@@ -1,7 +1,8 @@
 """The ncu job kind runs through `Sandbox.run` like any other job (the CPU parts; Nsight Compute on
 a GPU is `test_gpu.py::test_ncu_summary_holds_only_the_candidates_kernels`).
 
-- Without `ncu` on the worker's PATH, the job's metrics name its absence, as before.
+- Without `ncu` on the worker's PATH, the job's metrics name its absence, as before (the
+  evaluator's ncu step sends the job through its sandbox, as `profile(ncu=True)` does on a GPU).
 - With one, the sandboxed worker runs it over a child worker on the same job: the child runs the
   candidate's code (under `CUDAGYM_UNDER_NCU`), `ncu` and the child are confined as the job is
   (no write outside the workspace), and the parsed log comes back in the worker's final frame.
@@ -11,11 +12,13 @@ a GPU is `test_gpu.py::test_ncu_summary_holds_only_the_candidates_kernels`).
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
 import pytest
 
+from cudagym.rewards.evaluator import Evaluator
 from cudagym.sandbox import ncu
 from cudagym.sandbox.limits import landlock_abi
 from cudagym.sandbox.local import LocalSandbox, LocalSandboxConfig
@@ -55,7 +58,7 @@ def ncu_job(ws: Workspace) -> Job:
     task = task_of("ew_scale_bias_gelu").for_target(Target.CPU)
     return Job(kind="ncu", nonce=uuid.uuid4().hex, task_id=task.id, task_code=task.code, device="cpu",
                workspace=str(ws.root), cache_dir=str(ws.root / ".cache"),
-               limits=ncu.job_limits(LimitsConfig(timeout_s=60)))
+               limits=ncu.ncu_job_limits(LimitsConfig(timeout_s=60)))
 
 
 def run_ncu_job(tmp_path: Path, ws: Workspace) -> dict:
@@ -93,3 +96,11 @@ def test_ncu_runs_over_a_child_worker_inside_the_sandbox(tmp_path: Path, monkeyp
     assert kernel["launches"] == 1 and metrics["kernel_ms_per_call"] == pytest.approx(3e-3 / ncu.CALLS)
     if landlock_abi() >= 1:
         assert kernel["kernel"] == "confined" and not outside.exists()
+
+
+def test_the_evaluators_ncu_step_runs_an_ncu_job_in_its_sandbox(evaluator: Evaluator, tmp_path: Path) -> None:
+    if shutil.which("ncu") is not None:
+        pytest.skip("ncu is installed here")
+    task = task_of("ew_scale_bias_gelu").for_target(evaluator.target)
+    ws = make_workspace(tmp_path / "ws", task, CANDIDATE)
+    assert evaluator._sync(evaluator._ancu(task, ws, None)) == {"error": ncu.NOT_INSTALLED}

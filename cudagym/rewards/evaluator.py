@@ -28,7 +28,6 @@ from cudagym.core.verdict import (
 from cudagym.rewards.checks import FORBIDDEN_IMPORTS, Audit, TimedRun, apply_checks, outcome_failure, release_later
 from cudagym.rewards.compare import Comparison, compare_outcome
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
-from cudagym.sandbox import ncu
 from cudagym.sandbox.base import JobOutcome, Sandbox
 from cudagym.sandbox.baselines import BaselineCache
 from cudagym.sandbox.docker import DockerSandboxConfig
@@ -36,6 +35,7 @@ from cudagym.sandbox.feed import CallFeed, TrialFeed
 from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
+from cudagym.sandbox.ncu import ncu_job_limits
 from cudagym.sandbox.protocol import Job, JobKind, LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
 from cudagym.sandbox.workspace import Workspace
@@ -438,7 +438,7 @@ class Evaluator:
         """Nsight Compute's metrics of the candidate's calls: an `ncu` job (`cudagym.sandbox.ncu`)
         run through the sandbox like any other; why there are none, as {"error": ...}."""
         job = self._job("ncu", task, workspace, artifact_dir=artifact_dir)
-        job.limits = ncu.job_limits(job.limits)
+        job.limits = ncu_job_limits(job.limits)
         o = await self.sandbox.run(job, self.device)
         if o.timed_out:
             return {"error": "ncu timed out"}

@@ -36,7 +36,7 @@ MARGIN_S = 30.0  # the job's time limit beyond ncu's own, so that the worker out
 NOT_INSTALLED = "ncu (Nsight Compute) is not installed on this machine"
 
 
-def job_limits(limits: LimitsConfig) -> LimitsConfig:
+def ncu_job_limits(limits: LimitsConfig) -> LimitsConfig:
     """An ncu job's limits from a job's: ncu's run may take 3x a job's time (kernel replay), and
     the worker's tree holds ncu and a second worker (with its own start-up threads and memory)."""
     return limits.model_copy(update={"timeout_s": limits.timeout_s * 3 + MARGIN_S,
