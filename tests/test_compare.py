@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from cudagym.rewards import compare
-from cudagym.rewards.compare import Comparison, compare_outputs
-from cudagym.rewards.evaluator import _compare
+from cudagym.rewards.compare import Comparison, compare_outcome, compare_outputs
 from cudagym.sandbox.base import JobOutcome
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.tasks.loaders import bundled_task
@@ -211,7 +210,7 @@ def test_random_headers_and_payloads_never_raise() -> None:
 async def test_a_failing_comparison_is_an_internal_verdict_not_an_exception() -> None:
     # Nothing a worker sends makes compare_outputs raise; a broken outcome (here: no list of
     # frames at all) stands for a failure of the evaluator itself.
-    cmp = await _compare(JobOutcome(final={"ok": True}, tensors=None), bundled_task("norm_softmax"))
+    cmp = await compare_outcome(JobOutcome(final={"ok": True}, tensors=None), bundled_task("norm_softmax"))
     assert cmp.kind == "internal" and cmp.passed == 0
     assert cmp.reasons[0].startswith("the evaluator failed to compare the outputs: TypeError")
 

@@ -3,20 +3,28 @@
 `compare_outputs` gives a verdict on whatever a worker sent and never raises for it: a frame it
 cannot read (a dtype outside `WIRE_DTYPES`, a malformed shape, a payload of the wrong size,
 missing or mistyped keys) fails the comparison as `output_format`, naming the frame and why.
+`sampled_pairs` pairs the samples of timed calls with a reference worker's outputs; the
+comparisons run on one comparer thread (`in_comparer`), off the evaluator's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 
+from cudagym.core.verdict import ErrorKind
+from cudagym.sandbox.base import JobOutcome
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
-from cudagym.tasks.model import Tolerance
+from cudagym.tasks.model import Task, Tolerance
 
 _ROLES = ("candidate", "reference")
 _MAX_DIMS = 64  # far beyond any model's output; bounds the work one header can ask for
@@ -29,7 +37,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return type(value) is int and value >= 0  # not bool, not float: the harness sends plain ints
 
 
@@ -261,7 +269,7 @@ def projected_mismatch(candidate: list[tuple[dict[str, Any], Any]], reference: l
             c, r = decode_tensor(*cand[(call, j)]), decode_tensor(*ref_proj[(t, j)])
             if c.dtype != torch.float64 or r.dtype != torch.float64:
                 return f"timed call {call}: the projections of output {j} are not float64"
-            dtype = WIRE_DTYPES.get(rh.get("dtype"))
+            dtype = WIRE_DTYPES.get(str(rh.get("dtype")))
             numel = math.prod(rh.get("shape") or [])
             exact = dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
             components = numel * (2 if dtype is not None and dtype.is_complex else 1)
@@ -269,3 +277,72 @@ def projected_mismatch(candidate: list[tuple[dict[str, Any], Any]], reference: l
             if why:
                 return f"timed call {call}: output {j}: {why}"
     return None
+
+
+def _raw(t: Any) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def sampled_pairs(candidate: list[tuple[dict[str, Any], Any]], reference: list[tuple[dict[str, Any], Any]],
+                  picks: list[tuple[int, int]]) -> list[tuple[dict[str, Any], bytes]] | str:
+    """Candidate/reference frames for `compare_outputs` from the samples of the picked timed
+    calls (`picks[t]` = (call index, seed); the reference worker ran seed t as its trial t): the
+    reference's outputs at the sampled positions. A string names a structural mismatch."""
+    samples: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for h, payload in candidate:
+        if h.get("role") in ("sample", "positions"):
+            samples.setdefault((h.get("trial"), h.get("index")), {})[h["role"]] = (h, payload)
+    refs: dict[tuple[Any, Any], tuple[dict[str, Any], Any]] = {
+        (h.get("trial"), h.get("index")): (h, p) for h, p in reference if h.get("role") == "reference"}
+    pairs: list[tuple[dict[str, Any], bytes]] = []
+    for t, (call, _seed) in enumerate(picks):
+        outs = sorted(j for (c, j) in samples if c == call)
+        want = sorted(j for (tt, j) in refs if tt == t)
+        if outs != want:
+            return f"timed call {call}: ModelNew returned {len(outs)} outputs, the reference {len(want)}"
+        for j in outs:
+            sh, sp = samples[(call, j)]["sample"]
+            rh, rp = refs[(t, j)]
+            if list(sh.get("full_shape") or []) != list(rh.get("shape") or []) or sh.get("dtype") != rh.get("dtype"):
+                return (f"timed call {call}: output {j} is {sh.get('dtype')} {tuple(sh.get('full_shape') or [])}, "
+                        f"expected {rh.get('dtype')} {tuple(rh.get('shape') or [])}")
+            ref = decode_tensor(rh, rp)
+            if "positions" in samples[(call, j)]:
+                ph, pp = samples[(call, j)]["positions"]
+                idx = decode_tensor(ph, pp)
+                if idx.dtype != torch.int64 or idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= ref.numel()):
+                    return f"timed call {call}: the sampled positions of output {j} are invalid"
+                ref = ref.reshape(-1)[idx]
+            head = {"trial": t, "index": j, "dtype": rh.get("dtype"), "shape": list(ref.shape)}
+            pairs.append(({**head, "role": "candidate", "shape": list(sh.get("shape") or [])}, bytes(sp)))
+            pairs.append(({**head, "role": "reference"}, _raw(ref)))
+    return pairs
+
+
+# -- the comparer thread ------------------------------------------------------------------------
+def _comparer_threads() -> None:
+    # A few intra-op threads, set for this thread only: with every core's thread in each op,
+    # one core busy elsewhere (a spare starting) stalls every op of the comparison.
+    torch.set_num_threads(max(1, min(8, (os.cpu_count() or 2) // 4)))
+
+
+_COMPARER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-compare", initializer=_comparer_threads)
+_T = TypeVar("_T")
+
+
+async def in_comparer(fn: Callable[..., _T], *args: Any) -> _T:
+    """`fn(*args)` on the comparer thread: the event loop stays free while outputs are compared."""
+    return await asyncio.get_running_loop().run_in_executor(_COMPARER, fn, *args)
+
+
+async def compare_outcome(o: JobOutcome, task: Task) -> Comparison:
+    """Compare the outcome's outputs on the comparer thread (the event loop stays free).
+
+    Never raises: `compare_outputs` turns whatever the worker sent into a verdict, and a failure
+    of the comparison itself (out of memory, a bug) is a Comparison of kind "internal".
+    """
+    try:
+        return await in_comparer(compare_outputs, o.tensors, task.effective_tolerance)
+    except Exception as e:  # noqa: BLE001 - the evaluator's failure, not the candidate's: named, not raised
+        return Comparison(trials=0, passed=0, max_abs_error=None, kind=ErrorKind.INTERNAL.value,
+                          reasons=[f"the evaluator failed to compare the outputs: {type(e).__name__}: {e}"])

@@ -1,22 +1,29 @@
-"""Nsight Compute metrics for the profile tool: `ncu` runs a sandboxed worker as a subprocess."""
+"""Nsight Compute metrics for the profile tool: the `ncu` job kind's worker side.
+
+The evaluator sends an "ncu" job through `Sandbox.run` like any other job, so the backend's
+isolation (its container, namespaces, Landlock, limits) and the GPU lease apply to it. Inside the
+sandboxed worker, the harness's `run_ncu` calls `ncu_summary`, which starts `ncu` over a child
+worker on the same job (`UNDER_NCU` set in its environment); the child (`run_ncu` again, under
+ncu) runs the candidate's forward a few times between cudaProfilerStart and cudaProfilerStop,
+and the worker returns ncu's metrics, parsed from its CSV log, in its final frame:
+`{"ok": true, "ncu": {...}}` (`{"error": ...}` inside when ncu gave none).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import io
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-from cudagym.sandbox.limits import namespace_prefix
-
-if TYPE_CHECKING:
-    from cudagym.rewards.evaluator import Evaluator
-    from cudagym.sandbox.workspace import Workspace
-    from cudagym.tasks.model import Task
+from cudagym.sandbox.protocol import LimitsConfig
+from cudagym.sandbox.worker.wire import Job
 
 METRICS = (
     "gpu__time_duration.sum",
@@ -25,6 +32,17 @@ METRICS = (
     "sm__warps_active.avg.pct_of_peak_sustained_active",
 )
 CALLS = 3  # forward calls of the `ncu` job that ncu records (after one warm-up call)
+UNDER_NCU = "CUDAGYM_UNDER_NCU"  # set in the child worker's environment: it runs the calls, no profiler of its own
+MARGIN_S = 30.0  # the job's time limit beyond ncu's own, so that the worker outlives a hung ncu to report it
+NOT_INSTALLED = "ncu (Nsight Compute) is not installed on this machine"
+
+
+def ncu_job_limits(limits: LimitsConfig) -> LimitsConfig:
+    """An ncu job's limits from a job's: ncu's run may take 3x a job's time (kernel replay), and
+    the worker's tree holds ncu and a second worker (with its own start-up threads and memory)."""
+    return limits.model_copy(update={"timeout_s": limits.timeout_s * 3 + MARGIN_S,
+                                     "memory_mb": max(limits.memory_mb * 2, 16384),
+                                     "max_processes": limits.max_processes + (os.cpu_count() or 8) + 64})
 
 
 def parse_ncu_csv(text: str) -> dict[str, Any]:
@@ -55,37 +73,42 @@ def parse_ncu_csv(text: str) -> dict[str, Any]:
     return {"kernels": kernels, "kernel_ms_per_call": total_ms / CALLS}
 
 
-async def ncu_summary(evaluator: Evaluator, task: Task, workspace: Workspace, artifact_dir: str | None) -> dict[str, Any]:
+def ncu_summary(job: Job) -> dict[str, Any]:
+    """Run `ncu` over a child worker (`python -m cudagym.sandbox.worker`) given `job`, recording
+    only what the child runs between cudaProfilerStart and cudaProfilerStop; the parsed metrics,
+    or why there are none. The child inherits this worker's environment (its GPU, its opwatch
+    directory) and its confinement; it writes only under the workspace's .build directory."""
     ncu = shutil.which("ncu")
     if ncu is None:
-        return {"error": "ncu (Nsight Compute) is not installed on this machine"}
-    job = evaluator._job("ncu", task, workspace, artifact_dir=artifact_dir)
-    log = workspace.build_dir / "ncu.csv"
-    r, w = os.pipe()
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "HOME")}
-    env.update(CUDAGYM_DEVICE="cuda", PYTHONUNBUFFERED="1", CUDAGYM_UNDER_NCU="1",  # no profiler of our own
-               CUDAGYM_OPWATCH_DIR=str(getattr(evaluator.sandbox, "opwatch_dir", "")))
+        return {"error": NOT_INSTALLED}
+    build = Path(job.workspace) / ".build"
+    log = build / "ncu.csv"
     # ncu's injected library takes a lock under $TMPDIR (default /tmp/nvidia) from inside the
-    # worker, whose writes are confined to the workspace
-    tmp = workspace.build_dir / "tmp"
+    # child, whose writes are confined to the workspace
+    tmp = build / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    env["TMPDIR"] = str(tmp)
-    # only the candidate's calls: the worker brackets them with cudaProfilerStart/Stop
-    cmd = [*namespace_prefix(), ncu, "--csv", "--clock-control", "none", "--target-processes", "all",
-           "--profile-from-start", "off",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", UNDER_NCU: "1", "TMPDIR": str(tmp)}
+    cmd = [ncu, "--csv", "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
            "--metrics", ",".join(METRICS), "--log-file", str(log),
-           sys.executable, "-m", "cudagym.sandbox.worker", str(w)]
-    proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT, pass_fds=(w,), env=env)
-    os.close(w)
+           sys.executable, "-m", "cudagym.sandbox.worker"]
+    r, w = os.pipe()  # the child's result channel: its frames are not read (the metrics come from ncu's log)
     try:
-        out, _ = await asyncio.wait_for(proc.communicate((job.model_dump_json() + "\n").encode()),
-                                        timeout=evaluator.config.limits.timeout_s * 3)
-    except asyncio.TimeoutError:
-        proc.kill()
-        return {"error": "ncu timed out"}
+        proc = subprocess.Popen([*cmd, str(w)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, pass_fds=(w,), env=env, start_new_session=True)
+        os.close(w)
+        w = -1
+        try:
+            out, _ = proc.communicate((job.model_dump_json() + "\n").encode(), timeout=job.limits.timeout_s - MARGIN_S)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # ncu and the child it started
+            except OSError:
+                proc.kill()
+            return {"error": "ncu timed out"}
     finally:
-        os.close(r)
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
     text = log.read_text(errors="replace") if log.exists() else ""
     result = parse_ncu_csv(text)
     if "error" in result:  # ncu writes its own messages (permissions, no kernels) to the log file

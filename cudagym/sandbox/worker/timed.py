@@ -8,6 +8,7 @@ each call's time and evidence go to it before the next call is asked for.
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from typing import Any
@@ -272,11 +273,16 @@ def library_runs(p: Problem, job: Job, ch: Channel, ph: Phases, timer: DeviceTim
 
 
 def run_ncu(job: Job, ch: Channel, state: WorkerState) -> None:
-    """Run the candidate's forward a few times; the parent's `ncu` records the kernels launched
-    between cudaProfilerStart and cudaProfilerStop, which enclose only the candidate's calls
-    (not the input generation and copies around them), after one warm-up call."""
-    from cudagym.sandbox.ncu import CALLS
+    """The ncu job kind (`cudagym.sandbox.ncu`). In the sandboxed worker: Nsight Compute over a
+    child worker on the same job, and its metrics in the final frame. In that child (under ncu):
+    run the candidate's forward a few times; ncu records the kernels launched between
+    cudaProfilerStart and cudaProfilerStop, which enclose only the candidate's calls (not the
+    input generation and copies around them), after one warm-up call."""
+    from cudagym.sandbox.ncu import CALLS, UNDER_NCU, ncu_summary
 
+    if not os.environ.get(UNDER_NCU):
+        ch.final({"ok": True, "ncu": ncu_summary(job)})
+        return
     p = Problem(job, state, with_candidate=True)
     args = p.inputs(secrets.randbits(62))
     sets = [clone_args(args) for _ in range(CALLS + 1)]

@@ -1,0 +1,420 @@
+"""The checks a job's outcome must pass once its worker has returned: named, in one list.
+
+A worker reports; the evaluator judges, in its own process, with its own copy of the rules.
+`PROFILE_CHECKS` is the list a profile job's outcome goes through (`Evaluator` applies it in
+order): each check is a small function of the `TimedRun` whose docstring says what it refuses
+and why. The first `Refusal` decides the verdict; a `Note` describes a profile that stands.
+
+Also here, shared with verify: `outcome_failure` (what any worker's outcome says went wrong) and
+`Audit` (the audit of the candidate's build and of the kernel records its worker reported).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import TypeAdapter
+
+from cudagym.core.audit import (
+    Origins, foreign_kernels, foreign_work, forbidden_ops, op_counts, own_time_share, unmeasured_work,
+)
+from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
+from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
+from cudagym.sandbox.base import JobOutcome
+from cudagym.sandbox.feed import CallFeed
+from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
+from cudagym.sandbox.protocol import TimingConfig
+from cudagym.tasks.model import Target, Task
+
+_KIND = {k.value: k for k in ErrorKind}
+_COUNT = TypeAdapter(int)  # a count the worker reported, read as `ProfileResult`'s fields read it
+FORBIDDEN_IMPORTS = ("strict mode: your built code imports what strict mode forbids (torch's compute below the "
+                     "dispatcher, run-time symbol lookup, RecordFunction's switches): ")
+
+
+def outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
+    """The failure an outcome describes, or None if the worker reported a result."""
+    if o.device_busy:
+        return ErrorKind.DEVICE_BUSY, f"{what}: device_busy: {o.device_busy}"
+    if o.channel_error:
+        return ErrorKind.TAMPER, f"{what}: {o.channel_error}"
+    if o.memory_exceeded:
+        return ErrorKind.MEMORY, f"{what}: the worker exceeded its memory limit and was killed"
+    if o.timed_out:
+        return ErrorKind.TIMEOUT, f"{what}: timed out and was killed"
+    if o.final is None:
+        if o.process_limited:
+            return ErrorKind.PROCESS_LIMIT, f"{what}: the process limit was hit and the worker was killed"
+        sig = -o.returncode if o.returncode and o.returncode < 0 else None
+        tail = "\n".join(o.output.strip().splitlines()[-15:])
+        return ErrorKind.CRASH, (f"{what}: the worker crashed" + (f" (signal {sig})" if sig else f" (exit {o.returncode})")
+                                 + (f"\n{tail}" if tail else ""))
+    if not o.final.get("ok"):
+        kind = _KIND.get(str(o.final.get("kind")), ErrorKind.EXCEPTION)
+        if o.process_limited and kind in (ErrorKind.EXCEPTION, ErrorKind.CRASH):
+            kind = ErrorKind.PROCESS_LIMIT
+        return kind, str(o.final.get("error", "failed"))
+    return None
+
+
+_RELEASER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudagym-release")
+
+
+def release_later(*outcomes: JobOutcome) -> None:
+    """Drop the outcomes' output bytes on a background thread: unmapping hundreds of MB of
+    result memory takes a while, and nothing waits for it."""
+    held = [o.tensors for o in outcomes]
+    for o in outcomes:
+        o.tensors = []
+    _RELEASER.submit(held.clear)
+
+
+# -- the audit of the candidate's build and kernels (verify and profile) -----------------------------
+class AuditSettings(Protocol):
+    """What the audit reads of the evaluator's config (`EvaluatorConfig`), each time it runs."""
+
+    mode: AuditMode
+    cache_dir: Path
+
+
+class Audit:
+    """The audit rules (`cudagym.core.audit`) under the evaluator's mode and target, applied to
+    the candidate's build artifacts and to the op counts and kernel records its worker reported."""
+
+    def __init__(self, config: AuditSettings, target: Target):
+        self.config, self.target = config, target
+
+    def imports(self, artifact_dir: str | None, loaded: list[Any]) -> ImportAudit:
+        """The imports of the candidate's build artifacts and of the cached extensions its
+        worker had loaded (`loaded`: paths it reported; only those under the cache's extension
+        root are read, by this process)."""
+        inline_root = os.path.realpath(self.config.cache_dir / "build" / "inline")
+        extra = [Path(p) for p in loaded if isinstance(p, str) and os.path.realpath(p).startswith(inline_root + "/")
+                 and Path(p).is_file()]
+        return import_audit(candidate_objects(([Path(artifact_dir)] if artifact_dir else []) + extra))
+
+    def origins(self, artifact_dir: str | None, imports: ImportAudit) -> Origins:
+        return Origins(own_roots=tuple(r for r in (artifact_dir, str(self.config.cache_dir / "build" / "inline")) if r),
+                       libraries=frozenset(imports.libraries))
+
+    def kernels(self, final: dict[str, Any], artifact_dir: str | None) -> tuple[list[str], list[str], float | None]:
+        """Verify's kernel-origin and import rules (GPU: every kernel of every trial by origin;
+        both targets: the imports of the extensions it loaded): (forbidden, reasons, GPU share)."""
+        imports = self.imports(artifact_dir, list(final.get("own_objects") or []))
+        forbidden: list[str] = []
+        reasons: list[str] = []
+        if self.config.mode == "strict" and imports.forbidden:
+            forbidden += [s for s, _, _ in imports.forbidden]
+            reasons.append(FORBIDDEN_IMPORTS + "; ".join(imports.reasons()))
+        if self.target != Target.CUDA:
+            return forbidden, reasons, None
+        if final.get("kernels") is None:
+            why = final.get("kernel_watch_error") or "no kernel records came back"
+            return forbidden + ["<kernel watcher>"], reasons + [f"the kernel-origin audit could not run: {why}"], None
+        origins = self.origins(artifact_dir, imports)
+        records = records_from_counts(final.get("kernels") or {})
+        share = None
+        if self.config.mode == "strict":
+            foreign = foreign_kernels(records, origins)
+            if foreign:
+                forbidden += foreign
+                reasons.append("strict mode: ModelNew.forward launched kernels that are not your own: "
+                               + "; ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else ""))
+        elif final.get("share_kernels") is not None:
+            share = own_time_share(records_from_counts(final["share_kernels"]), origins)
+            if not share:  # the measured call came back without timed records: the trials' launches, in threads
+                share = own_time_share(records, origins)
+        return forbidden, reasons, share
+
+    def timed_calls(self, timed_ops: dict[str, int], artifact_dir: str | None,
+                    measured: VerifyResult | None) -> str | None:
+        """The audit of the timed loop's calls (warm-up included), from the counts and kernel
+        records they reported: strict, the op rule and (GPU) the kernel-origin rule, as in
+        verify; permissive, with `measured`, no foreign work per call beyond the verify trials'
+        (torch compute ops on the CPU, foreign kernels' threads on the GPU). Why it fails, or None."""
+        records = records_from_counts(timed_ops)
+        ops = op_counts(timed_ops)
+        if self.config.mode == "strict":
+            forbidden = forbidden_ops(ops)
+            if forbidden:
+                return ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
+                        + " (only your own kernels plus allocation/view ops are allowed)")
+            if self.target == Target.CUDA:
+                if not records:  # the probes among the calls launch kernels: none recorded, no watcher
+                    return "the kernel-origin audit could not run in the timed calls: no kernel records came back"
+                foreign = foreign_kernels(records, self.origins(artifact_dir, self.imports(artifact_dir, [])))
+                if foreign:
+                    return ("strict mode: during timed calls, ModelNew.forward launched kernels that are not your own: "
+                            + "; ".join(foreign[:6]))
+            return None
+        if measured is None or measured.audit is None or not measured.trials:
+            return None
+        calls = int(timed_ops.get(MODEL_CALLS_KEY, 0))
+        seen = measured.audit.ops_seen
+        if self.target == Target.CUDA:
+            origins = self.origins(artifact_dir, self.imports(artifact_dir, []))
+            before, after = foreign_work(records_from_counts(seen), origins), foreign_work(records, origins)
+        else:
+            before = {k: float(v) for k, v in op_counts(seen).items() if forbidden_ops({k: v})}
+            after = {k: float(v) for k, v in ops.items() if forbidden_ops({k: v})}
+        extra = unmeasured_work(before, measured.trials, after, calls)
+        if extra:
+            return ("permissive mode: timed calls did foreign work that verify's trials (where the own-kernel share is "
+                    "measured) did not, per call: " + "; ".join(extra[:6]))
+        return None
+
+
+# -- the profile's checks -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Refusal:
+    """A profile refused: its kind, the error text and the verdict's reason. `measured`: the
+    times stand as measurements (the refusal keeps them and the notes before it)."""
+
+    kind: ErrorKind
+    error: str
+    reason: str
+    measured: bool = False
+    clock_gap_ms: float | None = None
+    by: str = ""  # the check that refused (set by `apply_checks`)
+
+
+@dataclass(frozen=True)
+class Note:
+    """A fact about a profile that stands, for its reasons."""
+
+    text: str
+
+
+@dataclass
+class TimedRun:
+    """One profile job's outcome and what the checks need to judge it. `reference(**plan)` runs
+    a reference-only worker on the profile's parameters for a plan of `Job` fields (trial seeds,
+    scales, orders, projection seeds); `floor_ms` is the problem's roofline floor on the device."""
+
+    task: Task
+    outcome: JobOutcome
+    feed: CallFeed
+    timing: TimingConfig
+    artifact_dir: str | None
+    measured: VerifyResult | None
+    audit: Audit
+    reference: Callable[..., Awaitable[JobOutcome]]
+    floor_ms: float = 0.0
+    roofline_slack: float = 0.5
+
+    @property
+    def cuda(self) -> bool:
+        return self.audit.target == Target.CUDA
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.outcome.final or {}
+
+    @property
+    def diagnostics(self) -> dict[str, Any]:
+        return self.final.get("diagnostics") or {}
+
+    @cached_property
+    def times(self) -> list[float]:
+        """The candidate's timed calls (ms), as the worker reported them."""
+        return self.feed.times_ms("candidate")
+
+    @cached_property
+    def stats(self) -> TimingStats:
+        return TimingStats.from_samples(self.times)
+
+    @cached_property
+    def late_launches(self) -> tuple[int, float | None]:
+        return self.feed.late_launches("candidate")
+
+    @cached_property
+    def clock_gap_ms(self) -> float | None:
+        return self.feed.clock_gap_ms("candidate")
+
+    @cached_property
+    def close_timeouts(self) -> int:
+        """Timed calls that left kernels running after the caller's stream ended (as reported)."""
+        return _COUNT.validate_python(self.diagnostics.get("candidate_close_timeouts") or 0)
+
+
+Finding = Refusal | Note
+Check = Callable[[TimedRun], Awaitable[Finding | None]]
+
+
+def _failed(kind: ErrorKind, error: str) -> Refusal:
+    """A refusal before any result: the verdict's reason is the error's first line (the rest is
+    the worker's output)."""
+    return Refusal(kind, error, error.splitlines()[0])
+
+
+async def feed_protocol(run: TimedRun) -> Finding | None:
+    """Refuses a worker that broke the call feed's protocol (a call asked for out of order or
+    twice, a report that does not add up, an unexpected request): the parent decides every timed
+    call, so a worker that asks otherwise is tampering with the loop (`cudagym.sandbox.feed`)."""
+    if run.feed.violations:
+        return _failed(ErrorKind.TAMPER, "profile: " + run.feed.violations[0])
+    return None
+
+
+async def worker_result(run: TimedRun) -> Finding | None:
+    """Refuses a job without a result: another process on the device (device_busy), a forged or
+    malformed result channel (tamper), a limit hit (memory, time, processes), a crash, or the
+    candidate's own error (`outcome_failure`)."""
+    failure = outcome_failure(run.outcome, "profile")
+    return _failed(*failure) if failure else None
+
+
+async def timed_loop_ran(run: TimedRun) -> Finding | None:
+    """Refuses a result with no timed call: the parent ends the loop (`stop`); a loop that ended
+    before that was cut short by the candidate's process."""
+    if not run.times:
+        return _failed(ErrorKind.TAMPER, "profile: the timed loop ended before the evaluator stopped it")
+    return None
+
+
+async def timed_outputs_match(run: TimedRun) -> Finding | None:
+    """Refuses timed calls whose outputs were wrong: samples of calls drawn by the parent
+    (`CallFeed.recheck_sample`) are compared with a reference-only worker's outputs for the same
+    seeds and parameters, and on the GPU the close kernel's projections of each whole output
+    with the reference's. A candidate correct in verify may compute less once timed."""
+    why = await _recheck(run)
+    return Refusal(why[0], why[1], why[1]) if why else None
+
+
+async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
+    wrong = "outputs of timed calls are wrong: "
+    o, task = run.outcome, run.task
+    picks = run.feed.recheck_sample("candidate", run.timing.recheck_calls)
+    if not picks:
+        return ErrorKind.TAMPER, "no timed call could be re-checked"
+    k = len(picks)
+    seeds = projection_seeds(o.tensors, picks)  # GPU: the weights the close kernel used in each picked call
+    if run.cuda and None in seeds:
+        return ErrorKind.TAMPER, f"timed call {picks[seeds.index(None)][0]} came without its projections"
+    ref = await run.reference(trial_seeds=[s for _, s in picks], trial_scales=[1.0] * k,
+                              trial_orders=["reference_first"] * k,
+                              projection_seeds=[s or 0 for s in seeds] if run.cuda else [])
+    try:
+        failure = outcome_failure(ref, "reference")
+        if failure:
+            return ErrorKind.INTERNAL, f"the reference failed while re-checking timed calls: {failure[1]}"
+        try:
+            pairs = await in_comparer(sampled_pairs, o.tensors, ref.tensors, picks)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:  # frames the worker should not have sent
+            return ErrorKind.OUTPUT_FORMAT, f"outputs of timed calls could not be read: {e}"
+        if isinstance(pairs, str):
+            return ErrorKind.OUTPUT_FORMAT, wrong + pairs
+        cmp = await in_comparer(compare_outputs, pairs, task.effective_tolerance)
+        if cmp.kind is None and run.cuda:
+            why = await in_comparer(projected_mismatch, o.tensors, ref.tensors, picks, task.effective_tolerance)
+            if why:
+                return ErrorKind.MISMATCH, wrong + why
+    finally:
+        release_later(ref)
+    if cmp.kind is None:
+        return None
+    if cmp.kind == ErrorKind.INTERNAL.value:
+        return ErrorKind.INTERNAL, "; ".join(cmp.reasons[:3])
+    return ErrorKind(cmp.kind), wrong + "; ".join(cmp.reasons[:3])
+
+
+async def timed_calls_audited(run: TimedRun) -> Finding | None:
+    """Refuses timed calls that break the audit verify applied to its trials (`Audit.timed_calls`:
+    strict, the op rule and the kernel-origin rule; permissive, foreign work per call beyond what
+    verify's trials did, unmeasured by their own-kernel share): a candidate may behave
+    differently once timed."""
+    why = run.audit.timed_calls(run.feed.ops("candidate"), run.artifact_dir, run.measured)
+    return Refusal(ErrorKind.AUDIT, why, why) if why else None
+
+
+async def clock_agrees(run: TimedRun) -> Finding | None:
+    """Refuses (GPU) reported call times below the pace the parent's own clock saw (the
+    interval between requests holds the call), beyond the probes' overhead and the slack
+    (`CallFeed.clock_gap_ms`): forged or tampered timing. The CPU target only reports the gap (a
+    loaded host's honest gaps are too wide to judge)."""
+    gap, median = run.clock_gap_ms, run.stats.median_ms
+    slack = run.timing.clock_slack_ms + run.timing.clock_slack_rel * median
+    if gap is not None and gap > slack and run.cuda:
+        why = (f"the reported call times are {gap:.4f} ms per call below what the evaluator's own clock saw "
+               f"(median {median:.4f} ms reported; allowed {slack:.4f} ms): forged or tampered timing")
+        return Refusal(ErrorKind.TAMPER, why, why, clock_gap_ms=gap)
+    return None
+
+
+async def launches_in_window(run: TimedRun) -> Finding | None:
+    """Notes (GPU) that most timed calls took the host longer than the launch window to launch:
+    their times include that host work (a busy host, or a forward heavy on the host)."""
+    late, host_ms = run.late_launches
+    if run.cuda and late * 2 > len(run.times):
+        return Note(f"{late} of {len(run.times)} timed calls took the host longer than the "
+                    f"{run.timing.launch_window_us / 1e3:g} ms launch window to launch (median "
+                    f"{host_ms:.3f} ms): their times include that host work")
+    return None
+
+
+async def gate_holds_every_sm(run: TimedRun) -> Finding | None:
+    """Notes that the timer's gate kernels could not fill every SM: work on a stream that does
+    not wait for the caller's could then start inside the launch window, untimed."""
+    if run.diagnostics.get("gate_holds_every_sm") is False:
+        return Note("the timer's gate kernels cannot fill every SM of this GPU: work on a stream that does not "
+                    "wait for the caller's could start inside the launch window, untimed")
+    return None
+
+
+async def streams_closed(run: TimedRun) -> Finding | None:
+    """Notes timed calls that left kernels running after the caller's stream ended (work on a
+    stream it never waits for): those were timed to the device-wide synchronize."""
+    if run.close_timeouts:
+        return Note(f"{run.close_timeouts} timed call(s) left kernels running over a second after the caller's "
+                    "stream ended (work on a stream it never waits for): timed to the device-wide synchronize")
+    return None
+
+
+async def above_roofline(run: TimedRun) -> Finding | None:
+    """Refuses a median below `roofline_slack` x the problem's roofline floor (its bytes at the
+    device's peak bandwidth, its FLOPs at the peak rate): physically implausible. The times
+    stand as measured; the verdict is IMPLAUSIBLE."""
+    median, floor = run.stats.median_ms, run.floor_ms
+    if floor > 0 and median < run.roofline_slack * floor:
+        why = (f"implausible: {median:.4f} ms is below the roofline floor of this problem "
+               f"({floor:.4f} ms at the device's peak bandwidth/FLOP rate)")
+        return Refusal(ErrorKind.IMPLAUSIBLE, why, why, measured=True)
+    return None
+
+
+PROFILE_CHECKS: tuple[Check, ...] = (
+    feed_protocol,
+    worker_result,
+    timed_loop_ran,
+    timed_outputs_match,
+    timed_calls_audited,
+    clock_agrees,
+    launches_in_window,
+    gate_holds_every_sm,
+    streams_closed,
+    above_roofline,
+)
+"""What a profile job's outcome goes through, in order: the first refusal decides."""
+
+
+async def apply_checks(run: TimedRun, checks: tuple[Check, ...] = PROFILE_CHECKS,
+                       done_s: dict[str, float] | None = None) -> tuple[Refusal | None, list[str]]:
+    """Apply `checks` in order: the first refusal (None if none) and the notes before it.
+    `done_s` gets each applied check's finishing time (`time.perf_counter()`), by name."""
+    notes: list[str] = []
+    for check in checks:
+        found = await check(run)
+        if done_s is not None:
+            done_s[check.__name__] = time.perf_counter()
+        if isinstance(found, Refusal):
+            return replace(found, by=check.__name__), notes
+        if found is not None:
+            notes.append(found.text)
+    return None, notes
