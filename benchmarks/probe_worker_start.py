@@ -125,7 +125,6 @@ def zygote_prep() -> dict[str, float]:
     out["import_torch"] = time.perf_counter() - t
     t = time.perf_counter()
     from cudagym.sandbox import harness
-    from torch.profiler import ProfilerActivity, profile
 
     out["import_harness"] = time.perf_counter() - t
     t = time.perf_counter()
