@@ -130,7 +130,8 @@ async def spread_medians(ev: Evaluator, problem: TimingProblem, jobs: int, root:
         overheads.append(p.harness_overhead_ns)
         clocks.append(tuple((p.telemetry.get(when) or {}).get("sm_clock_mhz") for when in ("before", "after")))
     raw = [m + (o or 0) / 1e6 for m, o in zip(medians, overheads)]
-    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late, "overheads_ns": overheads, "sm_clocks_mhz": clocks,
+    return {"medians_ms": medians, "clock_gaps_ms": gaps, "late_launches": late, "overheads_ns": overheads,
+            "sm_clocks_mhz": clocks,
             "cv": statistics.pstdev(medians) / statistics.fmean(medians),
             "cv_with_overhead": statistics.pstdev(raw) / statistics.fmean(raw)}
 
@@ -335,9 +336,11 @@ def spread_table(spread: dict[str, dict[str, Any]], cuda: bool) -> Table:
         verdict = ("PASS" if s["cv"] < s["target_cv"] else "FAIL") if cuda else "n/a (CPU)"
         o = [x / 1e3 for x in s.get("overheads_ns", []) if x is not None]
         t.add_row(name, str(len(m)), sig4(statistics.median(m)), sig4(min(m)), sig4(max(m)), f"{s['cv']:.2%}",
-                  f"< {s['target_cv']:.0%}", verdict, f"{s['cv_with_overhead']:.2%}" if "cv_with_overhead" in s else "-",
+                  f"< {s['target_cv']:.0%}", verdict,
+                  f"{s['cv_with_overhead']:.2%}" if "cv_with_overhead" in s else "-",
                   f"{min(o):.2f}-{max(o):.2f}" if o else "-",
-                  f"{min(c):.0f}-{max(c):.0f}" if (c := [x for pair in s.get("sm_clocks_mhz", []) for x in pair if x]) else "-")
+                  f"{min(c):.0f}-{max(c):.0f}" if (c := [x for pair in s.get("sm_clocks_mhz", []) for x in pair if x])
+                  else "-")
     return t
 
 

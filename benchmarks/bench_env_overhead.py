@@ -17,7 +17,9 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cudagym.env import KernelEnv
 from cudagym.core.verdict import CompileResult, ProfileResult, TimingStats, Verdict, VerifyResult
@@ -25,7 +27,8 @@ from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 from cudagym.tasks.model import Target
 
-KERNEL = "// a kernel\n" + "\n".join(f"extern \"C\" void f{i}(float* x) {{ x[{i}] += 1.0f; }}" for i in range(60)) + "\n"
+KERNEL = ("// a kernel\n" + "\n".join(f"extern \"C\" void f{i}(float* x) {{ x[{i}] += 1.0f; }}" for i in range(60))
+          + "\n")
 
 
 class StubEvaluator:
@@ -33,24 +36,24 @@ class StubEvaluator:
 
     target = Target.CPU
 
-    async def acompile(self, task, ws):
+    async def acompile(self, task: Any, ws: Any) -> CompileResult:
         return CompileResult(ok=True, cached=True, seconds=0.0)
 
-    async def averify(self, task, ws):
+    async def averify(self, task: Any, ws: Any) -> VerifyResult:
         return VerifyResult(ok=True, correct=True, trials=6, trials_passed=6, max_abs_error=1e-6)
 
-    async def aprofile(self, task, ws, ncu=False):
+    async def aprofile(self, task: Any, ws: Any, ncu: bool = False) -> ProfileResult:
         t = TimingStats.from_samples([1.0, 1.1, 0.9])
         return ProfileResult(ok=True, candidate=t, eager=t, compiled=t, speedup_vs_eager=1.0, speedup_vs_compile=1.0)
 
-    async def aevaluate(self, task, ws):
+    async def aevaluate(self, task: Any, ws: Any) -> Verdict:
         return Verdict(reward=1.0, milestone="correct", compiled=True, correct=True, reasons=["stub"])
 
-    def close(self):
+    def close(self) -> None:
         pass
 
 
-def timed_ms(fn, reps: int, warmup: int = 20) -> tuple[float, float]:
+def timed_ms(fn: Callable[[], Any], reps: int, warmup: int = 20) -> tuple[float, float]:
     for _ in range(warmup):
         fn()
     samples = []
@@ -79,12 +82,12 @@ def main() -> None:
     raw.write("kernels/k.cpp", KERNEL)
     toggle = [0]
 
-    def edit_env():
+    def edit_env() -> None:
         old, new = ("x[0] += 1.0f", "x[0] += 2.0f") if toggle[0] % 2 == 0 else ("x[0] += 2.0f", "x[0] += 1.0f")
         toggle[0] += 1
         env.step(text("edit_file", path="kernels/k.cpp", old_string=old, new_string=new))
 
-    def edit_raw():
+    def edit_raw() -> None:
         old, new = ("x[0] += 1.0f", "x[0] += 2.0f") if toggle[0] % 2 == 0 else ("x[0] += 2.0f", "x[0] += 1.0f")
         toggle[0] += 1
         raw.edit("kernels/k.cpp", old, new)
@@ -95,7 +98,8 @@ def main() -> None:
         ("edit_file", edit_env, edit_raw),
         ("read_file", lambda: env.step(text("read_file", path="kernels/k.cpp")), lambda: raw.read("kernels/k.cpp")),
         ("list_files", lambda: env.step(text("list_files")), lambda: raw.list()),
-        ("write_file (structured)", lambda: env.step({"name": "write_file", "arguments": {"path": "kernels/k.cpp", "content": KERNEL}}),
+        ("write_file (structured)",
+         lambda: env.step({"name": "write_file", "arguments": {"path": "kernels/k.cpp", "content": KERNEL}}),
          lambda: raw.write("kernels/k.cpp", KERNEL)),
         ("compile (stub evaluator)", lambda: env.step(text("compile")), None),
         ("verify (stub evaluator)", lambda: env.step(text("verify")), None),

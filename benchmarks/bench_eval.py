@@ -52,7 +52,8 @@ def spread(ev: Evaluator, console: Console, cache: Path, task_id: str, sol: str,
            label: str) -> None:
     """`jobs` separate profile jobs of one kernel: per-job statistics and their CV across jobs."""
     task = bundled_task(task_id).for_target(ev.target)
-    ws = Workspace.from_solution(cache / f"spread_{task_id}{len(label)}", task, ROOT / "examples" / "solutions" / task_id / sol)
+    ws = Workspace.from_solution(cache / f"spread_{task_id}{len(label)}", task,
+                                 ROOT / "examples" / "solutions" / task_id / sol)
     assert ev.compile(task, ws).ok
     ev.profile(task, ws)  # baselines
     t = Table(title=f"{task.id}: {jobs} separate profile jobs (fresh workers){label}")
@@ -96,7 +97,8 @@ def main() -> None:
     args = ap.parse_args()
     console = Console()
     cache = Path(tempfile.mkdtemp(prefix="cudagym-bench-"))
-    with Evaluator(EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=not args.no_compile_baseline)) as ev:
+    config = EvaluatorConfig(target=args.target, cache_dir=cache, compile_baseline=not args.no_compile_baseline)
+    with Evaluator(config) as ev:
         cuda = ev.device == "cuda"
         sol = "cuda" if cuda else "cpu"
         task = bundled_task(args.task).for_target(ev.target)
@@ -171,7 +173,8 @@ def main() -> None:
         steps = []
         for i in range(3):
             text = src.read_text()
-            src.write_text(text + f"\n// edit {i} {time.time()}\nstatic int cudagym_bench_edit_{i}_{int(time.time())} = {i};\n")
+            src.write_text(text + f"\n// edit {i} {time.time()}\n"
+                           f"static int cudagym_bench_edit_{i}_{int(time.time())} = {i};\n")
             time.sleep(args.think_s)
             t0 = time.perf_counter()
             c = ev.compile(task, ws)
@@ -193,7 +196,8 @@ def main() -> None:
 
         if cuda:
             ntask = bundled_task(args.ncu_task).for_target(ev.target)
-            nws = Workspace.from_solution(cache / "ncu_ws", ntask, ROOT / "examples" / "solutions" / args.ncu_task / "cuda")
+            nws = Workspace.from_solution(cache / "ncu_ws", ntask,
+                                          ROOT / "examples" / "solutions" / args.ncu_task / "cuda")
             p = ev.profile(ntask, nws, ncu=True)
             t = Table(title=f"profile vs Nsight Compute on {ntask.id}")
             for c in ("profile median ms", "ncu kernel ms per call", "ratio (profile / ncu)"):

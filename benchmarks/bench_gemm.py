@@ -65,7 +65,8 @@ def progress(msg: str) -> None:
 def job_medians(base: dict[str, Any]) -> dict[str, float | None]:
     """Each baseline's median call time (ms) in one baseline job."""
     lib = base.get("library_ms") or {}
-    times = {"eager": base.get("eager_ms"), "compiled": base.get("compile_ms"), **{n: lib.get(n) for n in BASELINES[2:]}}
+    times = {"eager": base.get("eager_ms"), "compiled": base.get("compile_ms"),
+             **{n: lib.get(n) for n in BASELINES[2:]}}
     return {n: statistics.median(ms) if ms else None for n, ms in times.items()}
 
 
@@ -91,7 +92,8 @@ async def measure_config(ev: Evaluator, c: GemmConfig, jobs: int, server: Timing
             out.setdefault("overhead_ns", []).append(base.get("harness_overhead_ns"))  # the job's calibration
             out.setdefault("breakdown", []).append({k: round(v, 3) for k, v in (base.get("breakdown") or {}).items()})
             out["errors"].extend(f"{mode}: {n}: {why}" for n, why in (base.get("library_errors") or {}).items())
-            out["errors"].extend([f"{mode}: torch.compile: {base['compile_error'][:200]}"] if base.get("compile_error") else [])
+            if base.get("compile_error"):
+                out["errors"].append(f"{mode}: torch.compile: {base['compile_error'][:200]}")
     return out
 
 
@@ -159,7 +161,7 @@ def ratio_table(rows: list[dict[str, Any]]) -> Table:
     for mode in MODES:
         for n in BASELINES[1:]:
             t.add_column(f"{TITLES[n]} {mode}", justify="right")
-        t.add_column(f"server / offline (torch.matmul)" if mode == "server" else "max spread offline", justify="right")
+        t.add_column("server / offline (torch.matmul)" if mode == "server" else "max spread offline", justify="right")
     groups = [(cls, [r for r in rows if r["config"]["shape_class"] == cls]) for cls in SHAPE_CLASSES] + [("all", rows)]
     for cls, rs in groups:
         if not rs:
@@ -188,7 +190,8 @@ def wmma_table(rows: list[dict[str, Any]]) -> Table:
     for r in rows:
         def cells(cand: float | None, base: dict[str, float | None]) -> list[str]:
             return [us(cand)] + ["-" if not cand or not base.get(n) else f"{base[n] / cand:.3f}x" for n in BASELINES]
-        t.add_row(r["id"], str(r["correct"]), f"{r['reward']:+g}", *cells(r.get("candidate_ms"), r.get("baseline_ms") or {}),
+        t.add_row(r["id"], str(r["correct"]), f"{r['reward']:+g}",
+                  *cells(r.get("candidate_ms"), r.get("baseline_ms") or {}),
                   *cells(r.get("server_candidate_ms"), r.get("server_baseline_ms") or {}))
     return t
 
@@ -205,7 +208,8 @@ async def amain(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {"configs": {}, "wmma": {}}
     if args.out and args.out.exists():
         report = json.loads(args.out.read_text())
-        progress(f"resuming: {len(report['configs'])} configurations and {len(report['wmma'])} WMMA rows from {args.out}")
+        progress(f"resuming: {len(report['configs'])} configurations and {len(report['wmma'])} WMMA rows "
+                 f"from {args.out}")
     timing = TimingConfig(target_ms=args.target_ms, warmup_ms=args.warmup_ms)
     cfg = EvaluatorConfig(target=args.target, timing=timing, server_gap_ms=TimingConfig.parse_idle(args.server_gaps),
                           **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
@@ -227,7 +231,8 @@ async def amain(args: argparse.Namespace) -> None:
                 continue
             elapsed = time.perf_counter() - t0
             if took and elapsed + 1.5 * max(took) > args.budget_s:
-                progress(f"budget: stopping after {elapsed:.0f} s; {sum(x.id not in report['configs'] for x in configs)} "
+                left = sum(x.id not in report["configs"] for x in configs)
+                progress(f"budget: stopping after {elapsed:.0f} s; {left} "
                          "configurations left (run again with the same --out to go on)")
                 break
             s = time.perf_counter()
@@ -256,7 +261,8 @@ async def amain(args: argparse.Namespace) -> None:
 def print_report(report: dict[str, Any], configs: list[GemmConfig]) -> None:
     console = Console(width=250)
     rows = [report["configs"][c.id] for c in configs if c.id in report["configs"]]
-    console.print(f"device: {report.get('device')}; {len(rows)} of {len(configs)} configurations; settings {report.get('settings')}")
+    console.print(f"device: {report.get('device')}; {len(rows)} of {len(configs)} configurations; "
+                  f"settings {report.get('settings')}")
     if rows:
         console.print(config_table(rows))
         console.print(ratio_table(rows))
@@ -269,21 +275,32 @@ def print_report(report: dict[str, Any], configs: list[GemmConfig]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", type=int, default=50, help="GEMM configurations (default 50)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the configurations (default 0)")
     ap.add_argument("--jobs", type=int, default=3, help="separate baseline jobs per mode and configuration (default 3)")
     ap.add_argument("--server-gaps", default="0.5,5", help="server mode's idle gaps, LOW,HIGH ms (default 0.5,5)")
-    ap.add_argument("--target-ms", type=float, default=150.0, help="timed calls per role, ms of wall time (default 150)")
+    ap.add_argument(
+        "--target-ms", type=float, default=150.0, help="timed calls per role, ms of wall time (default 150)"
+    )
     ap.add_argument("--warmup-ms", type=float, default=50.0, help="warm-up per role, ms (default 50)")
-    ap.add_argument("--wmma", type=int, default=10, help="configurations the WMMA solution is evaluated on (default 10)")
+    ap.add_argument(
+        "--wmma", type=int, default=10, help="configurations the WMMA solution is evaluated on (default 10)"
+    )
     ap.add_argument("--only-wmma", action="store_true", help="skip the baseline table (WMMA rows only)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop between configurations past this (default 540)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="the evaluator's cache (default: ~/.cache/cudagym)")
-    ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: a smoke run of the script (CPU sizes; no cuBLASLt, no WMMA)")
+    ap.add_argument(
+        "--target",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: a smoke run of the script (CPU sizes; no cuBLASLt, no WMMA)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="every job's medians as JSON; resumed from if it exists")
-    ap.add_argument("--report-only", action="store_true", help="print the tables of --out's measurements; measure nothing")
+    ap.add_argument(
+        "--report-only", action="store_true", help="print the tables of --out's measurements; measure nothing"
+    )
     args = ap.parse_args()
     if args.report_only and not (args.out and args.out.exists()):
         ap.error("--report-only needs --out FILE, an earlier run's measurements")

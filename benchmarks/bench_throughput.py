@@ -40,8 +40,9 @@ Protocol (one process; every row replays the same trace):
    Evaluator of `spare_workers=0` on a local sandbox without its fork server: every check
    always gets a fresh worker; with no spares, none is started ahead, and with no fork server
    none is forked from a warm parent, so each check starts its own (python, import torch, CUDA
-   context) when it arrives, as a harness that starts a process per check does. Same cache directory: builds and baselines stay warm. (The first
-   Evaluator stays open meanwhile, its spares idle.)
+   context) when it arrives, as a harness that starts a process per check does. Same cache
+   directory: builds and baselines stay warm. (The first Evaluator stays open meanwhile, its
+   spares idle.)
    Run order: the smallest K row, the process-per-check rows, then the other rows ascending
    (the rows the comparisons need first). A row is skipped, and marked so, when the time so far
    plus its predicted duration would pass `--budget-s` (450 s), so that the default run ends
@@ -58,9 +59,10 @@ job held the GPU alone, each timing job's hold and the part of it after its resu
 
 Printed (stdout): the rows table; the workers' start-up per row (spawn to ready, and each step
 on the worker's own clock: importing torch, the CUDA context, importing the harness, `prewarm`,
-mapping the result memory), where the worker wait comes from; the spread table, and the goal of issue 13: at K = 16, GPU busy
->= 80% and p95 verify+profile < 10 s, and the spread of the loaded jobs' candidate medians within
-the timing protocol's target (CV < 1% from 50 us of kernel, < 3% below), each PASS or FAIL.
+mapping the result memory), where the worker wait comes from; the spread table, and the goal of
+issue 13: at K = 16, GPU busy >= 80% and p95 verify+profile < 10 s, and the spread of the loaded
+jobs' candidate medians within the timing protocol's target (CV < 1% from 50 us of kernel, < 3%
+below), each PASS or FAIL.
 Progress goes to stderr; `--out` gets every raw number (each call's latency, each NVML sample,
 each episode, each spread job), rewritten after every phase, so a run cut short keeps what it
 measured. At most about 8 minutes on an H100 with the defaults (the budget above); the K = 32
@@ -141,7 +143,7 @@ class TracePolicy(Policy):
 
     name = "trace"
 
-    def __init__(self, turns: dict[str, list[tuple[float, AssistantTurn]]]):
+    def __init__(self, turns: dict[str, list[tuple[float, AssistantTurn]]]) -> None:
         self.turns = turns
 
     async def aact(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
@@ -182,7 +184,7 @@ class TimedEvaluator:
     """The shared Evaluator with each call the env's tools make timed (seconds, this process's
     clock, from `t0`). Everything else goes to the Evaluator itself."""
 
-    def __init__(self, inner: Any, t0: float):
+    def __init__(self, inner: Any, t0: float) -> None:
         self.inner = inner
         self.t0 = t0
         self.calls: list[dict[str, Any]] = []
@@ -246,7 +248,7 @@ class GpuBusySampler:
     """NVML utilization (%) of the first visible GPU every `period_s`, on a thread, as
     (seconds since `t0`, percent); no samples without NVML."""
 
-    def __init__(self, t0: float, period_s: float = 0.1):
+    def __init__(self, t0: float, period_s: float = 0.1) -> None:
         self.t0 = t0
         self.period_s = period_s
         self.samples: list[tuple[float, int]] = []
@@ -349,7 +351,8 @@ async def play_row(ev: TimedEvaluator, plan: list[tuple[Task, str]], policy: Tra
         v = result.verdict or {}
         done[0] += 1
         progress(f"[{label}] {eid}: {result.status} {v.get('milestone', '')} reward {result.reward:g} "
-                 f"{result.seconds:.1f} s ({done[0]}/{len(plan)})" + (f"; {result.error[:300]}" if result.error else ""))
+                 f"{result.seconds:.1f} s ({done[0]}/{len(plan)})"
+                 + (f"; {result.error[:300]}" if result.error else ""))
         return {"episode": eid, "task": task.id, "status": result.status, "reward": result.reward,
                 "milestone": v.get("milestone"), "correct": v.get("correct"), "turns": result.turns,
                 "start_s": start - ev.t0, "seconds": result.seconds, "error": result.error}

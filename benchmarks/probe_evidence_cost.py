@@ -60,7 +60,8 @@ def main() -> None:
               f"{statistics.median(host):20.1f}")
     x = torch.randn(1 << 24, device="cuda")
     ms = [timer.call(torch.relu, [x], lambda o: timer.read_at_end(o))[1] for _ in range(args.calls)]
-    print(f"relu 64 MB: reported median {statistics.median(ms) * 1e3:.2f} us, read phase {timer.read_phase_ns / 1e3:.2f} us")
+    print(f"relu 64 MB: reported median {statistics.median(ms) * 1e3:.2f} us, "
+          f"read phase {timer.read_phase_ns / 1e3:.2f} us")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -95,19 +96,19 @@ def watch(stop: threading.Event) -> None:
         stop.wait(1.0)
 
 
-def wrap(cls, name: str) -> None:
+def wrap(cls: type, name: str) -> None:
     import asyncio
 
     orig = getattr(cls, name)
     if asyncio.iscoroutinefunction(orig):
-        async def w(self, *a, **k):
+        async def w(self: Any, *a: Any, **k: Any) -> Any:
             log(f"{name} start")
             try:
                 return await orig(self, *a, **k)
             finally:
                 log(f"{name} end")
     else:
-        def w(self, *a, **k):
+        def w(self: Any, *a: Any, **k: Any) -> Any:
             log(name)
             return orig(self, *a, **k)
     setattr(cls, name, w)

@@ -34,7 +34,7 @@ DEFAULT = "relu_16x16384,add_relu_scale_16x1024,mlp_tiny_b8,softmax_16x16384"
 class Echo:
     """A child process that answers each line with the same line: the parent's round trip."""
 
-    def __init__(self, spin: bool):
+    def __init__(self, spin: bool) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.out = self.proc.stdout.fileno()
         self.spin = spin

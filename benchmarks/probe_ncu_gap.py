@@ -10,12 +10,13 @@ The timer that replaced the traced one (gate kernels and events, no profiler: `t
 every kernel here at 0.955-0.992x ncu (H200, 2026-11-22).
 
 Several kernels run after different preparations of the GPU: torch's elementwise `mul` at the
-bundled tasks' sizes (16M floats: it reads 64 MB and writes 64 MB), a compute-bound one (`mm`: a 1024x1024 float32 matmul), and three of
-`ew_scale_bias_gelu`: the honest solution's kernel, called through ctypes (`sbg`) and through a
-torch extension (`sbg-ext`), both built with the evaluator first, and torch.compile's Triton
-kernel of the reference (`sbg-triton`). Then the same computation in other launch shapes
-(`benchmarks/probe/launch_shapes.cu`, built into the `sbg` library): v1 1024 threads per block,
-v2 grid-stride over 8 blocks per SM, v3 32-bit indices, v4 a plain copy in the original shape.
+bundled tasks' sizes (16M floats: it reads 64 MB and writes 64 MB), a compute-bound one (`mm`: a
+1024x1024 float32 matmul), and three of `ew_scale_bias_gelu`: the honest solution's kernel, called
+through ctypes (`sbg`) and through a torch extension (`sbg-ext`), both built with the evaluator
+first, and torch.compile's Triton kernel of the reference (`sbg-triton`). Then the same computation
+in other launch shapes (`benchmarks/probe/launch_shapes.cu`, built into the `sbg` library): v1 1024
+threads per block, v2 grid-stride over 8 blocks per SM, v3 32-bit indices, v4 a plain copy in the
+original shape.
 Each runs after one of two preparations:
 
 - read:          the harness's L2 flush (reading a buffer twice the L2's size);
@@ -168,7 +169,9 @@ def job(mode: str, calls: int, artifacts: str) -> dict[str, dict[str, float]]:
 
             if mode.startswith("events"):
                 evs = []
-                with profile(activities=[ProfilerActivity.CUDA]) if mode == "events+cupti" else contextlib.nullcontext():
+                cupti = (profile(activities=[ProfilerActivity.CUDA]) if mode == "events+cupti"
+                         else contextlib.nullcontext())
+                with cupti:
                     for _ in range(calls):
                         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         one(variant, kernel, (s.record, e.record))
@@ -234,7 +237,7 @@ def ncu_run(calls: int, cache: str, clock: str, artifacts: str) -> dict[str, dic
         r = subprocess.run(cmd, capture_output=True, text=True)
         keys = [line.strip() for line in r.stdout.splitlines() if "/" in line and line.split("/")[0] in KERNELS]
         sm = {line.split()[1]: float(line.split()[2]) for line in r.stdout.splitlines() if line.startswith("clock ")}
-        text = open(log).read() if os.path.exists(log) else ""
+        text = Path(log).read_text() if os.path.exists(log) else ""
     start = text.find('"ID"')
     if start < 0:
         print(r.stdout[-2000:], r.stderr[-2000:], text[-2000:])
@@ -291,7 +294,8 @@ def main() -> None:
     artifacts = build_sbg()
     cols: dict[str, dict[str, dict[str, float]]] = {}
     for mode in ("events", "events+cupti", "cupti", "timer"):
-        r = subprocess.run([sys.executable, __file__, "--child", mode, "--calls", str(a.calls), "--artifacts", artifacts],
+        r = subprocess.run([sys.executable, __file__, "--child", mode, "--calls", str(a.calls),
+                            "--artifacts", artifacts],
                            capture_output=True, text=True)
         if r.returncode:
             sys.exit(r.stderr[-3000:])

@@ -6,12 +6,13 @@ a launch costs the host with the callbacks armed and not. Prints a report; asser
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 CU = r"""
 #include <cuda_runtime.h>
@@ -40,7 +41,7 @@ def main() -> None:
     x = torch.ones(1 << 20, device="cuda")
     s = torch.cuda.current_stream().cuda_stream
 
-    def show(title: str, fn) -> None:
+    def show(title: str, fn: Callable[[], Any]) -> None:
         watch.reset()
         watch.arm()
         fn()
@@ -48,7 +49,8 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"== {title}")
         for r in watch.records():
-            print(f"   {r.via:6} {r.launches:4} {r.threads:>10} {Path(r.origin).name if '/' in r.origin else r.origin:32} {r.name[:110]}")
+            origin = Path(r.origin).name if "/" in r.origin else r.origin
+            print(f"   {r.via:6} {r.launches:4} {r.threads:>10} {origin:32} {r.name[:110]}")
 
     show("own <<<>>>", lambda: lib.launch_own(ctypes.c_void_p(x.data_ptr()), x.numel(), ctypes.c_void_p(s)))
     show("torch gelu, fill, copy", lambda: (torch.nn.functional.gelu(x), x.fill_(1.0), x.clone()))
@@ -58,11 +60,12 @@ def main() -> None:
     y = torch.randn(4096, device="cuda")
     torch.cuda.synchronize()
     with torch.cuda.graph(g):
-        z = torch.nn.functional.gelu(y * 2 + 1)
+        _graph_out = torch.nn.functional.gelu(y * 2 + 1)  # the captured output, kept alive with the graph
     show("graph replay of torch ops", g.replay)
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):
-        lib.launch_own(ctypes.c_void_p(x.data_ptr()), x.numel(), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        lib.launch_own(ctypes.c_void_p(x.data_ptr()), x.numel(),
+                       ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     show("graph replay of own kernel", g2.replay)
     print("known:", watch.known()[:3000])
     # the profiler beside the watcher
@@ -76,8 +79,9 @@ def main() -> None:
         print("profiler CUDA events:", len(names), names[:3])
     except Exception as e:  # noqa: BLE001
         print("profiler failed:", type(e).__name__, e)
-    show("after profiler: own + gelu", lambda: (lib.launch_own(ctypes.c_void_p(x.data_ptr()), x.numel(), ctypes.c_void_p(s)),
-                                                torch.nn.functional.gelu(x)))
+    show("after profiler: own + gelu",
+         lambda: (lib.launch_own(ctypes.c_void_p(x.data_ptr()), x.numel(), ctypes.c_void_p(s)),
+                  torch.nn.functional.gelu(x)))
     print("alive:", watch.check_alive(lambda: torch.zeros(1, device="cuda").fill_(1)))
     # host cost per launch: 20000 launches of the own kernel, armed vs disarmed vs (no callback) impossible here
     small = torch.ones(256, device="cuda")
@@ -94,7 +98,7 @@ def main() -> None:
     gpu_time(lib, watch)
 
 
-def gpu_time(lib, watch=None) -> None:
+def gpu_time(lib: ctypes.CDLL, watch: Any = None) -> None:
     """GPU time per kernel of 200 back-to-back launches (events around the whole run): the
     callbacks run on the host, so the kernels' own time should not move."""
     import torch

@@ -83,15 +83,17 @@ def main() -> None:
         sys.exit("probe_placement.py needs a GPU")
     summary = Table(title=f"{torch.cuda.get_device_name()}: job medians with 4 input sets vs {args.buffers}, "
                           f"{args.processes} fresh processes")
-    for col in ("problem", "flush (× L2)", "median µs", "CV of 4-set medians", f"CV of {args.buffers}-set medians", "per-set medians, min-max µs",
-                "per-set median sd / its sampling error", "CV, overhead left in", "CV, a separate timer's overhead left out",
+    for col in ("problem", "flush (× L2)", "median µs", "CV of 4-set medians", f"CV of {args.buffers}-set medians",
+                "per-set medians, min-max µs", "per-set median sd / its sampling error", "CV, overhead left in",
+                "CV, a separate timer's overhead left out",
                 "own overhead µs, mean (sd across processes)", "separate timer's overhead µs, mean (sd)"):
         summary.add_column(col)
     for name, flush in [(n, f) for n in args.problems.split(",") for f in args.flush.split(",")]:
         four, every, spreads, ratios, raw, separate, overheads = [], [], [], [], [], [], []
         for p in range(args.processes):
             out = subprocess.run([sys.executable, __file__, "--child", name, "--buffers", str(args.buffers),
-                                  "--rounds", str(args.rounds), "--flush", flush, "--calibration", str(args.calibration)],
+                                  "--rounds", str(args.rounds), "--flush", flush,
+                                  "--calibration", str(args.calibration)],
                                  capture_output=True, text=True, cwd=HERE, check=True)
             answer = json.loads(out.stdout)
             times = answer["times"]
@@ -105,15 +107,24 @@ def main() -> None:
             # the sampling error of one set's median, from the pooled within-set spread
             within = statistics.fmean(statistics.pstdev(ts) for ts in times) * 1.2533 / len(times[0]) ** 0.5
             ratios.append(statistics.pstdev(medians) / within if within else float("nan"))
-            print(f"[probe] {name} flush {flush} process {p}: 4 sets {four[-1] * 1e3:.3f} µs, all {every[-1] * 1e3:.3f} µs, "
+            print(f"[probe] {name} flush {flush} process {p}: 4 sets {four[-1] * 1e3:.3f} µs, "
+                  f"all {every[-1] * 1e3:.3f} µs, "
                   f"per-set {spreads[-1][0]:.2f}-{spreads[-1][1]:.2f} µs, overhead {overheads[-1][0]:.3f} µs "
                   f"(a separate timer's {overheads[-1][1]:.3f})", file=sys.stderr, flush=True)
         cv = lambda xs: statistics.pstdev(xs) / statistics.fmean(xs)  # noqa: E731
-        summary.add_row(name, flush if flush != "0" else "timer's", f"{statistics.median(every) * 1e3:.3f}", f"{cv(four):.2%}", f"{cv(every):.2%}",
-                        f"{min(s[0] for s in spreads):.2f}-{max(s[1] for s in spreads):.2f}",
-                        f"{statistics.fmean(ratios):.1f}", f"{cv(raw):.2%}", f"{cv(separate):.2%}",
-                        f"{statistics.fmean(o[0] for o in overheads):.3f} ({statistics.pstdev(o[0] for o in overheads):.3f})",
-                        f"{statistics.fmean(o[1] for o in overheads):.3f} ({statistics.pstdev(o[1] for o in overheads):.3f})")
+        summary.add_row(
+            name,
+            flush if flush != "0" else "timer's",
+            f"{statistics.median(every) * 1e3:.3f}",
+            f"{cv(four):.2%}",
+            f"{cv(every):.2%}",
+            f"{min(s[0] for s in spreads):.2f}-{max(s[1] for s in spreads):.2f}",
+            f"{statistics.fmean(ratios):.1f}",
+            f"{cv(raw):.2%}",
+            f"{cv(separate):.2%}",
+            f"{statistics.fmean(o[0] for o in overheads):.3f} ({statistics.pstdev(o[0] for o in overheads):.3f})",
+            f"{statistics.fmean(o[1] for o in overheads):.3f} ({statistics.pstdev(o[1] for o in overheads):.3f})",
+        )
     Console(width=200).print(summary)
 
 

@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from timing_problems import problems_by_name  # this folder's module
 
@@ -42,7 +43,7 @@ DEFAULT = "relu_1x1024,relu_16x16384,softmax_16x16384,sum_16x16384,relu_512x1638
 KEYS = ("events", "read_phase", "span")
 
 
-def _call_us(timer, ms: float) -> list[float]:
+def _call_us(timer: Any, ms: float) -> list[float]:
     """The call's events interval, read phase and span (µs; see KEYS)."""
     o, _, last, leave = timer.stamps_ns
     return [ms * 1e3, (leave - last) / 1e3, (last - o) / 1e3]
@@ -68,11 +69,12 @@ def child(names: list[str], calls: int, n_sets: int, spacers: int) -> None:
         rows = [_call_us(t, t.call(lambda: None, [], after)[1]) for _ in range(110)]
         return _medians(rows[10:])
 
-    result = {"calibrations": {"empty_hot_sep": calibration(separate, hot), "empty_none_sep": calibration(separate, None),
+    result = {"calibrations": {"empty_hot_sep": calibration(separate, hot),
+                               "empty_none_sep": calibration(separate, None),
                                "empty_cold_own": calibration(timer, cold)},
               "harness": list(separate.calibrate()), "problems": {}}
 
-    def read(out) -> None:
+    def read(out: Any) -> None:
         for o in out if isinstance(out, (list, tuple)) else [out]:
             timer.read_at_end(o)
 
@@ -112,7 +114,8 @@ def main() -> None:
         return child(names, args.calls, args.sets, args.spacers)
     runs = []
     for p in range(args.processes):
-        out = subprocess.run([sys.executable, __file__, "--child", "--problems", args.problems, "--calls", str(args.calls),
+        out = subprocess.run([sys.executable, __file__, "--child", "--problems", args.problems,
+                              "--calls", str(args.calls),
                               "--sets", str(args.sets), "--spacers", str(args.spacers)],
                              capture_output=True, text=True, cwd=HERE)
         if out.returncode:
@@ -134,9 +137,11 @@ def main() -> None:
             ev = [x["medians"][0] - y[0] for x, y in zip(p, c)]
             nrp = [x["net_rp"] - (y[0] - y[1]) for x, y in zip(p, c)]
             span = [x["medians"][2] - y[2] for x, y in zip(p, c)]
-            print(f"{name:<20} {cal:<15} events {statistics.median(ev):7.3f} ({cv(ev):6.2%})  events-rp "
-                  f"{statistics.median(nrp):7.3f} ({cv(nrp):6.2%})  span {statistics.median(span):7.3f} ({cv(span):6.2%})"
-                  f"  H100 ncu ~{expected}")
+            print(
+                f"{name:<20} {cal:<15} events {statistics.median(ev):7.3f} ({cv(ev):6.2%})  events-rp "
+                f"{statistics.median(nrp):7.3f} ({cv(nrp):6.2%})  span {statistics.median(span):7.3f} ({cv(span):6.2%})"
+                f"  H100 ncu ~{expected}"
+            )
 
 
 if __name__ == "__main__":

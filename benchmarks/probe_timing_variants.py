@@ -46,15 +46,33 @@ def job(calls: int, spin: bool) -> dict[str, float]:
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
 
     def sync_both() -> float:
-        flush_buf.zero_(); sync(); s, e = ev(), ev(); s.record(); fn(); sync(); e.record(); e.synchronize()
+        flush_buf.zero_()
+        sync()
+        s, e = ev(), ev()
+        s.record()
+        fn()
+        sync()
+        e.record()
+        e.synchronize()
         return s.elapsed_time(e)
 
     def stream_end() -> float:
-        flush_buf.zero_(); sync(); s, e = ev(), ev(); s.record(); fn(); e.record(); sync()
+        flush_buf.zero_()
+        sync()
+        s, e = ev(), ev()
+        s.record()
+        fn()
+        e.record()
+        sync()
         return s.elapsed_time(e)
 
     def overlap() -> float:
-        flush_buf.zero_(); s, e = ev(), ev(); s.record(); fn(); e.record(); sync()
+        flush_buf.zero_()
+        s, e = ev(), ev()
+        s.record()
+        fn()
+        e.record()
+        sync()
         return s.elapsed_time(e)
 
     out: dict[str, float] = {"cpu": float(os.sched_getaffinity(0).__len__())}
@@ -64,10 +82,16 @@ def job(calls: int, spin: bool) -> dict[str, float]:
         out[name] = statistics.median(f() for _ in range(calls))
     # overlap/cupti and kernel time
     for _ in range(100):
-        flush_buf.zero_(); fn(); marker.zero_(); sync()
+        flush_buf.zero_()
+        fn()
+        marker.zero_()
+        sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            flush_buf.zero_(); fn(); marker.zero_(); sync()
+            flush_buf.zero_()
+            fn()
+            marker.zero_()
+            sync()
     acts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda e: e.time_range.start)
     # sequence per call: flush (memset/fill kernel), the call's kernel(s), marker (fill of 4 bytes)

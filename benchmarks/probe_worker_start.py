@@ -128,7 +128,6 @@ def zygote_prep() -> dict[str, float]:
     t = time.perf_counter()
     from cudagym.sandbox.worker import jobs  # noqa: F401 - every harness module
     from cudagym.sandbox.worker.integrity import OpRecorder, live_helpers
-    from torch.profiler import ProfilerActivity, profile
 
     out["import_harness"] = time.perf_counter() - t
     t = time.perf_counter()

@@ -7,8 +7,9 @@ device. Sizes are module-level constants; `cpu_sizes` shrinks them for the CPU t
 unit test.
 
 Together the problems span 3 µs (one launch of a tiny kernel: about the least a kernel takes)
-to 9 ms of GPU time per forward call on an H100, L2 flushed: single elementwise ops at several sizes, reductions, normalizations, matrix products,
-convolutions, chains of 2-4 ops, small multi-layer models, and float16 cases.
+to 9 ms of GPU time per forward call on an H100, L2 flushed: single elementwise ops at several
+sizes, reductions, normalizations, matrix products, convolutions, chains of 2-4 ops, small
+multi-layer models, and float16 cases.
 `expected_us` is the GPU time per call that Nsight Compute measured on an H100 (80GB HBM3,
 torch 2.11: the sum of a call's kernels' gpu__time_duration, median of 20 calls, 2026-11; no
 kernel measured under 2.6 µs there); `time_class` is its class: tiny < 10 µs, small 10-100 µs,

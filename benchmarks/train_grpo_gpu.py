@@ -56,7 +56,7 @@ def progress(msg: str) -> None:
 class Steps:
     """The rollout function TRL calls, timed, and the step boundaries (a TrainerCallback)."""
 
-    def __init__(self, rollout: KernelRollout, cuda: bool, on_step: Any = lambda: None):
+    def __init__(self, rollout: KernelRollout, cuda: bool, on_step: Any = lambda: None) -> None:
         self.rollout, self.cuda, self.on_step = rollout, cuda, on_step
         self.rows: list[dict[str, Any]] = []
         self._t0 = 0.0
@@ -81,12 +81,12 @@ class Steps:
         steps = self
 
         class _Timer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
                 steps._t0, steps._row = time.perf_counter(), {}
                 if steps.cuda:
                     torch.cuda.reset_peak_memory_stats()
 
-            def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
                 row = steps._row
                 row["step"] = state.global_step
                 row["step_s"] = time.perf_counter() - steps._t0
@@ -155,11 +155,13 @@ def main() -> None:
     target = resolve_target(args.target)
     cuda = target == "cuda"
     device = torch.cuda.get_device_name() if cuda else "the CPU target"
-    progress(f"[grpo] {device}; tasks {', '.join(task_ids)}; {args.steps} steps of {args.groups} groups × {args.group_size}")
+    progress(f"[grpo] {device}; tasks {', '.join(task_ids)}; "
+             f"{args.steps} steps of {args.groups} groups × {args.group_size}")
     tok = tiny_tokenizer(kernel_texts(task_ids, target), vocab_size=2000, eos="<|end|>")
     tok.padding_side = "left"
     model = tiny_causal_lm(tok, layers=args.layers, hidden=args.hidden)
-    report: dict[str, Any] = {"device": device, "target": target, "torch": torch.__version__, "args": vars(args) | {"out": str(args.out)},
+    report: dict[str, Any] = {"device": device, "target": target, "torch": torch.__version__,
+                              "args": vars(args) | {"out": str(args.out)},
                               "parameters": sum(p.numel() for p in model.parameters()), "steps": []}
 
     def save() -> None:
@@ -167,7 +169,8 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1, default=str))
 
-    env_config = EnvConfig(target=target, max_turns=40, shaping=ShapingConfig(well_formed_turn=0.1, well_formed_cap=0.3))
+    env_config = EnvConfig(target=target, max_turns=40,
+                           shaping=ShapingConfig(well_formed_turn=0.1, well_formed_cap=0.3))
     with tempfile.TemporaryDirectory(prefix="cudagym-grpo-") as work, \
             Evaluator(EvaluatorConfig(target=target, mode=env_config.mode, cache_dir=Path(work) / "cache")) as ev:
         rollout = KernelRollout(tasks, tokenizer=tok, env_config=env_config, evaluator=ev,
@@ -175,7 +178,8 @@ def main() -> None:
         steps = Steps(rollout, cuda, on_step=save)
         report["steps"] = steps.rows
         batch = args.groups * args.group_size
-        config = GRPOConfig(output_dir=str(Path(work) / "grpo"), max_steps=args.steps, per_device_train_batch_size=batch,
+        config = GRPOConfig(output_dir=str(Path(work) / "grpo"), max_steps=args.steps,
+                            per_device_train_batch_size=batch,
                             num_generations=args.group_size, max_completion_length=args.max_completion_length,
                             generation_kwargs={"max_new_tokens": args.turn_tokens}, learning_rate=1e-3, beta=0.0,
                             use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=1,
@@ -193,9 +197,11 @@ def main() -> None:
     save()
     console = Console(width=200)
     console.print(table(steps.rows, device))
-    console.print(f"policy on {report['policy_device']}, {report['parameters']:,} parameters; {len(steps.rows)} steps in "
-                  f"{report['train_s']:.0f} s. A random model: this run proves the loop (rollouts through real compile, "
-                  f"verify and profile; the policy updated), not learning.")
+    console.print(
+        f"policy on {report['policy_device']}, {report['parameters']:,} parameters; {len(steps.rows)} steps in "
+        f"{report['train_s']:.0f} s. A random model: this run proves the loop (rollouts through real compile, "
+        f"verify and profile; the policy updated), not learning."
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -75,7 +76,9 @@ def check(
             if not as_json:
                 console.print(f"[bold]{t.id}[/] on the {ev.target.value} target ({ev.device_name}), {mode} mode, "
                               f"atol={tol.atol:g}, rtol={tol.rtol:g}")
-            with console.status("compiling, verifying, profiling…", spinner="dots") if not as_json else _nullctx():
+            status = (console.status("compiling, verifying, profiling…", spinner="dots") if not as_json
+                      else contextlib.nullcontext())
+            with status:
                 verdict = ev.evaluate(t, ws)
     except CudagymError as e:
         if as_json:
@@ -90,14 +93,6 @@ def check(
     raise typer.Exit(0 if verdict.reward > 0 else 1)
 
 
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
-
-
 def _print_verdict(v: Verdict) -> None:
     console = Console()
     table = Table(show_header=False, box=None)
@@ -107,13 +102,15 @@ def _print_verdict(v: Verdict) -> None:
     if v.audit:
         table.add_row("audit", f"{v.audit.mode}: {'passed' if v.audit.passed else 'FAILED'}")
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
-    table.add_row("candidate / eager / torch.compile ms", f"{fmt(v.candidate_ms)} / {fmt(v.eager_ms)} / {fmt(v.compile_ms)}")
+    table.add_row("candidate / eager / torch.compile ms",
+                  f"{fmt(v.candidate_ms)} / {fmt(v.eager_ms)} / {fmt(v.compile_ms)}")
     table.add_row("speedup vs eager / compile", f"{fmt(v.speedup_vs_eager)} / {fmt(v.speedup_vs_compile)}")
     if v.server is not None:
         s, ms = v.server, (lambda t: None if t is None else t.median_ms)
         table.add_row(f"server mode ({s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms gaps): ms",
                       f"{fmt(ms(s.candidate))} / {fmt(ms(s.eager))} / {fmt(ms(s.compiled))}")
-        table.add_row("server mode: speedup vs eager / compile", f"{fmt(s.speedup_vs_eager)} / {fmt(s.speedup_vs_compile)}")
+        table.add_row("server mode: speedup vs eager / compile",
+                      f"{fmt(s.speedup_vs_eager)} / {fmt(s.speedup_vs_compile)}")
     for name, lib_ms in v.library_ms.items():
         server = "" if v.server is None or name not in v.server.library else \
             f"; server mode {fmt(v.server.library[name].median_ms)} ms, {fmt(v.server.speedup_vs_library.get(name))}x"

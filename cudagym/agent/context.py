@@ -22,7 +22,7 @@ _ELIDED = "[{what} elided to save context: {n} tokens]"
 
 class ContextBudget:
     def __init__(self, max_tokens: int, counter: TokenCounter | None = None, keep_recent: int = 4,
-                 min_elide_tokens: int = 64):
+                 min_elide_tokens: int = 64) -> None:
         self.max_tokens = max_tokens
         self.counter = counter or CharEstimate()
         self.keep_recent = keep_recent
@@ -97,7 +97,10 @@ class ContextBudget:
             i = j
         kept = [m for k, m in enumerate(msgs) if k not in drop]
         if drop:
-            kept.insert(protected_head, {"role": "user", "content": f"[{len(drop)} earlier messages were removed to save context]"})
+            kept.insert(
+                protected_head,
+                {"role": "user", "content": f"[{len(drop)} earlier messages were removed to save context]"},
+            )
         return kept
 
 

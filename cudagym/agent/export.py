@@ -126,7 +126,8 @@ def sft_rows(run_dir: Path, keep: ExportFilter) -> tuple[list[dict[str, Any]], E
             "tools": conv["tools"],
             "metadata": {"task_id": s["task_id"], "episode_id": s["episode_id"], "solution_hash": digest,
                          "milestone": v.get("milestone"), "reward": v.get("reward"),
-                         "speedup_vs_eager": v.get("speedup_vs_eager"), "speedup_vs_compile": v.get("speedup_vs_compile"),
+                         "speedup_vs_eager": v.get("speedup_vs_eager"),
+                         "speedup_vs_compile": v.get("speedup_vs_compile"),
                          "reasons": v.get("reasons") or [], "target": (s.get("task") or {}).get("target")},
         })
     return rows, ExportSummary(out=run_dir, episodes=len(summaries), kept=len(rows), duplicates=duplicates,

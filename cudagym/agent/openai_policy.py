@@ -9,6 +9,7 @@ blocks from the text, for servers started without a tool-call parser.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from typing import Any, Literal
@@ -48,7 +49,7 @@ class OpenAIPolicyConfig(BaseModel):
 class OpenAIChatPolicy(Policy):
     name = "openai"
 
-    def __init__(self, config: OpenAIPolicyConfig | None = None, **overrides: Any):
+    def __init__(self, config: OpenAIPolicyConfig | None = None, **overrides: Any) -> None:
         self.config = (config or OpenAIPolicyConfig()).model_copy(update=overrides).resolved()
         self._clients: dict[int, Any] = {}  # one client per event loop: httpx pools are loop-bound
 
@@ -65,12 +66,17 @@ class OpenAIChatPolicy(Policy):
                                              timeout=self.config.timeout_s, max_retries=self.config.max_retries)
         return self._clients[key]
 
-    async def aact(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext) -> AssistantTurn:
+    async def aact(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext
+    ) -> AssistantTurn:
         import openai
 
         cfg = self.config
-        kwargs: dict[str, Any] = {"model": cfg.model, "messages": _for_wire(messages, self.hermes),
-                                  "temperature": cfg.temperature}
+        kwargs: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": _for_wire(messages, self.hermes),
+            "temperature": cfg.temperature,
+        }
         if cfg.top_p is not None:
             kwargs["top_p"] = cfg.top_p
         if cfg.max_tokens is not None:
@@ -103,7 +109,10 @@ class OpenAIChatPolicy(Policy):
             calls.append(ToolCall(name=fn.name, arguments=args, id=tc.id or f"call_{context.turn}_{i}"))
         usage = {}
         if resp.usage is not None:
-            usage = {"prompt_tokens": resp.usage.prompt_tokens or 0, "completion_tokens": resp.usage.completion_tokens or 0}
+            usage = {
+                "prompt_tokens": resp.usage.prompt_tokens or 0,
+                "completion_tokens": resp.usage.completion_tokens or 0,
+            }
         content = msg.content or ""
         reasoning = getattr(msg, "reasoning_content", None)  # vLLM/SGLang reasoning parsers
         if reasoning and not calls and "<tool_call>" not in content and "<tool_call>" in reasoning:
@@ -113,10 +122,8 @@ class OpenAIChatPolicy(Policy):
     async def aclose(self) -> None:
         clients, self._clients = self._clients, {}
         for c in clients.values():
-            try:
+            with contextlib.suppress(Exception):  # closing a client of a finished loop
                 await c.close()
-            except Exception:  # noqa: BLE001 - closing a client of a finished loop
-                pass
 
 
 def _for_wire(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, Any]]:
@@ -129,8 +136,11 @@ def _for_wire(messages: list[dict[str, Any]], hermes: bool) -> list[dict[str, An
             out.append({"role": "user", "content": tool_response(m.get("content", ""))})
         elif m.get("tool_calls"):
             blocks = "".join(
-                f"\n<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': json.loads(c['function']['arguments'] or '{}')})}\n</tool_call>"
-                for c in m["tool_calls"])
+                "\n<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                  "arguments": json.loads(c["function"]["arguments"] or "{}")})
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": (m.get("content") or "") + blocks})
         else:
             out.append(m)

@@ -60,7 +60,9 @@ class Policy:
 
     name = "policy"
 
-    async def aact(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext) -> AssistantTurn:
+    async def aact(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext
+    ) -> AssistantTurn:
         raise NotImplementedError
 
     def act(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext) -> AssistantTurn:
@@ -77,9 +79,9 @@ class CallablePolicy(Policy):
     list of such dicts (structured calls).
     """
 
-    def __init__(self, fn: Any, name: str | None = None):
+    def __init__(self, fn: Any, name: str | None = None) -> None:
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "callable")
+        self.name: str = name or str(getattr(fn, "__name__", "callable"))
 
     @classmethod
     def from_spec(cls, spec: str) -> CallablePolicy:
@@ -97,7 +99,9 @@ class CallablePolicy(Policy):
             return fn()  # type: ignore[return-value]
         return cls(fn, name=spec)
 
-    async def aact(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext) -> AssistantTurn:
+    async def aact(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext
+    ) -> AssistantTurn:
         out = self.fn(messages, tools, context)
         if inspect.isawaitable(out):
             out = await out

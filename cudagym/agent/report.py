@@ -32,15 +32,16 @@ class GroupStats(BaseModel):
     n_timed: int  # correct episodes with a speedup against eager (that geomean's population)
     mean_reward: float
     geomean_server_vs_eager: float | None = None  # server-mode timing (when the run asked for it)
-    geomean_vs_library: dict[str, float] = {}  # library baselines (GEMM tasks): geomean over the episodes timed against each
+    # library baselines (GEMM tasks): geomean over the episodes timed against each
+    geomean_vs_library: dict[str, float] = {}
     # correct episodes with a speedup against torch.compile (that geomean's population: a task
     # whose torch.compile baseline failed, as some do on the CPU target, has none)
     n_vs_compile: int = 0
 
 
-def _geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+def _geomean(xs: list[float | None]) -> float | None:
+    pos = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in pos) / len(pos)) if pos else None
 
 
 def group_stats(name: str, episodes: list[dict[str, Any]]) -> GroupStats:
@@ -59,7 +60,8 @@ def group_stats(name: str, episodes: list[dict[str, Any]]) -> GroupStats:
         n_timed=sum(1 for s in se if s is not None),
         n_vs_compile=sum(1 for s in sc if s is not None and s > 0),
         mean_reward=sum(float(e.get("reward", 0.0)) for e in episodes) / n if n else 0.0,
-        geomean_server_vs_eager=_geomean([((e["verdict"].get("server") or {}).get("speedup_vs_eager")) for e in correct]),
+        geomean_server_vs_eager=_geomean([(e["verdict"].get("server") or {}).get("speedup_vs_eager")
+                                          for e in correct]),
         geomean_vs_library={name: g for name in LIBRARY_BASELINES if (g := _geomean(
             [(e["verdict"].get("speedup_vs_library") or {}).get(name) for e in correct])) is not None},
     )
@@ -71,8 +73,9 @@ def results_table(episodes: list[dict[str, Any]]) -> list[GroupStats]:
     for lv in levels:
         rows.append(group_stats(f"level {lv if lv is not None else '-'}",
                                 [e for e in episodes if (e.get("task") or {}).get("level") == lv]))
-    for src in sorted({(e.get("task") or {}).get("source") or "-" for e in episodes}):
-        rows.append(group_stats(f"source {src}", [e for e in episodes if ((e.get("task") or {}).get("source") or "-") == src]))
+    source = lambda e: (e.get("task") or {}).get("source") or "-"  # noqa: E731
+    for src in sorted({source(e) for e in episodes}):
+        rows.append(group_stats(f"source {src}", [e for e in episodes if source(e) == src]))
     return rows
 
 
@@ -92,19 +95,22 @@ def render_table(rows: list[GroupStats], title: str = "cudagym results") -> Any:
         extra = ["n/a" if r.geomean_server_vs_eager is None else f"{r.geomean_server_vs_eager:.3f}x"] if server else []
         extra += ["n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x" for n in library]
         t.add_row(r.group, str(r.episodes), pct(r.pass_rate), pct(r.faster_than_eager), pct(r.faster_than_compile),
-                  gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_vs_compile), *extra, f"{r.mean_reward:+.2f}")
+                  gm(r.geomean_vs_eager, r.n_timed), gm(r.geomean_vs_compile, r.n_vs_compile), *extra,
+                  f"{r.mean_reward:+.2f}")
     return t
 
 
 def markdown_table(rows: list[GroupStats]) -> str:
     library = [n for n in LIBRARY_BASELINES if any(n in r.geomean_vs_library for r in rows)]
-    head = ("| group | episodes | pass rate | faster than eager | faster than compile | geomean vs eager | geomean vs compile | "
+    head = ("| group | episodes | pass rate | faster than eager | faster than compile | geomean vs eager "
+            "| geomean vs compile | "
             + "".join(f"geomean vs {LIBRARY_TITLES[n]} | " for n in library) + "mean reward |")
     lines = [head, "|" + "---|" * (8 + len(library))]
     for r in rows:
         gme = "n/a" if r.geomean_vs_eager is None else f"{r.geomean_vs_eager:.3f}x"
         gmc = "n/a" if r.geomean_vs_compile is None else f"{r.geomean_vs_compile:.3f}x (n={r.n_vs_compile})"
-        gml = "".join(("n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x") + " | " for n in library)
+        gml = "".join(("n/a" if n not in r.geomean_vs_library else f"{r.geomean_vs_library[n]:.3f}x") + " | "
+                      for n in library)
         lines.append(f"| {r.group} | {r.episodes} | {r.pass_rate:.1%} | {r.faster_than_eager:.1%} | "
                      f"{r.faster_than_compile:.1%} | {gme} | {gmc} | {gml}{r.mean_reward:+.2f} |")
     return "\n".join(lines)

@@ -31,7 +31,7 @@ def default_solutions_root() -> Path:
 class ScriptedPolicy(Policy):
     name = "scripted"
 
-    def __init__(self, solutions_root: str | os.PathLike[str] | None = None, structured: bool = False):
+    def __init__(self, solutions_root: str | os.PathLike[str] | None = None, structured: bool = False) -> None:
         """`structured=True` answers with native tool calls; otherwise with Hermes text."""
         self.solutions_root = Path(solutions_root) if solutions_root else default_solutions_root()
         self.structured = structured
@@ -66,10 +66,13 @@ class ScriptedPolicy(Policy):
         return {"compile": "Building the kernels.", "verify": "Checking correctness.",
                 "profile": "Timing it against the baselines.", "submit": "Submitting."}[step], [call]
 
-    async def aact(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext) -> AssistantTurn:
+    async def aact(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: TurnContext
+    ) -> AssistantTurn:
         text, calls = self.plan(context)
         if self.structured:
             return AssistantTurn(content=text, tool_calls=calls)
         blocks = "".join(
-            f"\n<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>" for c in calls)
+            f"\n<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>" for c in calls
+        )
         return AssistantTurn(content=text + blocks)

@@ -31,7 +31,7 @@ def episode_filename(episode_id: str) -> str:
 class EpisodeWriter:
     """Appends step records of one episode to its ``.partial`` file; `commit` completes it."""
 
-    def __init__(self, final: Path):
+    def __init__(self, final: Path) -> None:
         self.final = final
         self.partial = final.with_name(final.name + ".partial")
         self._fh = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed in commit/abort
@@ -54,7 +54,7 @@ class EpisodeWriter:
 
 
 class TrajectoryStore:
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.episodes_dir = self.root / "episodes"
         self.episodes_dir.mkdir(parents=True, exist_ok=True)

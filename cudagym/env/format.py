@@ -113,7 +113,9 @@ def format_verify(r: VerifyResult, budget: int) -> str:
 def format_profile(r: ProfileResult, budget: int) -> str:
     if not r.ok:
         kind = r.error_kind.value if r.error_kind else "failed"
-        text = f"Profile FAILED ({kind})." + "".join(f"\n- {x}" for x in r.reasons) + (f"\n{r.error}" if r.error else "")
+        text = (
+            f"Profile FAILED ({kind})." + "".join(f"\n- {x}" for x in r.reasons) + (f"\n{r.error}" if r.error else "")
+        )
         return trim_output(text, budget)
     lines = [
         f"ModelNew:      {_ms(r.candidate)}",
@@ -122,12 +124,16 @@ def format_profile(r: ProfileResult, budget: int) -> str:
         f"Speedup vs eager {_x(r.speedup_vs_eager)}, vs torch.compile {_x(r.speedup_vs_compile)}.",
     ]
     for name, stats in r.library.items():
-        lines.append(f"{LIBRARY_TITLES.get(name, name) + ':':<14} {_ms(stats)} (speedup {_x(r.speedup_vs_library.get(name))})")
+        lines.append(
+            f"{LIBRARY_TITLES.get(name, name) + ':':<14} {_ms(stats)} (speedup {_x(r.speedup_vs_library.get(name))})"
+        )
     if r.server is not None:
         s = r.server
-        lines.append(f"Server mode (calls after {s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms idle gaps): ModelNew {_ms(s.candidate)}, "
-                     f"eager {_ms(s.eager)}, torch.compile {_ms(s.compiled)}; speedup vs eager "
-                     f"{_x(s.speedup_vs_eager)}, vs torch.compile {_x(s.speedup_vs_compile)}.")
+        lines.append(
+            f"Server mode (calls after {s.gap_ms[0]:g}-{s.gap_ms[1]:g} ms idle gaps): ModelNew {_ms(s.candidate)}, "
+            f"eager {_ms(s.eager)}, torch.compile {_ms(s.compiled)}; speedup vs eager "
+            f"{_x(s.speedup_vs_eager)}, vs torch.compile {_x(s.speedup_vs_compile)}."
+        )
     lines.extend(f"- {x}" for x in r.reasons)
     if r.ncu:
         lines.append("Nsight Compute metrics:")

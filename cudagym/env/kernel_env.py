@@ -93,7 +93,7 @@ class UnicodeText(Text):
     1.1M code points would cost seconds to build per env).
     """
 
-    def __init__(self, max_length: int, *, min_length: int = 0, seed: Any = None):
+    def __init__(self, max_length: int, *, min_length: int = 0, seed: Any = None) -> None:
         import string
 
         super().__init__(max_length, min_length=min_length, charset=string.printable, seed=seed)
@@ -167,7 +167,7 @@ class KernelEnv(gym.Env[str, Any]):
         variant_book: VariantBook | None = None,
         render_mode: str | None = None,
         **overrides: Any,
-    ):
+    ) -> None:
         fields = {**(config or EnvConfig()).model_dump(), **overrides}  # validated below, dicts and all
         if target is not None:
             fields["target"] = target
@@ -218,7 +218,8 @@ class KernelEnv(gym.Env[str, Any]):
         return self.toolbox.schemas()
 
     # -- async API -----------------------------------------------------------------------------
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    async def areset(self, *, seed: int | None = None,
+                     options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         super().reset(seed=seed)
         self._cleanup_workspace()
         task = self._pick_task((options or {}).get("task"))
@@ -262,7 +263,8 @@ class KernelEnv(gym.Env[str, Any]):
         }
         return prompt, info
 
-    async def astep(self, action: Any, *, action_tokens: int | None = None) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    async def astep(self, action: Any, *,
+                    action_tokens: int | None = None) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """`step`'s async form; `action_tokens` is the caller's exact token count of the action as
         it sits in the sequence (as generated, with any template tokens around it: a trainer knows
         it, and re-tokenizing decoded text can differ), replacing the env's count of its text plus
@@ -348,7 +350,8 @@ class KernelEnv(gym.Env[str, Any]):
             "calls": [{"name": r.name, "ok": r.ok, "seconds": round(r.seconds, 6), "error": r.error,
                        "call_id": r.call_id, **({"internal": r.data["internal"]} if "internal" in r.data else {})}
                       for r in results],
-            "tool_results": [{"name": r.name, "call_id": r.call_id, "ok": r.ok, "text": t} for r, t in zip(results, texts)],
+            "tool_results": [{"name": r.name, "call_id": r.call_id, "ok": r.ok, "text": t}
+                             for r, t in zip(results, texts)],
             "parse_error": parsed.error,
             "verdict": verdict.summary() if verdict is not None else None,
             "reward_reasons": reasons,
@@ -374,7 +377,7 @@ class KernelEnv(gym.Env[str, Any]):
             self._budget = int(max_tokens)
 
     async def _final_verdict(self) -> Verdict:
-        assert self._ctx is not None
+        assert self._ctx is not None  # noqa: S101 - called only inside an episode
         try:
             return await self.evaluator.aevaluate(self._ctx.task, self._ctx.workspace)
         except Exception as e:  # noqa: BLE001 - a harness failure is not the agent's to see or pay for

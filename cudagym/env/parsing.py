@@ -39,7 +39,7 @@ def parse_action(action: Any) -> ParsedAction:
     try:
         items = action if isinstance(action, (list, tuple)) else [action]
         calls = [_coerce_call(x) for x in items]
-    except _BadCall as e:
+    except _BadCallError as e:
         return ParsedAction(error=str(e))
     text = json.dumps([c.model_dump() for c in calls], default=str)
     if not calls:
@@ -59,7 +59,7 @@ def parse_text(text: str) -> ParsedAction:
                 value = _loads(_unfence(block.strip()))
                 for item in value if isinstance(value, list) else [value]:
                     calls.append(_coerce_call(item))
-            except _BadCall as e:
+            except _BadCallError as e:
                 errors.append(f"tool call #{i}: {e}")
     else:
         stripped = _unfence(body.strip())
@@ -68,7 +68,7 @@ def parse_text(text: str) -> ParsedAction:
                 value = _loads(stripped)
                 for item in value if isinstance(value, list) else [value]:
                     calls.append(_coerce_call(item))
-            except _BadCall as e:
+            except _BadCallError as e:
                 errors.append(str(e))
         else:
             errors.append("no tool call found in your message. " + FORMAT_HELP)
@@ -78,7 +78,7 @@ def parse_text(text: str) -> ParsedAction:
     return ParsedAction(calls=calls, error="; ".join(errors) or None, text=text)
 
 
-class _BadCall(ValueError):
+class _BadCallError(ValueError):
     pass
 
 
@@ -91,7 +91,7 @@ def _loads(s: str) -> Any:
     try:
         return json.loads(s, strict=False)  # strict=False: raw newlines inside strings are common
     except json.JSONDecodeError as e:
-        raise _BadCall(f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise _BadCallError(f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
 
 
 def _coerce_call(item: Any) -> ToolCall:
@@ -100,18 +100,18 @@ def _coerce_call(item: Any) -> ToolCall:
     if hasattr(item, "model_dump"):
         item = item.model_dump()
     if not isinstance(item, dict):
-        raise _BadCall(f"a tool call must be a JSON object with 'name' and 'arguments', not {type(item).__name__}")
+        raise _BadCallError(f"a tool call must be a JSON object with 'name' and 'arguments', not {type(item).__name__}")
     call_id = item.get("id")
     if isinstance(item.get("function"), dict):  # OpenAI native form
         item = item["function"]
     name = item.get("name")
     if not isinstance(name, str) or not name:
-        raise _BadCall("a tool call needs a string 'name'")
+        raise _BadCallError("a tool call needs a string 'name'")
     args = item.get("arguments", item.get("parameters", {}))
     if args is None:
         args = {}
     if isinstance(args, str):
         args = _loads(args) if args.strip() else {}
     if not isinstance(args, dict):
-        raise _BadCall(f"the 'arguments' of {name} must be a JSON object, not {type(args).__name__}")
+        raise _BadCallError(f"the 'arguments' of {name} must be a JSON object, not {type(args).__name__}")
     return ToolCall(name=name, arguments=args, id=call_id if isinstance(call_id, str) else None)

@@ -14,7 +14,7 @@ class TokenCounter(Protocol):
 class CharEstimate:
     """ceil(len / chars_per_token): cheap and tokenizer-free."""
 
-    def __init__(self, chars_per_token: float = 4.0):
+    def __init__(self, chars_per_token: float = 4.0) -> None:
         self.chars_per_token = chars_per_token
 
     def count(self, text: str) -> int:
@@ -29,7 +29,7 @@ class TokenizerCounter:
     the caller's to declare (`EnvConfig.message_overhead_tokens`).
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     @classmethod

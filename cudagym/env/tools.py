@@ -113,7 +113,6 @@ class ToolContext:
     workspace: Workspace
     evaluator: Any  # an EvaluatorAPI: cudagym.rewards.evaluator.Evaluator, cudagym.pool.EvalPool
     max_output_chars: int = 6000
-    last_compile: CompileResult | None = None
     counters: dict[str, dict[str, float]] = field(default_factory=dict)
     book_limits: BookLimits | None = None  # what profile and submit read of the files they measure
 
@@ -140,7 +139,8 @@ class ToolSpec:
             props[name] = p
         params: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
         params["required"] = list(raw.get("required", []))
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": params}}
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": params}}
 
 
 def _ok(name: str, text: str, **data: Any) -> ToolResult:
@@ -170,7 +170,8 @@ async def _read_file(ctx: ToolContext, a: ReadFileArgs) -> ToolResult:
     shown = lines[a.start_line - 1 : end]
     width = len(str(end))
     body = "\n".join(f"{i:>{width}} | {line}" for i, line in enumerate(shown, start=a.start_line))
-    header = f"{a.path} (lines {a.start_line}-{end} of {len(lines)})" if shown else f"{a.path}: no lines in range (it has {len(lines)})"
+    header = (f"{a.path} (lines {a.start_line}-{end} of {len(lines)})" if shown
+              else f"{a.path}: no lines in range (it has {len(lines)})")
     return _ok("read_file", trim_output(f"{header}\n{body}" if shown else header, ctx.max_output_chars), path=a.path)
 
 
@@ -185,7 +186,6 @@ async def _list_files(ctx: ToolContext, a: ListFilesArgs) -> ToolResult:
 
 async def _compile(ctx: ToolContext, a: CompileArgs) -> ToolResult:
     res: CompileResult = await ctx.evaluator.acompile(ctx.task, ctx.workspace)
-    ctx.last_compile = res
     text = format_compile(res, ctx.max_output_chars)
     r = ToolResult(name="compile", ok=res.ok, text=text, error=None if res.ok else "compile failed",
                    data={"compile": res.model_dump(exclude={"log"})})
@@ -240,7 +240,7 @@ TOOLS: tuple[ToolSpec, ...] = (
 class Toolbox:
     """The tool set of an environment: schemas for the policy and `run` for the environment."""
 
-    def __init__(self, tools: tuple[ToolSpec, ...] = TOOLS):
+    def __init__(self, tools: tuple[ToolSpec, ...] = TOOLS) -> None:
         self.tools = {t.name: t for t in tools}
 
     @property
@@ -290,8 +290,11 @@ class Toolbox:
         except CudagymError as e:
             return _fail(spec.name, f"{spec.name} could not run: {e}")
         except Exception as e:  # noqa: BLE001 - a harness bug must not reach the agent as a traceback
-            return _fail(spec.name, f"internal error in {spec.name} ({type(e).__name__}); this is not your code's fault",
-                         internal=f"{type(e).__name__}: {e}")
+            return _fail(
+                spec.name,
+                f"internal error in {spec.name} ({type(e).__name__}); this is not your code's fault",
+                internal=f"{type(e).__name__}: {e}",
+            )
 
 
 def _describe_validation(e: ValidationError) -> str:

@@ -29,13 +29,13 @@ import re
 import stat
 import threading
 from pathlib import Path
+from collections.abc import Iterator
 from typing import IO, Any
 
 from pydantic import BaseModel, Field
 
 from cudagym.sandbox.workspace import SOURCE_SUFFIXES, Workspace
 
-ANALYSIS_TAG = "analysis"
 _ANALYSIS = re.compile(r"<analysis>\s*(\S.*?)</analysis>", re.DOTALL)
 _TOOL_START = re.compile(r"<tool_call>|^\s*\{", re.MULTILINE)
 
@@ -209,7 +209,7 @@ class VariantBook:
     """Variants per task (see the module's text), within `limits`. Thread-safe; one file per
     book (one process appends to it: a rewrite keeps what this process holds)."""
 
-    def __init__(self, path: Path | None = None, limits: BookLimits | None = None):
+    def __init__(self, path: Path | None = None, limits: BookLimits | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.limits = limits or BookLimits()
         self._by_task: dict[str, dict[str, Variant]] = {}
@@ -318,7 +318,7 @@ class VariantBook:
         return "\n\n".join(parts)
 
 
-def _lines(fh: IO[str], max_len: int, skipped: list[int]):
+def _lines(fh: IO[str], max_len: int, skipped: list[int]) -> Iterator[str]:
     """The lines of `fh`, skipping any longer than `max_len` characters without holding it (the
     number of each line skipped goes to `skipped`)."""
     n = 0

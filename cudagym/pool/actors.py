@@ -29,7 +29,7 @@ from cudagym.tasks.model import Target, Task
 
 
 class EvaluatorActor:
-    def __init__(self, config: EvaluatorConfig):
+    def __init__(self, config: EvaluatorConfig) -> None:
         self.evaluator = Evaluator(config)
         self.scratch = Path(config.cache_dir) / "pool-workspaces"
 

@@ -35,6 +35,7 @@ env and the runner take it where they take an `Evaluator`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -124,7 +125,7 @@ class EvalPool:
     """compile / verify / profile / evaluate on a Ray cluster; async forms `a*` (see module doc)."""
 
     def __init__(self, config: PoolConfig, members: list[_Member], target: Target, *, owns_actors: bool,
-                 owns_ray: bool):
+                 owns_ray: bool) -> None:
         self.config = config
         self._members = members
         self._target = target
@@ -171,7 +172,8 @@ class EvalPool:
             if n_dev < 1:
                 raise PoolError("the CUDA target needs GPUs in the Ray cluster; it has none")
             remote = ray.remote(EvaluatorActor)
-            gpu = {"num_gpus": 1 if target == Target.CUDA else 0, "num_cpus": config.cpus_per_device_actor}
+            gpu: dict[str, Any] = {"num_gpus": 1 if target == Target.CUDA else 0,
+                                   "num_cpus": config.cpus_per_device_actor}
             if config.device_resources:
                 gpu["resources"] = dict(config.device_resources)
             opts = {"max_restarts": -1, "max_concurrency": config.max_jobs_per_actor}
@@ -179,7 +181,8 @@ class EvalPool:
             def named(member: str) -> dict[str, Any]:
                 return {"name": f"{name}:{member}", "namespace": namespace} if name else {}
 
-            members += [_Member(remote.options(**gpu, **opts, **named(f"device-{i}")).remote(ev), f"device-{i}", "device")
+            members += [_Member(remote.options(**gpu, **opts, **named(f"device-{i}")).remote(ev), f"device-{i}",
+                                "device")
                         for i in range(n_dev)]
             infos = ray.get([m.handle.info.remote() for m in members], timeout=config.start_timeout_s)
             if target == Target.CUDA:  # compile actors see no GPU: give them the devices' architecture
@@ -253,7 +256,8 @@ class EvalPool:
                     fresh = [m for m in live if m.name not in exclude]
                     if fresh:
                         turn = next(self._rr)
-                        best = min(fresh, key=lambda m: (m.in_flight, (self._members.index(m) - turn) % len(self._members)))
+                        n = len(self._members)
+                        best = min(fresh, key=lambda m: (m.in_flight, (self._members.index(m) - turn) % n))
                         best.in_flight += 1
                         return best
                 waiting = any(m.kind in kinds and m.checking for m in self._members)
@@ -373,10 +377,8 @@ class EvalPool:
         another process stops nothing."""
         if self._owns_actors:
             for m in self._members:
-                try:
+                with contextlib.suppress(Exception):  # already gone
                     ray.kill(m.handle)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
             self._owns_actors = False
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, cast
 
 import typer
 
@@ -33,14 +33,16 @@ def _parse_weights(text: str | None) -> dict[int, float] | None:
 
 @app.command("build")
 def build(
-    out: Path = typer.Option(..., "--out", help="Output directory (parquet, report.json, shards/); a rerun resumes it."),
+    out: Path = typer.Option(..., "--out",
+                             help="Output directory (parquet, report.json, shards/); a rerun resumes it."),
     n: int = typer.Option(6000, "--n", help="Number of tasks to keep."),
     seed: int = typer.Option(0, "--seed", help="Seed of the candidate stream: same seed, same corpus."),
     reference_bench: Optional[Path] = typer.Option(
         None, "--reference-bench", help="Directory of reference benchmark files (e.g. a KernelBench checkout); "
                                         "tasks too similar to any *.py under it are removed."),
-    target_gpu: str = typer.Option("h100", "--target-gpu", help="GPU whose peak figures set the workload estimate "
-                                                                "(h100, h200, b200, a100, l40s, l4, a10g, rtx4090, v100)."),
+    target_gpu: str = typer.Option("h100", "--target-gpu",
+                                   help="GPU whose peak figures set the workload estimate "
+                                        "(h100, h200, b200, a100, l40s, l4, a10g, rtx4090, v100)."),
     workers: int = typer.Option(1, "--workers", help="Worker processes for composing and checking."),
     calibrate: bool = typer.Option(False, "--calibrate", help="After building, time a sample of tasks on the GPU "
                                                               "(needs CUDA) and store measured ms."),
@@ -49,10 +51,12 @@ def build(
     max_ms: float = typer.Option(100.0, "--max-ms", help="Upper end of the eager-time window (ms, target GPU)."),
     threshold: float = typer.Option(0.9, "--contamination-threshold", help="Remove tasks whose similarity to a "
                                                                            "reference file is at least this."),
-    op_counts: Optional[str] = typer.Option(None, "--op-counts", help="Distribution of ops per task, e.g. "
-                                                                      "'1:0.04,2:0.84,3:0.08,4:0.03,5:0.01' (default)."),
-    compile_backend: str = typer.Option("auto", "--compile-backend", help="torch.compile backend of the compile "
-                                                                          "filter (auto: inductor with CUDA, else eager)."),
+    op_counts: Optional[str] = typer.Option(None, "--op-counts",
+                                            help="Distribution of ops per task, e.g. "
+                                                 "'1:0.04,2:0.84,3:0.08,4:0.03,5:0.01' (default)."),
+    compile_backend: str = typer.Option("auto", "--compile-backend",
+                                        help="torch.compile backend of the compile "
+                                             "filter (auto: inductor with CUDA, else eager)."),
     shard_size: int = typer.Option(50, "--shard-size", help="Candidates per shard (the unit of resumption)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ) -> None:
@@ -127,6 +131,7 @@ def selfcheck_cmd(
     """Play sampled tasks through the environment with the reference as the candidate; all must verify."""
     from rich.console import Console
 
+    from cudagym.core.verdict import AuditMode
     from cudagym.tasks.corpus.selfcheck import print_selfcheck, selfcheck_dir
 
     if not (out / "tasks.parquet").exists():
@@ -134,7 +139,9 @@ def selfcheck_cmd(
     if mode not in ("permissive", "strict"):
         _fail(ValueError(f"--mode must be permissive or strict, not {mode!r}"))
     try:
-        summary = selfcheck_dir(out, sample=sample, seed=seed, mode=mode, min_own_share=min_own_share, target=target)
+        # mode is checked above; EvaluatorConfig checks target
+        summary = selfcheck_dir(out, sample=sample, seed=seed, mode=cast(AuditMode, mode), min_own_share=min_own_share,
+                                target=cast(Literal["auto", "cuda", "cpu"], target))
     except CudagymError as e:
         _fail(e)
         return

@@ -168,7 +168,8 @@ def get_init_inputs():
 
 def gemm_task(c: GemmConfig) -> Task:
     """The configuration as a validated `Task`."""
-    cpu = {"M": _cpu_side(c.m, c.aligned), "N": _cpu_side(c.n, c.aligned), "K": _cpu_side(c.k, c.aligned)}
+    cpu: dict[str, int | float] = {"M": _cpu_side(c.m, c.aligned), "N": _cpu_side(c.n, c.aligned),
+                                   "K": _cpu_side(c.k, c.aligned)}
     task = Task(id=c.id, code=gemm_source(c), source=GEMM_SOURCE, ops=["matmul"], dtype=c.dtype,
                 tolerance=GEMM_TOLERANCE[c.dtype], cpu_sizes=cpu,
                 metadata={"shape_class": c.shape_class, "aligned": c.aligned, "m": c.m, "n": c.n, "k": c.k})
@@ -187,7 +188,8 @@ def write_gemm_parquet(tasks: list[Task], path: Path) -> Path:
 
     rows = [{"id": t.id, "ops": list(t.ops), "data_source": t.source, "code": t.code, "dtype": t.dtype,
              "atol": t.effective_tolerance.atol, "rtol": t.effective_tolerance.rtol,
-             "cpu_sizes": json.dumps(t.cpu_sizes), **{k: t.metadata[k] for k in ("shape_class", "aligned", "m", "n", "k")}}
+             "cpu_sizes": json.dumps(t.cpu_sizes),
+             **{k: t.metadata[k] for k in ("shape_class", "aligned", "m", "n", "k")}}
             for t in tasks]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ class Task(BaseModel):
         for name, value in sizes.items():
             code = re.sub(
                 rf"^({re.escape(name)}\s*(?::[^=]+)?=\s*)[^#\n]+",
-                lambda m, v=value: f"{m.group(1)}{v!r}",
+                lambda m: f"{m.group(1)}{value!r}",  # called within this iteration
                 code,
                 count=1,
                 flags=re.MULTILINE,
@@ -184,4 +184,5 @@ def validate_reference_source(code: str, task_id: str = "<task>") -> None:
             defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
     missing = [n for n in _REQUIRED_NAMES if n not in defined]
     if missing:
-        raise TaskError(f"task {task_id}: missing {', '.join(missing)} (a task must define Model, get_inputs, get_init_inputs)")
+        raise TaskError(f"task {task_id}: missing {', '.join(missing)} "
+                        "(a task must define Model, get_inputs, get_init_inputs)")

@@ -10,21 +10,22 @@ from typer.core import TyperGroup
 
 from cudagym.errors import CudagymError
 
-if TYPE_CHECKING:  # typer >= 0.29 carries its own click; only the types are named here
-    import click
+if TYPE_CHECKING:  # typer >= 0.29 carries its own click (typer._click); only its types are named here
+    from typer._click.core import Context
+    from typer._click.formatting import HelpFormatter
 
 
 class _TrainGroup(TyperGroup):
     """``cudagym train`` runs a stage config unless its first word names a subcommand."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
             args = ["launch", *args]
         elif not args:
             args = ["launch", "--help"]
         return super().parse_args(ctx, args)
 
-    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_usage(self, ctx: Context, formatter: HelpFormatter) -> None:
         formatter.write_usage("cudagym train", "CONFIG [KEY=VALUE ...] [--dry-run] | prepare SRC --out DIR")
 
 
@@ -46,7 +47,8 @@ def _fail(console: Any, e: Exception) -> None:
 def launch_cmd(
     config: str = typer.Argument(..., help="Stage config: grpo, ppo, cudagym_grpo, cudagym_ppo or a path to a .yaml."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Hydra overrides, KEY=VALUE."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate the config with verl's config classes, print it, and exit."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate the config with verl's config "
+                                                          "classes, print it, and exit."),
 ) -> None:
     from omegaconf import OmegaConf
     from rich.console import Console
@@ -74,14 +76,25 @@ def launch_cmd(
 @app.command("prepare", help="Write verl-format train/val parquet (one row per task, agent_name cudagym_kernel) "
                              "from a task source, dropping tasks too close to the eval set.")
 def prepare_cmd(
-    source: str = typer.Argument(..., help="Task source: 'bundled', a bundled task id, a task .py, a KernelBench-style directory, a built corpus directory or an Ops-6K .parquet."),
+    source: str = typer.Argument(..., help="Task source: 'bundled', a bundled task id, a task .py, a KernelBench-style "
+                                           "directory, a built corpus directory or an Ops-6K .parquet."),
     out: Path = typer.Option(..., "--out", help="Output directory (train.parquet, val.parquet, prepare.json)."),
-    val_fraction: float = typer.Option(0.1, "--val-fraction", min=0.0, max=0.99, help="Share of the source held out for validation (at least one task when > 0)."),
-    val_source: Optional[str] = typer.Option(None, "--val", help="A separate validation task source (then --val-fraction is not used)."),
-    eval_sources: Optional[list[str]] = typer.Option(None, "--eval", help="Eval set for the contamination filter (repeatable), e.g. a KernelBench checkout's level1/. Train rows are always checked against the val rows too."),
-    threshold: float = typer.Option(0.9, "--threshold", min=0.01, max=1.0, help="Similarity at or above which a task counts as contaminated (the corpus builder's measure)."),
-    target: str = typer.Option("cuda", "--target", help="Target the rows' system prompt is written for: 'cuda' or 'cpu'."),
-    mode: str = typer.Option("strict", "--mode", help="Audit mode named in the system prompt: 'strict' or 'permissive'."),
+    val_fraction: float = typer.Option(0.1, "--val-fraction", min=0.0, max=0.99,
+                                       help="Share of the source held out for validation (at least one task "
+                                            "when > 0)."),
+    val_source: Optional[str] = typer.Option(None, "--val", help="A separate validation task source (then "
+                                                                 "--val-fraction is not used)."),
+    eval_sources: Optional[list[str]] = typer.Option(None, "--eval",
+                                                     help="Eval set for the contamination filter (repeatable), e.g. a "
+                                                          "KernelBench checkout's level1/. Train rows are always "
+                                                          "checked against the val rows too."),
+    threshold: float = typer.Option(0.9, "--threshold", min=0.01, max=1.0,
+                                    help="Similarity at or above which a task counts as contaminated (the corpus "
+                                         "builder's measure)."),
+    target: str = typer.Option("cuda", "--target",
+                               help="Target the rows' system prompt is written for: 'cuda' or 'cpu'."),
+    mode: str = typer.Option("strict", "--mode",
+                             help="Audit mode named in the system prompt: 'strict' or 'permissive'."),
     seed: int = typer.Option(0, "--seed", help="Seed of the train/val split."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use only the first N tasks of the source."),
 ) -> None:

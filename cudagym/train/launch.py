@@ -173,7 +173,7 @@ def check_train_data(cfg: DictConfig) -> list[str]:
                                                          if rows % batch else "")]
 
 
-class ModelConfigUnreadable(ConfigError):
+class ModelConfigUnreadableError(ConfigError):
     """A model's config.json is neither in a local directory nor in the Hugging Face cache."""
 
 
@@ -198,9 +198,9 @@ def read_model_config(path: str) -> dict[str, Any]:
             try:
                 return json.loads(c.read_text())
             except (OSError, ValueError) as e:
-                raise ModelConfigUnreadable(f"cannot read the config of model {path}: {c}: {e}") from None
+                raise ModelConfigUnreadableError(f"cannot read the config of model {path}: {c}: {e}") from None
     where = f"{local} has no config.json" if local.is_dir() else "it is not a local directory"
-    raise ModelConfigUnreadable(
+    raise ModelConfigUnreadableError(
         f"cannot read the config of model {path} ({where}, and it is not in the Hugging Face cache; this check does "
         f"not download): fetch it first (`hf download {path} config.json`) or point actor_rollout_ref.model.path at "
         "a local copy")
@@ -245,7 +245,8 @@ def check_model_context(cfg: DictConfig, context: int) -> list[str]:
     path = str(cfg.actor_rollout_ref.model.path)
     vllm = _plain(OmegaConf.select(cfg, "actor_rollout_ref.rollout.engine_kwargs.vllm"))
     sides = {"rollout (vLLM, engine_kwargs.vllm.hf_overrides)": (wanted, _plain(vllm.get("hf_overrides"))),
-             "actor (model.override_config)": (context, _plain(OmegaConf.select(cfg, "actor_rollout_ref.model.override_config")))}
+             "actor (model.override_config)":
+                 (context, _plain(OmegaConf.select(cfg, "actor_rollout_ref.model.override_config")))}
     if cfg.critic.get("enable"):
         sides["critic (critic.model.override_config)"] = (
             context, _plain(OmegaConf.select(cfg, "critic.model.override_config")))
@@ -258,7 +259,7 @@ def check_model_context(cfg: DictConfig, context: int) -> list[str]:
                               "scaling in config.json (a local copy), which vLLM and the trainer both read")
     try:
         model = read_model_config(path)
-    except ModelConfigUnreadable as e:
+    except ModelConfigUnreadableError as e:
         return [f"{e}; the {wanted}-token context is not checked against the model"]
     reached = []
     for side, (need, overrides) in sides.items():

@@ -53,7 +53,8 @@ def episode_metrics(infos: Sequence[dict[str, Any] | None], prefix: str = "episo
     for key in ("speedup_vs_eager", "speedup_vs_compile"):
         s = col(key)[correct]
         s = s[s > 0]
-        out[f"{prefix}faster_than_{key.removeprefix('speedup_vs_')}_rate"] = float((col(key)[correct] > 1.0).sum() / len(rows))
+        faster = (col(key)[correct] > 1.0).sum()
+        out[f"{prefix}faster_than_{key.removeprefix('speedup_vs_')}_rate"] = float(faster / len(rows))
         if len(s):
             out[f"{prefix}{key}/geomean"] = float(math.exp(np.log(s).mean()))
             out[f"{prefix}{key}/max"] = float(s.max())
@@ -107,13 +108,13 @@ def shared_pool(config: DictConfig) -> Iterator[Any]:
         pool.close()
 
 
-class _KernelTaskRunner(TaskRunnerV1.__ray_actor_class__):  # type: ignore[name-defined,misc]
+class _KernelTaskRunner(TaskRunnerV1.__ray_actor_class__):  # type: ignore[name-defined]
     def run(self, config: DictConfig) -> None:
         with shared_pool(config):
             super().run(config)
 
 
-class _KernelTaskRunnerV0(TaskRunner.__ray_actor_class__):  # type: ignore[name-defined,misc]
+class _KernelTaskRunnerV0(TaskRunner.__ray_actor_class__):  # type: ignore[name-defined]
     def run(self, config: DictConfig) -> None:
         with shared_pool(config):
             super().run(config)

@@ -20,8 +20,8 @@ OBSERVATION_MARGIN_TOKENS = 2  # added to the measured overhead: tokens that mer
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
            tools: list[dict[str, Any]] | None = None) -> list[int]:
     """`messages` through the tokenizer's chat template, as token ids."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                        add_generation_prompt=add_generation_prompt, return_dict=False)
     return list(ids)
 
 

@@ -10,6 +10,10 @@ width 32 by default). Neither has learned anything: a run with them proves the l
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
@@ -21,7 +25,7 @@ SPECIAL = ["<pad>", "<eos>", "<unk>", "<|end|>", "<call>", "</call>",
            *(f"<|{r}|>" for r in ("system", "user", "assistant", "tool"))]
 
 
-def tiny_tokenizer(texts: Iterable[str], vocab_size: int = 600, eos: str = "<eos>"):
+def tiny_tokenizer(texts: Iterable[str], vocab_size: int = 600, eos: str = "<eos>") -> PreTrainedTokenizerFast:
     """A BPE tokenizer trained on `texts`, with `CHAT_TEMPLATE`; `eos` is its end token (pass
     ``"<|end|>"`` to end generation at the end of an assistant turn, as chat models do)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
@@ -37,7 +41,8 @@ def tiny_tokenizer(texts: Iterable[str], vocab_size: int = 600, eos: str = "<eos
     return tok
 
 
-def tiny_causal_lm(tok, max_positions: int = 65536, seed: int = 0, layers: int = 1, hidden: int = 32):
+def tiny_causal_lm(tok: PreTrainedTokenizerFast, max_positions: int = 65536, seed: int = 0, layers: int = 1,
+                   hidden: int = 32) -> LlamaForCausalLM:
     """A Llama of `layers` layers and width `hidden` with random weights over `tok`'s vocabulary."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -47,9 +47,9 @@ Not supported: the ``environment_factory`` hook. In TRL 1.16 it parses tool call
 schema that TRL knows only for some chat templates, keeps calling tools for as long as the model
 emits calls (a ``submit`` cannot end the episode), and drops a tool result that would pass
 ``max_completion_length`` instead of trimming it, ending the sample without the env's scoring;
-KernelEnv's protocol, budget and truncation do not map onto it. Also not supported: several processes with vLLM in server mode (each
-turn is one ``generate`` call per process, and processes that run different numbers of turns
-would wait on each other: untested); images. The turn-level generation goes through
+KernelEnv's protocol, budget and truncation do not map onto it. Also not supported: several
+processes with vLLM in server mode (each turn is one ``generate`` call per process, and processes
+that run different numbers of turns would wait on each other: untested); images. The turn-level generation goes through
 `GRPOTrainer._generate_single_turn`, a private method of the pinned TRL.
 """
 
@@ -85,7 +85,8 @@ class RolloutConfig(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)  # prompt + completion per episode (131072: 128K); None: no cap
     # beyond the prompt + GRPOConfig.max_completion_length
     guided_per_group: int = Field(default=0, ge=0)  # episodes of each group played by `guide`
-    observation_margin_tokens: int = Field(default=OBSERVATION_MARGIN_TOKENS, ge=0)  # added to the measured template overhead
+    # added to the measured template overhead
+    observation_margin_tokens: int = Field(default=OBSERVATION_MARGIN_TOKENS, ge=0)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class KernelRollout:
         config: RolloutConfig | None = None,
         evaluator: EvaluatorAPI | None = None,
         guide: Policy | None = None,
-    ):
+    ) -> None:
         self.tasks = _as_tasks(tasks)
         if not self.tasks:
             raise ConfigError("KernelRollout needs at least one task")
@@ -212,14 +213,16 @@ class KernelRollout:
                             None if completion_limit is None else len(prompt_ids) + completion_limit) if c]
         budget = min(caps) if caps else None
         env.declare_prompt(len(prompt_ids), budget)
-        return _Episode(env=env, task_id=task_id, guided=guided, prompt_ids=prompt_ids, budget=budget, messages=messages)
+        return _Episode(env=env, task_id=task_id, guided=guided, prompt_ids=prompt_ids, budget=budget,
+                        messages=messages)
 
     async def _turn(self, live: list[_Episode], trainer: Any) -> None:
         sampled = [e for e in live if not e.guided]
         turns: dict[int, tuple[list[int], list[float] | None]] = {}
         if sampled:
-            ids, logprobs = trainer._generate_single_turn([e.prompt_ids + e.completion_ids for e in sampled],
-                                                          None, {}, num_generations=1)
+            # TRL has no public single-turn call
+            ids, logprobs = trainer._generate_single_turn(  # noqa: SLF001
+                [e.prompt_ids + e.completion_ids for e in sampled], None, {}, num_generations=1)
             for k, e in enumerate(sampled):
                 turns[id(e)] = (list(ids[k]), None if logprobs is None else list(logprobs[k]))
         for e in live:
@@ -251,7 +254,8 @@ class KernelRollout:
             for c in info.get("calls", []):
                 e.tool_seconds[c["name"]] = e.tool_seconds.get(c["name"], 0.0) + c["seconds"]
             if terminated or truncated:
-                e.done, e.terminated, e.truncated, e.truncated_by = True, terminated, truncated, info.get("truncated_by")
+                e.done, e.terminated, e.truncated = True, terminated, truncated
+                e.truncated_by = info.get("truncated_by")
                 continue
             suffix = observation_ids(self.tokenizer, obs)
             if e.completion_ids and e.completion_ids[-1] != eos:
@@ -267,7 +271,7 @@ class KernelRollout:
             e.messages.append({"role": "user", "content": tool_response(obs)})
 
     async def _guided_turn(self, e: _Episode) -> list[int]:
-        assert self.guide is not None
+        assert self.guide is not None  # noqa: S101 - guided episodes exist only with a guide (checked in __init__)
         ctx = TurnContext(episode_id=f"trl-{uuid.uuid4().hex[:8]}", task_id=e.task_id, target=self.target, turn=e.turns)
         turn = await self.guide.aact(e.messages, self.tools, ctx)
         text = turn.content
@@ -292,7 +296,8 @@ class KernelRollout:
     def _summary(self, e: _Episode) -> dict[str, Any]:
         v = e.env.verdict
         return {"task_id": e.task_id, "guided": e.guided, "turns": e.turns, "terminated": e.terminated,
-                "truncated": e.truncated, "truncated_by": e.truncated_by, "tokens": len(e.prompt_ids) + len(e.completion_ids),
+                "truncated": e.truncated, "truncated_by": e.truncated_by,
+                "tokens": len(e.prompt_ids) + len(e.completion_ids),
                 "budget": e.budget, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
                 "parse_errors": e.parse_errors, "tool_seconds": dict(e.tool_seconds),
                 "milestone": v.milestone if v is not None else None,

@@ -43,7 +43,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import SPEC_DECODE_EXTRA_KEYS
 
 from cudagym.agent.prompt import tool_response
@@ -54,8 +54,6 @@ from cudagym.tasks.model import Task
 from cudagym.train import AGENT_NAME
 from cudagym.train.settings import EvaluatorSpec, RunSettings
 from cudagym.train.template import OBSERVATION_MARGIN_TOKENS, observation_overhead
-
-TOOL_NAMES = ("write_file", "edit_file", "read_file", "list_files", "compile", "verify", "profile", "submit")
 
 # The keys of `reward_extra_info`: verl stacks them across the batch, so every episode has all.
 METRIC_KEYS = (
@@ -124,7 +122,7 @@ def _start_evaluator(spec: EvaluatorSpec) -> EvaluatorAPI:
 class HFTokenCounter:
     """Exact token counts with a `transformers` tokenizer (the env's `TokenCounter` protocol)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     def count(self, text: str) -> int:
@@ -169,7 +167,7 @@ class KernelAgentLoop(AgentLoopBase):
     """Plays one KernelEnv episode per sample with verl's server manager (see the module doc)."""
 
     def __init__(self, *args: Any, env: Any = None, max_tokens_per_turn: int | None = None,
-                 tools_in_template: bool = True, **kwargs: Any):
+                 tools_in_template: bool = True, **kwargs: Any) -> None:
         kwargs.pop("tools", None)  # verl's tool registry: unused, the env owns the tools
         kwargs.pop("name", None)  # the agent-loop config entry's own name
         super().__init__(*args, **kwargs)
@@ -241,7 +239,8 @@ class KernelAgentLoop(AgentLoopBase):
             ids = merged.token_ids
             logprobs = new_lp or []
             turns += 1
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            # verl annotates its tokenizer as AutoTokenizer (the factory); it is the model's tokenizer
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             obs, r, terminated, env_truncated, step = await env.astep(text, action_tokens=len(out.token_ids))
             tally["env_s"] += time.perf_counter() - t0
@@ -274,6 +273,7 @@ class KernelAgentLoop(AgentLoopBase):
                 budget_hit = True
                 break
         if budget_hit and verdict is None:  # verl's response budget ended it: score the workspace as it stands
+            assert env.task is not None and env.workspace is not None  # noqa: S101 - set by areset above
             final = await env.evaluator.aevaluate(env.task, env.workspace)
             reward += final.reward
             verdict = final.summary()
@@ -289,8 +289,8 @@ class KernelAgentLoop(AgentLoopBase):
             response_logprobs=logprobs[: self.response_length] if logprobs else None,
             reward_score=float(reward),
             num_turns=2 * turns,
-            metrics={"generate_sequences": tally["generate_s"], "tool_calls": tally["env_s"],
-                     "num_preempted": -1 if preempted is None else preempted},
+            metrics=AgentLoopMetrics(generate_sequences=tally["generate_s"], tool_calls=tally["env_s"],
+                                     num_preempted=-1 if preempted is None else preempted),
             extra_fields={**server_fields, "turn_scores": turn_scores, "tool_rewards": [],
                           "reward_extra_info": metrics, "cudagym": {
                               "task_id": task.id, "source": task.source, "verdict": verdict,
@@ -312,5 +312,5 @@ class KernelAgentLoop(AgentLoopBase):
              "submitted": float(submitted), "truncated": float(truncated),
              "response_budget_hit": float(budget_hit),
              "response_tokens": float(sum(mask)), "tool_tokens": float(len(mask) - sum(mask))}
-        assert set(m) == set(METRIC_KEYS)
+        assert set(m) == set(METRIC_KEYS)  # noqa: S101 - the declared keys are the ones reported
         return m

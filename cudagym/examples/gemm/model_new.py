@@ -16,7 +16,6 @@ No double buffering, no asynchronous copies, no swizzle: expect a fraction of cu
 Check it with `cudagym check gemm/gemm.parquet:TASK_ID examples/gemm/model_new.py` (GPU only).
 """
 
-import torch
 import torch.nn as nn
 from torch.utils.cpp_extension import load_inline
 
@@ -38,7 +37,9 @@ constexpr int WM = 32, WN = 64; // one warp's share of the tile
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
 template <typename T> __device__ __forceinline__ T zero() { return from_float<T>(0.f); }
 
 template <typename T>

@@ -72,7 +72,7 @@ def task_id(seed: int, index: int) -> str:
 def _fit_batch(code: str, cpu_sizes: dict[str, int], gpu: GpuSpec, cfg: BuildConfig, index: int) -> tuple[str, Any]:
     """Rescale BATCH by a power of two toward a log-uniform draw in the window; cap memory."""
     est = estimate_workload(code, gpu)
-    task = Task(id="fit", code=code, cpu_sizes=cpu_sizes)
+    task = Task(id="fit", code=code, cpu_sizes=dict(cpu_sizes))
     batch = task.sizes.get("BATCH")
     if not cfg.fit_workload or not isinstance(batch, int) or est.est_ms <= 0:
         return code, est
@@ -103,7 +103,7 @@ def process_candidate(composer: Composer, cfg: BuildConfig, gpu: GpuSpec, index:
         return rec | {"filter": "workload", "reason": str(e)[:300]}
     result = check_workload(est, gpu, cfg.filters)
     if result.ok:
-        task = Task(id=task_id(cfg.seed, index), code=code, cpu_sizes=composed.cpu_sizes, ops=composed.ops)
+        task = Task(id=task_id(cfg.seed, index), code=code, cpu_sizes=dict(composed.cpu_sizes), ops=composed.ops)
         result = check_runtime(task, cfg.filters)
     if not result.ok:
         return rec | {"filter": result.filter, "reason": result.reason}
@@ -130,7 +130,8 @@ def process_shard(shard: int) -> list[dict[str, Any]]:
     start = shard * cfg.shard_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [process_candidate(_WORKER["composer"], cfg, _WORKER["gpu"], i) for i in range(start, start + cfg.shard_size)]
+        return [process_candidate(_WORKER["composer"], cfg, _WORKER["gpu"], i)
+                for i in range(start, start + cfg.shard_size)]
 
 
 # -- the main process --------------------------------------------------------------------------
@@ -151,7 +152,7 @@ class _Merger:
         return len(self.kept) >= self.cfg.n
 
     def _remove(self, rec: dict[str, Any], result: FilterResult | None = None) -> None:
-        f = result.filter if result else rec["filter"]
+        f: str = (result.filter or "") if result else rec["filter"]
         reason = result.reason if result else rec.get("reason", "")
         self.removed[f] += 1
         if len(self.examples[f]) < 5:
@@ -210,7 +211,7 @@ def build_corpus(cfg: BuildConfig, out: str | Path, *, console: Any = None, prog
 
     console = console or Console(stderr=True)
     out = Path(out)
-    gpu = gpu_spec(cfg.target_gpu)
+    gpu_spec(cfg.target_gpu)  # an unknown GPU fails here, before any work
     if cfg.n < 1:
         raise ConfigError("n must be at least 1")
     _prepare_out(out, cfg)
@@ -380,7 +381,8 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     t.add_column("share of candidates", justify="right")
     for f, k in report["removed"].items():
         t.add_row(f, str(k), f"{100 * k / max(1, report['candidates']):.1f}%")
-    t.add_row("[bold]kept", f"[bold]{report['n_built']}", f"{100 * report['n_built'] / max(1, report['candidates']):.1f}%")
+    t.add_row("[bold]kept", f"[bold]{report['n_built']}",
+              f"{100 * report['n_built'] / max(1, report['candidates']):.1f}%")
     console.print(t)
     h = Table(title="ops per task")
     h.add_column("ops")

@@ -158,7 +158,8 @@ def calibrate_dir(out: str | Path, *, sample: int = 200, seed: int = 0, warmup: 
     rows = table.to_pylist()
     by_id = {r["id"]: r for r in rows}
     chosen = sample_ids(list(by_id), sample, seed)
-    report_cfg = json.loads((out / "report.json").read_text())["config"]["filters"] if (out / "report.json").exists() else {}
+    report_json = out / "report.json"
+    report_cfg = json.loads(report_json.read_text())["config"]["filters"] if report_json.exists() else {}
     min_ms, max_ms = report_cfg.get("min_ms", 1.0), report_cfg.get("max_ms", 100.0)
     results: list[CalibrationRow] = []
     with Progress(console=console) as bar:

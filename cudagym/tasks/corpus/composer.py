@@ -19,6 +19,7 @@ import copy
 import random
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -86,7 +87,7 @@ class EmitContext:
             setattr(self, f, copy.deepcopy(getattr(snap, f)))
 
     # -- names ----------------------------------------------------------------------------
-    def _const(self, base: str, full: int, small: int | None = None) -> str:
+    def const(self, base: str, full: int, small: int | None = None) -> str:
         name = base.upper()
         k = 2
         while name in self.consts:
@@ -97,11 +98,11 @@ class EmitContext:
 
     def size(self, base: str, value: int) -> str:
         """A new fixed size constant; returns the `__init__` argument name (lower case)."""
-        return self._const(base, int(value)).lower()
+        return self.const(base, int(value)).lower()
 
     def scaled(self, base: str, full: int, small: int) -> str:
         """A new problem-size constant (batch, spatial); returns its UPPER name."""
-        return self._const(base, full, small)
+        return self.const(base, full, small)
 
     def dim(self, state: State, i: int, base: str) -> str:
         """The `__init__` argument holding fixed dim `i` of `state` (a new constant if unnamed)."""
@@ -139,7 +140,7 @@ class EmitContext:
             return d.name
         if d.full != d.small:
             raise Reject("cannot name a derived problem-size dim")
-        return self._const(base, d.full)
+        return self.const(base, d.full)
 
     # -- code -----------------------------------------------------------------------------
     def init(self, line: str) -> None:
@@ -173,12 +174,13 @@ def _start(ctx: EmitContext, layout: str, n_ops: int) -> State:
 
     def fixed(base: str, options: list[int]) -> Dim:
         v = r.choice(options)
-        return Dim(v, v, ctx._const(base, v))
+        return Dim(v, v, ctx.const(base, v))
 
     def spatial(base: str, options: list[int], small: int) -> Dim:
         v = r.choice(options)
         return Dim(v, small, ctx.scaled(base, v, small))
 
+    dims: tuple[Dim, ...]
     if layout == "features":
         dims = (_batch([128, 256, 512, 1024, 2048]), fixed("features", [256, 512, 1024, 2048, 4096]))
     elif layout == "seq":
@@ -221,7 +223,7 @@ class _MetaRunner:
         self.mod = nn.Module()
         self.ns = dict(base_ns, self=self.mod)
 
-    def run(self, ctx: EmitContext, n_init: int, n_fwd: int, n_inputs: int, x):  # noqa: ANN001, ANN201
+    def run(self, ctx: EmitContext, n_init: int, n_fwd: int, n_inputs: int, x: Any) -> tuple[Any, dict[str, Any]]:
         import torch
 
         ns = dict(self.ns)
@@ -382,7 +384,7 @@ class Composer:
         if not state.integer:
             raise Reject("embedding takes token ids")
         vocab = ctx.inputs[0].high
-        assert vocab is not None
+        assert vocab is not None  # noqa: S101 - integer inputs carry their class count
         dim = ctx.size("embedding_dim", ctx.rng.choice([256, 512, 768, 1024]))
         a = ctx.attr("embedding")
         ctx.init(f"self.{a} = nn.Embedding({vocab.lower()}, {dim})")

@@ -29,9 +29,9 @@ The measure
    index at Jaccard `lsh_threshold` (default 0.5, well below what a 0.9 ratio implies for
    these short files) find candidate reference files; for each candidate the O(1) and O(n)
    upper bounds (operator ratio, length bound, `quick_ratio`) order and prune the candidates
-   (branch and bound), so the exact ratio runs on only a few of them. A task's `nearest_bench_file`/`bench_similarity` is
-   the best exact score over its candidates (None/0.0 when the prefilter finds none: the task
-   is then far below the threshold).
+   (branch and bound), so the exact ratio runs on only a few of them. A task's
+   `nearest_bench_file`/`bench_similarity` is the best exact score over its candidates
+   (None/0.0 when the prefilter finds none: the task is then far below the threshold).
 A task is contaminated when its best score is at or above `threshold` (default 0.9).
 """
 
@@ -307,7 +307,7 @@ _FORK_INDEX: ReferenceIndex | None = None  # set only around a forked `nearest_m
 
 def _nearest_chunk(codes: list[str]) -> tuple[list[Match], dict[str, int]]:
     index = _FORK_INDEX
-    assert index is not None
+    assert index is not None  # noqa: S101 - set by `nearest_many` before it forks the workers
     before = dict(index.stats)
     matches = [index.nearest(c) for c in codes]
     return matches, {k: index.stats[k] - before[k] for k in before}

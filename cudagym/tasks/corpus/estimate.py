@@ -151,11 +151,12 @@ def estimate_workload(code: str, gpu: GpuSpec, *, allow_tf32: bool = False) -> W
             static += sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
             with _Cost():
                 result = model(*inputs)
-            out_bytes = sum(t.numel() * t.element_size() for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
+            out_bytes = sum(t.numel() * t.element_size() for t in tree_flatten(result)[0]
+                            if isinstance(t, torch.Tensor))
             params = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     except Exception as e:  # noqa: BLE001 - any failure means the estimate is impossible
         raise TaskError(f"cannot estimate the workload: {type(e).__name__}: {e}") from None
-    return WorkloadEstimate(flops=totals["flops"], bytes=totals["bytes"], est_ms=round(totals["ms"], 6),
-                            memory_bytes=static + 2 * totals["max_out"], kernels=totals["kernels"], gpu=gpu.name,
-                            output_bytes=out_bytes,
+    return WorkloadEstimate(flops=int(totals["flops"]), bytes=int(totals["bytes"]), est_ms=round(totals["ms"], 6),
+                            memory_bytes=static + 2 * totals["max_out"], kernels=int(totals["kernels"]),
+                            gpu=gpu.name, output_bytes=out_bytes,
                             verify_bytes=2 * params + 3 * (static - params) + 4 * out_bytes + 2 * totals["max_out"])

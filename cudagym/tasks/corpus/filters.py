@@ -175,7 +175,7 @@ def check_runtime(task: Task, cfg: FilterConfig, device: str = "cpu") -> FilterR
     # compile
     backend = resolve_backend(cfg.compile_backend)
     try:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         torch.manual_seed(0)
         with torch.no_grad():
@@ -188,7 +188,7 @@ def check_runtime(task: Task, cfg: FilterConfig, device: str = "cpu") -> FilterR
         return FilterResult.removed("compile", f"torch.compile({backend}, fullgraph=True): "
                                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return FilterResult.passed()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -36,7 +36,8 @@ def reference_as_candidate(code: str) -> str:
 
 
 def selfcheck_dir(out: str | Path, *, sample: int = 20, seed: int = 0, mode: AuditMode = "permissive",
-                  min_own_share: float = 0.0, target: str = "auto", console: Any = None) -> dict[str, Any]:
+                  min_own_share: float = 0.0, target: Literal["auto", "cuda", "cpu"] = "auto",
+                  console: Any = None) -> dict[str, Any]:
     """Verify `sample` tasks of the corpus in `out` through the environment; the summary."""
     from rich.console import Console
     from rich.progress import Progress

@@ -6,6 +6,7 @@ LayerNorm -> QKV linear -> scores -> softmax -> probs @ V -> projection + residu
 
 import ctypes
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,13 +15,14 @@ from cudagym.runtime import kernel_library, ptr, stream
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _lib = kernel_library()
-for _name, _args in {
+_ARGTYPES: dict[str, list[Any]] = {
     "layernorm_rows": [_P] * 4 + [_I] * 2 + [_F],
     "linear_fused": [_P] * 5 + [_I] * 3 + [ctypes.c_int],
     "attention_scores": [_P] * 2 + [_I] * 4 + [_F],
     "softmax_rows": [_P] * 2 + [_I] * 2,
     "attention_apply": [_P] * 3 + [_I] * 4,
-}.items():
+}
+for _name, _args in _ARGTYPES.items():
     getattr(_lib, _name).argtypes = _args + [_P]  # + the CUDA stream
     getattr(_lib, _name).restype = ctypes.c_int
 
