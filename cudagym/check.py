@@ -45,7 +45,8 @@ def check(
     from cudagym.tasks.loaders import resolve_task
     from cudagym.tasks.model import optional_tolerance
 
-    for flag, name, value in (("--mode", "mode", mode), ("--sandbox", "sandbox", sandbox), ("--target", "target", target)):
+    for flag, name, value in (("--mode", "mode", mode), ("--sandbox", "sandbox", sandbox),
+                              ("--target", "target", target)):
         if value not in (allowed := choices(EvaluatorConfig, name)):
             raise typer.BadParameter(f"{flag} must be {' or '.join(allowed)}", param_hint=flag)
     try:

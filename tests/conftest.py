@@ -131,5 +131,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # Harmless here (the workers are dead), and reported to the evaluator's owner.
     config.addinivalue_line(
         "filterwarnings",
-        "ignore:Exception ignored in. <function BaseSubprocessTransport.__del__:pytest.PytestUnraisableExceptionWarning",
+        "ignore:Exception ignored in. <function BaseSubprocessTransport.__del__"
+        ":pytest.PytestUnraisableExceptionWarning",
     )

@@ -26,7 +26,7 @@ class ChatServer:
             def log_message(self, *a):
                 pass
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
                 if server.fail_first > 0:
@@ -67,7 +67,8 @@ TOOLS = Toolbox().schemas()
 async def test_native_tool_calls():
     reply = {"content": "Compiling first.", "tool_calls": [
         {"id": "call_a", "type": "function", "function": {"name": "write_file",
-                                                          "arguments": json.dumps({"path": "kernels/a.cpp", "content": "int x;"})}},
+                                                          "arguments": json.dumps({"path": "kernels/a.cpp",
+                                                                                   "content": "int x;"})}},
         {"id": "call_b", "type": "function", "function": {"name": "compile", "arguments": "{}"}},
     ]}
     with ChatServer([reply]) as srv:
@@ -79,7 +80,8 @@ async def test_native_tool_calls():
     assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
     assert req["body"]["model"] == "tiny" and req["body"]["tools"] == TOOLS and req["body"]["tool_choice"] == "auto"
     assert [c.name for c in turn.tool_calls] == ["write_file", "compile"]
-    assert turn.tool_calls[0].arguments == {"path": "kernels/a.cpp", "content": "int x;"} and turn.tool_calls[0].id == "call_a"
+    assert turn.tool_calls[0].arguments == {"path": "kernels/a.cpp", "content": "int x;"}
+    assert turn.tool_calls[0].id == "call_a"
     assert turn.usage == {"prompt_tokens": 11, "completion_tokens": 7}
     # the turn's action is what the env parses
     assert [c.name for c in parse_action(turn.action()).calls] == ["write_file", "compile"]

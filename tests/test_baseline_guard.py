@@ -110,4 +110,5 @@ def test_the_sandboxs_account_of_other_work_refuses_a_measurement() -> None:
 
     value = asyncio.run(measure_guarded(measure, guard))
     assert value["host_load"]["other_cores"] == 0.1 and not value.get("disturbed")
-    assert value["guard"]["refused"] == [["other work used 1.30 cores of the host during the timed loops (allowed 0.5)"]]
+    assert value["guard"]["refused"] == [
+        ["other work used 1.30 cores of the host during the timed loops (allowed 0.5)"]]

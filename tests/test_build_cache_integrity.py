@@ -128,7 +128,8 @@ SCALED = 'extern "C" float scaled(float x) { return 2.0f * x; }\n'
 
 def test_a_file_that_only_exists_changes_the_key(tmp_path: Path) -> None:
     # __has_include reads nothing: the build's copy of kernels/ is keyed by its names too
-    src = '#if __has_include("flag.h")\nextern "C" int f() { return 1; }\n#else\nextern "C" int f() { return 0; }\n#endif\n'
+    src = ('#if __has_include("flag.h")\nextern "C" int f() { return 1; }\n'
+           '#else\nextern "C" int f() { return 0; }\n#endif\n')
     tc = Toolchain(tmp_path / "cache")
     plain = tc.build(make_ws(tmp_path / "plain", {"kernels/a.cpp": src}), Target.CPU)
     flagged = tc.build(make_ws(tmp_path / "flagged", {"kernels/a.cpp": src, "kernels/flag.h": ""}), Target.CPU)
@@ -157,7 +158,8 @@ def test_an_oversize_object_fails_its_build_only_and_the_cache_stays_small(tmp_p
 def test_a_linked_library_over_the_limit_is_refused(tmp_path: Path) -> None:
     # objects of 6 MiB each link into a library over an 8 MiB limit
     tc = Toolchain(tmp_path / "cache", ToolchainConfig(max_output_mb=8))
-    files = {f"kernels/part{i}.cpp": f'static char t{i}[6 << 20] = {{1}};\nextern "C" char* get{i}() {{ return t{i}; }}\n'
+    files = {f"kernels/part{i}.cpp": f'static char t{i}[6 << 20] = {{1}};\n'
+                                     f'extern "C" char* get{i}() {{ return t{i}; }}\n'
              for i in range(2)}
     res = tc.build(make_ws(tmp_path / "ws", files), Target.CPU)
     assert not res.ok and res.errors[0].startswith("link: error: the build's output is over the limit of 8 MiB")
@@ -165,7 +167,8 @@ def test_a_linked_library_over_the_limit_is_refused(tmp_path: Path) -> None:
 
 def sized(i: int, kib: int = 600) -> dict[str, str]:
     """A workspace whose object and library are each about `kib` KiB."""
-    return {"kernels/a.cpp": f'extern "C" {{ char table[{kib} << 10] = {{{i + 1}}}; int get() {{ return table[0]; }} }}\n'}
+    return {"kernels/a.cpp": f'extern "C" {{ char table[{kib} << 10] = {{{i + 1}}}; '
+                             'int get() { return table[0]; } }\n'}
 
 
 def test_the_cache_is_bounded_by_evicting_the_least_recently_used(tmp_path: Path) -> None:
@@ -310,9 +313,9 @@ def test_a_symlink_into_proc_and_a_missing_dependency_are_compile_errors(tmp_pat
     assert not res.ok and "kernels may not include files under /proc, /dev or /sys" in res.errors[0], res.errors
     # a dependency gone before it could be hashed (here: the depfile names a file that is not
     # there) is never left out of the manifest silently
-    from cudagym.sandbox.deps import Roots, UnrecordedDependency, record
+    from cudagym.sandbox.deps import Roots, UnrecordedDependencyError, record
 
-    with pytest.raises(UnrecordedDependency, match="could not be recorded"):
+    with pytest.raises(UnrecordedDependencyError, match="could not be recorded"):
         record(["kernels/gone.h"], cwd=ws.root, workspace=ws.root, trusted=Roots(["/usr/include"]))
     assert record([], cwd=ws.root, workspace=ws.root, trusted=Roots(()), assembler=["a.cpp"]) == {}  # as's .file
 

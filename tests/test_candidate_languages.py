@@ -87,7 +87,8 @@ def test_torch_compile_inside_forward_builds_in_the_sandbox(tmp_path: Path) -> N
     the rules then judge it as torch's work: no own kernel carries it (permissive), torch compute
     (strict)."""
     permissive = _verify(tmp_path / "p", "cpu", "permissive", COMPILED_FORWARD)
-    assert permissive.correct and permissive.trials_passed == permissive.trials >= 5, (permissive.error, permissive.reasons)
+    assert permissive.correct and permissive.trials_passed == permissive.trials >= 5, (permissive.error,
+                                                                                      permissive.reasons)
     assert permissive.error_kind == ErrorKind.AUDIT and permissive.audit.own_kernel_share == 0, permissive.audit
     strict = _verify(tmp_path / "s", "cpu", "strict", COMPILED_FORWARD)
     assert not strict.ok and strict.error_kind == ErrorKind.AUDIT, (strict.error_kind, strict.error)

@@ -178,7 +178,8 @@ def _json_value(rng: random.Random, depth: int = 0) -> object:
     """A random JSON value: what a header key could hold after `json.loads`."""
     makers = [
         lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2**70, 2**70), lambda: rng.randint(-2, 8),
-        lambda: rng.uniform(-1e9, 1e9), lambda: rng.choice(["candidate", "reference", "float32", "uint16", "qint8", "", "0"]),
+        lambda: rng.uniform(-1e9, 1e9),
+        lambda: rng.choice(["candidate", "reference", "float32", "uint16", "qint8", "", "0"]),
         lambda: [rng.randint(0, 4) for _ in range(rng.randrange(4))],
     ]
     if depth < 2:

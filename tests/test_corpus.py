@@ -29,7 +29,8 @@ def test_catalog_covers_the_required_operator_families():
     assert {"nn.Linear", "torch.matmul", "torch.bmm", "nn.LayerNorm", "nn.GroupNorm", "nn.BatchNorm2d",
             "nn.Softmax", "nn.LogSoftmax", "torch.sum", "nn.MSELoss", "F.cross_entropy", "nn.GELU"} <= names
     cats = Counter(o.category for o in ops)
-    for c in ("conv", "linear", "pool", "norm", "activation", "reduction", "softmax", "elementwise", "indexing", "loss"):
+    for c in ("conv", "linear", "pool", "norm", "activation", "reduction", "softmax", "elementwise", "indexing",
+              "loss"):
         assert cats[c] >= 3, c
     assert all(o.block in BLOCK_SOURCES for o in blocks)
 
@@ -146,7 +147,8 @@ def test_selfcheck_verifies_sampled_tasks_through_the_env(built, tmp_path, monke
     assert r.exit_code == 0, r.output
     summary = json.loads((built / "selfcheck.json").read_text())
     assert summary["sampled"] == 2 and summary["passed"] == 2
-    r = CliRunner().invoke(app, ["tasks", "selfcheck", str(built), "--sample", "1", "--target", "cpu", "--mode", "strict"])
+    r = CliRunner().invoke(app, ["tasks", "selfcheck", str(built), "--sample", "1", "--target", "cpu",
+                                 "--mode", "strict"])
     assert r.exit_code == 1
     summary = json.loads((built / "selfcheck.json").read_text())
     assert summary["passed"] == 0 and "strict mode" in summary["rows"][0]["reason"]

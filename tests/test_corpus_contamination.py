@@ -73,8 +73,8 @@ def _variant(code: str, kind: str) -> str:
         return code.replace("import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n",
                             "import torch.nn.functional as F\nimport torch.nn as nn\nimport torch\n")
     if kind == "comments":
-        return "# Copyright someone\n" + code.replace("class Model(nn.Module):",
-                                                      "class Model(nn.Module):\n    \"\"\"A model.\"\"\"\n    # the layers")
+        return "# Copyright someone\n" + code.replace(
+            "class Model(nn.Module):", "class Model(nn.Module):\n    \"\"\"A model.\"\"\"\n    # the layers")
     raise ValueError(kind)
 
 

@@ -28,7 +28,7 @@ def _evaluate(tmp_path: Path, sandbox: str):
         return ev.evaluate(task, ws)
 
 
-def _assert_timed(v) -> None:  # noqa: ANN001
+def _assert_timed(v) -> None:
     assert v.correct and v.profile_result is not None and v.profile_result.ok, v.reasons
     p = v.profile_result
     for stats in (p.candidate, p.eager, p.compiled, p.server.candidate, p.server.eager, p.server.compiled):

@@ -88,14 +88,16 @@ async def test_full_episode_structured_actions(evaluator, tmp_path):
     result = await run_episode(env, ScriptedPolicy(structured=True), TASK, "s0", on_step=records.append)
     env.close()
     assert result.status == "done" and result.turns == 5
-    assert [r["action"]["tool_calls"][0]["name"] for r in records] == ["write_file", "compile", "verify", "profile", "submit"]
+    assert [r["action"]["tool_calls"][0]["name"] for r in records] == ["write_file", "compile", "verify", "profile",
+                                                                        "submit"]
     assert records[2]["info"]["calls"][0]["ok"] is True
     assert result.verdict["correct"] and result.reward >= 1.0
 
 
 async def test_compile_error_is_shown_and_submit_scores_minus_one(env):
     await env.areset(options={"task": TASK})
-    await env.astep({"name": "write_file", "arguments": {"path": "kernels/k.cpp", "content": "extern \"C\" void f() { undefined_fn(); }\n"}})
+    await env.astep({"name": "write_file", "arguments": {"path": "kernels/k.cpp",
+                                                         "content": "extern \"C\" void f() { undefined_fn(); }\n"}})
     await env.astep({"name": "write_file", "arguments": {"path": "model_new.py", "content": "import torch\n"}})
     obs, r, term, trunc, info = await env.astep({"name": "compile", "arguments": {}})
     assert "Compile FAILED" in obs and "undefined_fn" in obs

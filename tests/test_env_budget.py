@@ -45,7 +45,8 @@ async def test_small_budget_trims_the_compile_log_keeps_the_protocol_and_truncat
                     max_tokens=10**6, score_on_truncation=False)
     prompt, info = await env.areset()
     assert info["tokens"] == counter.count(prompt)
-    actions = [call("write_file", path="kernels/k.cpp", content=bad) + call("write_file", path="model_new.py", content="import torch\n"),
+    actions = [call("write_file", path="kernels/k.cpp", content=bad)
+               + call("write_file", path="model_new.py", content="import torch\n"),
                call("compile") + call("read_file", path="kernels/k.cpp")]
     turns = []
     for a in actions:  # the same episode without a budget worth mentioning: how long it is untrimmed
@@ -79,7 +80,8 @@ async def test_small_budget_trims_the_compile_log_keeps_the_protocol_and_truncat
 
 
 async def test_128k_budget_with_long_tool_output_ends_at_its_budget(evaluator, counter, tmp_path):
-    big = "\n".join(LINE.format(i=i) for i in range(3000)) + "\n"  # 230 KB, ~70K tokens: the write fits, a read of it no more
+    # 230 KB, ~70K tokens: the write fits, a read of it no more
+    big = "\n".join(LINE.format(i=i) for i in range(3000)) + "\n"
     env = KernelEnv(tasks=[bundled_task(TASK)], evaluator=evaluator, workspace_root=tmp_path, token_counter=counter,
                     max_tokens=131072, max_observation_chars=2_000_000, message_overhead_tokens=5,
                     shaping=ShapingConfig(well_formed_turn=0.01))
@@ -107,7 +109,8 @@ async def test_128k_budget_with_long_tool_output_ends_at_its_budget(evaluator, c
 
 async def test_format_shaping_pays_well_formed_turns_up_to_the_cap_and_charges_malformed(evaluator, tmp_path):
     env = KernelEnv(tasks=[bundled_task(TASK)], evaluator=evaluator, workspace_root=tmp_path,
-                    config=EnvConfig(shaping=ShapingConfig(well_formed_turn=0.2, well_formed_cap=0.3, malformed_turn=-0.1)))
+                    config=EnvConfig(shaping=ShapingConfig(well_formed_turn=0.2, well_formed_cap=0.3,
+                                                           malformed_turn=-0.1)))
     await env.areset()
     rewards = []
     for action in (call("list_files"), "no call here", call("read_file", path="model.py"), call("run_shell"),

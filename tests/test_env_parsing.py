@@ -12,7 +12,8 @@ from cudagym.env.tools import ToolCall, Toolbox
 def test_hermes_blocks_with_reasoning_and_raw_newlines():
     text = (
         "<think>the kernel needs a loop</think>I will write the file.\n"
-        '<tool_call>\n{"name": "write_file", "arguments": {"path": "kernels/a.cpp", "content": "int x;\nint y;"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "write_file", "arguments": {"path": "kernels/a.cpp", "content": "int x;\nint y;"}}\n'
+        '</tool_call>\n'
         '<tool_call>{"name": "compile", "arguments": {}}</tool_call>'
     )
     p = parse_text(text)
@@ -23,7 +24,8 @@ def test_hermes_blocks_with_reasoning_and_raw_newlines():
 
 def test_bare_json_fenced_and_list():
     assert parse_text('{"name": "verify", "arguments": {}}').calls[0].name == "verify"
-    assert parse_text('```json\n{"name": "profile", "arguments": {"ncu": true}}\n```').calls[0].arguments == {"ncu": True}
+    parsed = parse_text('```json\n{"name": "profile", "arguments": {"ncu": true}}\n```')
+    assert parsed.calls[0].arguments == {"ncu": True}
     p = parse_text('[{"name": "list_files"}, {"name": "submit", "arguments": "{}"}]')
     assert [c.name for c in p.calls] == ["list_files", "submit"]
 

@@ -78,7 +78,8 @@ def test_the_read_phase_left_out_grows_with_what_the_close_projects_and_no_more(
     dense_cap = 10_000 + READ_SLACK_NS + int(2.0 * (1 + READ_SLACK_REL) * extra / 1000)
     assert cal.left_out_ns(10**9, CALIBRATION_ELEMENTS + extra) == 4_000 + dense_cap
     assert cal.left_out_ns(10**9, CALIBRATION_ELEMENTS) == 4_000 + 10_000 + READ_SLACK_NS
-    assert cal.left_out_ns(10**9, 0, extra) == 4_000 + 10_000 + READ_SLACK_NS + int(20.0 * (1 + READ_SLACK_REL) * extra / 1000)
+    assert cal.left_out_ns(10**9, 0, extra) == (4_000 + 10_000 + READ_SLACK_NS
+                                                + int(20.0 * (1 + READ_SLACK_REL) * extra / 1000))
     assert cal.left_out_ns(7_000, CALIBRATION_ELEMENTS + extra) == 4_000 + 7_000  # as measured, below the cap
 
 

@@ -26,9 +26,9 @@ from cudagym.rewards.evaluator import Evaluator
 from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox import timing
 from cudagym.sandbox.opwatch import OpWatch
-from cudagym.sandbox.timing import DeviceTimer, TimerTampered
+from cudagym.sandbox.timing import DeviceTimer, TimerTamperedError
 
-from conftest import make_workspace, task_of
+from conftest import make_workspace
 from test_reward_hacking import GELU, GELU_KERNELS, INIT, assert_rejected, gelu_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def test_a_profile_hook_set_by_the_call_runs_inside_the_interval_and_is_tamper(n
         return out
 
     try:
-        with pytest.raises(TimerTampered, match="sys.setprofile"):
+        with pytest.raises(TimerTamperedError, match="sys.setprofile"):
             timer.call(lazy, [x], after=lambda o: timer.read_at_end(o))
     finally:
         sys.setprofile(None)

@@ -122,7 +122,8 @@ def _profiled(**speedups: float) -> ProfileResult:
     """A profile in which the candidate took 1 ms and each named baseline `speedup` ms."""
     stats = lambda ms: TimingStats.from_samples([ms] * 5)  # noqa: E731
     lib = {n: s for n, s in speedups.items() if n in LIBRARY_BASELINES}
-    return ProfileResult(ok=True, candidate=stats(1.0), eager=stats(speedups["eager"]), compiled=stats(speedups["compiled"]),
+    return ProfileResult(ok=True, candidate=stats(1.0), eager=stats(speedups["eager"]),
+                         compiled=stats(speedups["compiled"]),
                          speedup_vs_eager=speedups["eager"], speedup_vs_compile=speedups["compiled"],
                          library={n: stats(s) for n, s in lib.items()}, speedup_vs_library=lib)
 
@@ -144,7 +145,8 @@ def test_the_speed_milestones_can_be_against_any_baseline(against, tuned, reward
 
 
 def test_reward_against_is_checked_on_the_command_line(tmp_path):
-    result = CliRunner().invoke(app, ["check", "elementwise_relu", str(tmp_path / "x.py"), "--reward-against", "eager,cublas"])
+    result = CliRunner().invoke(app, ["check", "elementwise_relu", str(tmp_path / "x.py"),
+                                      "--reward-against", "eager,cublas"])
     assert result.exit_code == 2
     text = " ".join(result.output.replace("│", " ").split())  # the error box wraps its lines
     assert "takes two of eager, compiled, cublaslt, cublaslt_tuned, comma-separated" in text, result.output

@@ -69,7 +69,8 @@ def test_honest_cuda_solution_accepted(tmp_path, ev, task_id):
 
 
 def test_torch_ops_rejected_on_gpu(tmp_path, ev):
-    task, ws = hacked(tmp_path, ev, HEADER + "    def forward(self, x):\n        return F.gelu(x * self.scale + self.bias)\n")
+    task, ws = hacked(tmp_path, ev,
+                      HEADER + "    def forward(self, x):\n        return F.gelu(x * self.scale + self.bias)\n")
     v = ev.evaluate(task, ws)
     assert v.reward < 0 and v.error_kind == ErrorKind.AUDIT
     assert any("aten::gelu" in r for r in v.reasons)
@@ -164,7 +165,8 @@ extern "C" int launch(const float* x, const float* bias, float* out, int64_t row
 TIMED_PY = HEADER + """
 import time
 _lib = kernel_library()
-_lib.launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_longlong]
+_lib.launch.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_longlong])
 
 def _forward(self, x):
     out = torch.empty_like(x)
@@ -207,7 +209,10 @@ extern "C" int launch(const float* x, const float* bias, float* out, int64_t row
     // caller's stream waits for it at the end): 150 us of waiting, then the result
     static cudaStream_t side = nullptr;
     static cudaEvent_t done = nullptr;
-    if (!side) { cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking); cudaEventCreateWithFlags(&done, cudaEventDisableTiming); }
+    if (!side) {
+        cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+        cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    }
     int64_t n = rows * cols;
     wait_ns<<<1, 1, 0, side>>>(150000ull);
     gelu<<<(unsigned)((n + 255) / 256), 256, 0, side>>>(x, bias, out, n, cols, scale);
@@ -328,7 +333,10 @@ extern "C" int launch(const float* x, const float* bias, float* scratch, float* 
     // engine on a side stream the caller's stream never waits for
     static cudaStream_t side = nullptr;
     static cudaEvent_t done = nullptr;
-    if (!side) { cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking); cudaEventCreateWithFlags(&done, cudaEventDisableTiming); }
+    if (!side) {
+        cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+        cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    }
     int64_t n = rows * cols;
     gelu<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)s>>>(x, bias, scratch, n, cols, scale);
     cudaEventRecord(done, (cudaStream_t)s);
@@ -387,8 +395,10 @@ def test_permissive_mode_coverage(tmp_path):
         ok = e.verify(task, ws)
         assert ok.ok and ok.audit.own_kernel_share > 0.5, ok
         # decoy: the kernel is loaded but never launched; torch does the work
-        decoy = HEADER + "_lib = kernel_library()\n    def forward(self, x):\n        return F.gelu(x * self.scale + self.bias)\n"
-        decoy = HEADER + "    def forward(self, x):\n        _ = kernel_library()\n        return F.gelu(x * self.scale + self.bias)\n"
+        decoy = HEADER + ("_lib = kernel_library()\n    def forward(self, x):\n"
+                          "        return F.gelu(x * self.scale + self.bias)\n")
+        decoy = HEADER + ("    def forward(self, x):\n        _ = kernel_library()\n"
+                          "        return F.gelu(x * self.scale + self.bias)\n")
         task, ws2 = workspace(tmp_path / "d", HONEST, "cuda", e)
         ws2.write("model_new.py", decoy)
         bad = e.verify(task, ws2)
@@ -429,7 +439,8 @@ def test_ncu_summary_holds_only_the_candidates_kernels(tmp_path, ev):
     assert "gelu" in p.ncu["kernels"][0]["kernel"].lower(), p.ncu["kernels"]
 
 
-@pytest.mark.parametrize("task_id,fmt", [("ew_scale_bias_gelu", "cuda_binding"), ("ew_residual_relu_clamp", "cuda_inline")])
+@pytest.mark.parametrize("task_id,fmt", [("ew_scale_bias_gelu", "cuda_binding"),
+                                         ("ew_residual_relu_clamp", "cuda_inline")])
 def test_other_candidate_formats_accepted(tmp_path, ev, task_id, fmt):
     task, ws = workspace(tmp_path, task_id, fmt, ev)
     c = ev.compile(task, ws)
@@ -463,7 +474,8 @@ def busy_model(attack: str, answer: str, cycles: int, own_spin: bool = False) ->
     (`SPIN_CU`, to be written to kernels/spin.cu)."""
     honest = (SOLUTIONS / HONEST / "cuda" / "model_new.py").read_text().replace("class ModelNew(", "class _Honest(")
     if own_spin:
-        honest += "\n_lib.own_spin.argtypes = [ctypes.c_longlong, ctypes.c_void_p]\n_lib.own_spin.restype = ctypes.c_int\n"
+        honest += ("\n_lib.own_spin.argtypes = [ctypes.c_longlong, ctypes.c_void_p]\n"
+                   "_lib.own_spin.restype = ctypes.c_int\n")
     spin = f"_lib.own_spin({cycles}, stream())" if own_spin else f"torch.cuda._sleep({cycles})"
     return honest + f"""
 

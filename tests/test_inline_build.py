@@ -196,7 +196,8 @@ def test_extension_that_does_not_compile_is_a_compile_error_not_a_fallback(evalu
 @pytest.mark.slow
 def test_extension_that_fails_to_load_is_named_at_compile(evaluator: Evaluator, build_ws) -> None:
     # links (a shared library may leave symbols undefined) but cannot be imported
-    unresolved = EXT_CPP.replace("static PyObject* residual_relu_clamp", 'extern "C" float cudagym_no_such_helper(float);\n'
+    unresolved = EXT_CPP.replace("static PyObject* residual_relu_clamp",
+                                 'extern "C" float cudagym_no_such_helper(float);\n'
                                  "static PyObject* residual_relu_clamp").replace(
         "op[i] = v < hi ? v : static_cast<float>(hi);", "op[i] = cudagym_no_such_helper(v);")
     name = unique("unresolved")
@@ -205,7 +206,8 @@ def test_extension_that_fails_to_load_is_named_at_compile(evaluator: Evaluator, 
     c = evaluator.compile(TASK, ws)
     assert not c.ok
     site = f"model_new.py:{line_of(source, 'return load_inline(')}"
-    assert any(e.startswith(f"extension '{name}' ({site}) failed to load: ImportError") and "cudagym_no_such_helper" in e
+    assert any(e.startswith(f"extension '{name}' ({site}) failed to load: ImportError")
+               and "cudagym_no_such_helper" in e
                and e.endswith("the solution fell back to torch") for e in c.errors), c.errors
 
 
@@ -286,7 +288,8 @@ def test_ordinary_flags_are_accepted(tmp_path: Path) -> None:
 
 LOAD_CXX = r"""
 #include "table.inc"
-""" + EXT_CPP.replace("op[i] = v < hi ? v : static_cast<float>(hi);", "op[i] = SCALE * (v < hi ? v : static_cast<float>(hi));")
+""" + EXT_CPP.replace("op[i] = v < hi ? v : static_cast<float>(hi);",
+                      "op[i] = SCALE * (v < hi ? v : static_cast<float>(hi));")
 
 LOAD_MODEL = '''\
 import torch
@@ -313,8 +316,10 @@ class ModelNew(nn.Module):
 @pytest.mark.slow
 def test_load_source_whose_included_file_differs_gets_its_own_module(evaluator: Evaluator, build_ws) -> None:
     model = LOAD_MODEL.format(name=unique("scaled"))
-    good = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX, "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
-    zeros = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX, "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
+    good = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX,
+                                  "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
+    zeros = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX,
+                                   "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
     first = evaluator.compile(TASK, good)
     assert first.ok and not first.cached, first.errors
     second = evaluator.compile(TASK, zeros)
@@ -431,7 +436,8 @@ def test_rewritten_build_file_records_every_dependency_of_cxx_and_nvcc_compiles(
     cpp._write_ninja_file(path=str(build / "build.ninja"), cflags=["-O2"], post_cflags=None,
                           cuda_cflags=["-O2", "-arch=sm_90a", "--compiler-options", "'-fPIC'"], cuda_post_cflags=None,
                           cuda_dlink_post_cflags=None, sycl_cflags=None, sycl_post_cflags=None,
-                          sycl_dlink_post_cflags=None, sources=[str(ws / "kernels" / "a.cpp"), str(ws / "kernels" / "k.cu")],
+                          sycl_dlink_post_cflags=None,
+                          sources=[str(ws / "kernels" / "a.cpp"), str(ws / "kernels" / "k.cu")],
                           objects=["a.o", "k.cuda.o"], ldflags=[], library_target=None, with_cuda=True, with_sycl=False)
     _track_all_dependencies(build / "build.ninja", gnu_as=True)
     run = subprocess.run(["ninja", "-C", str(build)], capture_output=True, text=True, timeout=300)
@@ -466,5 +472,5 @@ def test_extension_whose_inputs_change_while_compiling_is_a_compile_error(evalua
     ws = build_ws(TASK, REWRITES_ITS_INPUT.format(name=name), {"kernels/ext.cxx": LOAD_CXX})
     c = evaluator.compile(TASK, ws)
     assert not c.ok
-    assert c.errors == [f"load module '{name}' (model_new.py:7) is in the build cache, but model_new.py did not find it "
-                        "there: the files it is built from changed while the compile step ran"], c.errors
+    assert c.errors == [f"load module '{name}' (model_new.py:7) is in the build cache, but model_new.py did not "
+                        "find it there: the files it is built from changed while the compile step ran"], c.errors

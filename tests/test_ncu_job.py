@@ -51,7 +51,8 @@ log=$2
 shift 2
 "$@"
 if touch {outside} 2>/dev/null; then where=escaped; else where=confined; fi
-printf '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\\n"0","%s","gpu__time_duration.sum","usecond","3.0"\\n' "$where" > "$log"
+{{ printf '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\\n'
+  printf '"0","%s","gpu__time_duration.sum","usecond","3.0"\\n' "$where"; }} > "$log"
 """
 
 

@@ -49,7 +49,8 @@ def test_forbidden_imports_name_torch_compute_below_the_dispatcher() -> None:
         assert why and "no need for it" in why, sym
     assert "run-time symbol lookup" in (forbidden_import("dlsym") or "")
     for ok in ("at::_ops::empty_like::call(at::Tensor const&, std::optional<c10::ScalarType>)",
-               "at::RecordFunction::RecordFunction(at::RecordScope)", "at::getStepCallbacksUnlessEmpty(at::RecordScope)",
+               "at::RecordFunction::RecordFunction(at::RecordScope)",
+               "at::getStepCallbacksUnlessEmpty(at::RecordScope)",
                "at::isRecordFunctionEnabled()", "dlerror",
                "at::_ops::empty_memory_format::call(c10::ArrayRef<c10::SymInt>)",
                "at::_ops::contiguous::call(at::Tensor const&, c10::MemoryFormat)",
@@ -74,7 +75,8 @@ def test_kernel_rules_go_by_origin_not_by_name() -> None:
     assert foreign_kernels([cublas], origins)
     assert not foreign_kernels([cublas], Origins(own_roots=origins.own_roots, libraries=frozenset({"libcublasLt"})))
     # the records survive the trip with the op counts
-    assert sorted(records_from_counts({**records_as_counts(records), "aten::add": 1, MODEL_CALLS_KEY: 7})) == sorted(records)
+    counts = {**records_as_counts(records), "aten::add": 1, MODEL_CALLS_KEY: 7}
+    assert sorted(records_from_counts(counts)) == sorted(records)
 
 
 def test_permissive_rules_share_and_unmeasured_work() -> None:
@@ -154,7 +156,8 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias, double 
     static Gelu gelu = nullptr;
     if (!gelu) {
         const std::string ns = "_ZN2at3cpu";
-        gelu = reinterpret_cast<Gelu>(dlsym(RTLD_DEFAULT, (ns + "4geluERKNS_6TensorESt17basic_string_viewIcSt11char_traitsIcEE").c_str()));
+        gelu = reinterpret_cast<Gelu>(dlsym(
+            RTLD_DEFAULT, (ns + "4geluERKNS_6TensorESt17basic_string_viewIcSt11char_traitsIcEE").c_str()));
         TORCH_CHECK(gelu != nullptr, "lookup failed");
     }
     torch::Tensor v = torch::empty_like(x);
@@ -637,7 +640,8 @@ def torch_softmax_kernel() -> dict:
                            timeout=120).stdout.splitlines()
     found = {}
     for (mangled, unit), name in zip(kernels, names):
-        m = re.search(r"::cunn_SoftMaxForward(Reg)?<float, float, float, .*\(float\*, float const\*, (int|long)\)$", name)
+        m = re.search(r"::cunn_SoftMaxForward(Reg)?<float, float, float, .*"
+                      r"\(float\*, float const\*, (int|long)\)$", name)
         if m and unit in wrappers:
             found.setdefault(bool(m.group(1)), {"wrapper": wrappers[unit], "name": mangled,
                                                 "index64": int(m.group(2) == "long")})
@@ -649,7 +653,8 @@ def torch_softmax_kernel() -> dict:
 @pytest.mark.gpu
 def test_gpu_torch_kernel_registered_under_an_own_stub_is_foreign(tmp_path, gpu_ev) -> None:
     """A kernel's origin is the file its module image came from, never its launching stub's."""
-    task, ws = gpu_ws(tmp_path / "control", BORROWED_STUB_MODEL.format(borrow={}), {"kernels/stub.cu": BORROWED_STUB_CU})
+    task, ws = gpu_ws(tmp_path / "control", BORROWED_STUB_MODEL.format(borrow={}),
+                      {"kernels/stub.cu": BORROWED_STUB_CU})
     c = gpu_ev.compile(task, ws)
     assert c.ok, c.errors
     control = gpu_ev.evaluate(task, ws)

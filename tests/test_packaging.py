@@ -45,8 +45,8 @@ def test_dockerfile_context_is_made_from_the_installed_package() -> None:
 
 @pytest.mark.slow
 def test_wheel_carries_the_package_data(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                    str(REPO)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("cudagym-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     needed = {"cudagym/sandbox/opwatch.cpp", "cudagym/sandbox/Dockerfile", "cudagym/tasks/bundled/manifest.json",

@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # setup (Ray, 3 acto
 def pool(tmp_path_factory: pytest.TempPathFactory):
     cache = tmp_path_factory.mktemp("pool-cache")
     # 8 logical CPUs: this pool's 3 actors, and the 3 of the `cudagym run` processes of the resume test
-    p = EvalPool.start(PoolConfig(evaluator=cpu_config(cache, sandbox={"backend": "local", "spare_workers": 1}), device_actors=2, compile_actors=1),
+    p = EvalPool.start(PoolConfig(evaluator=cpu_config(cache, sandbox={"backend": "local", "spare_workers": 1}),
+                                  device_actors=2, compile_actors=1),
                        ray_init={"num_cpus": 8})
     try:
         yield p
@@ -48,7 +49,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _quiet() -> Console:
-    return Console(file=open(os.devnull, "w"))  # noqa: SIM115
+    return Console(file=open(os.devnull, "w"))
 
 
 def _slow_workspace(root: Path) -> Workspace:

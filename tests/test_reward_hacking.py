@@ -90,7 +90,8 @@ def assert_rejected(v: Verdict, kinds: ErrorKind | set[ErrorKind], *needles: str
 @pytest.mark.both_backends
 def test_honest_kernel_passes(evaluator: Evaluator, build_ws) -> None:
     """The shared kernel and header are correct, so every rejection below is due to the trick."""
-    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)"), GELU_KERNELS))
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)"),
+                                          GELU_KERNELS))
     assert v.reward >= 1, v.reasons
 
 

@@ -25,7 +25,7 @@ async def slow_policy(messages, tools, context):
     """Looks around for a few turns (slowly, so a kill lands mid-episode), then submits nothing."""
     await asyncio.sleep(0.4)
     if context.turn < 3:
-        return f'Looking. <tool_call>{{"name": "list_files", "arguments": {{}}}}</tool_call>'
+        return 'Looking. <tool_call>{"name": "list_files", "arguments": {}}</tool_call>'
     return {"name": "submit", "arguments": {}}
 
 
@@ -95,7 +95,7 @@ async def test_runner_in_process_records_and_refuses_changed_settings(tmp_path):
                     evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "r", max_turns=2)
     from rich.console import Console
 
-    quiet = Console(file=open(os.devnull, "w"))
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - the console lives as long as the test
     summary = await arun(cfg, quiet)
     assert summary.ran == 2 and summary.skipped == 0
     store = TrajectoryStore(tmp_path / "r")
@@ -185,11 +185,13 @@ def test_a_setting_that_moved_is_named_not_dropped():
     """A config written before the evaluator's settings were nested (a script's keyword
     arguments, a saved file) fails naming the field and where it lives now, rather than loading
     with the field silently ignored."""
-    with pytest.raises(ValueError, match=r"RunConfig\.spare_workers is now RunConfig\.evaluator\.sandbox\.spare_workers"):
+    with pytest.raises(ValueError,
+                       match=r"RunConfig\.spare_workers is now RunConfig\.evaluator\.sandbox\.spare_workers"):
         RunConfig(spare_workers=2)
     with pytest.raises(ValueError, match=r"RunConfig\.target is now RunConfig\.evaluator\.target"):
         RunConfig.model_validate_json('{"target": "cpu"}')
-    with pytest.raises(ValueError, match=r"EvaluatorConfig\.spare_workers is now EvaluatorConfig\.sandbox\.spare_workers"):
+    with pytest.raises(ValueError,
+                       match=r"EvaluatorConfig\.spare_workers is now EvaluatorConfig\.sandbox\.spare_workers"):
         EvaluatorConfig(spare_workers=2)
     with pytest.raises(ValueError, match=r"EvaluatorConfig\.docker is now"):
         EvaluatorConfig(docker={"image": "x"})
@@ -203,7 +205,7 @@ async def test_a_run_directory_of_the_flat_settings_resumes(tmp_path):
     resumes, and a changed target there is still refused."""
     from rich.console import Console
 
-    quiet = Console(file=open(os.devnull, "w"))
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - the console lives as long as the test
     cfg = RunConfig(tasks=TASKS, policy="test_runner:slow_policy", episodes=1, concurrency=1,
                     evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "r", max_turns=1)
     await arun(cfg, quiet)

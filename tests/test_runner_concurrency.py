@@ -27,7 +27,7 @@ async def write_then_submit(messages, tools, context):
 async def test_sixteen_concurrent_episodes_finish(tmp_path):
     cfg = RunConfig(tasks=TASK, policy="test_runner_concurrency:write_then_submit", episodes=16, concurrency=16,
                     evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "run")
-    summary = await arun(cfg, Console(file=open(os.devnull, "w")))
+    summary = await arun(cfg, Console(file=open(os.devnull, "w")))  # noqa: SIM115 - lives as long as the run
     assert summary.ran == 16
     eps = TrajectoryStore(tmp_path / "run").summaries()
     assert len(eps) == 16 and len({e["episode_id"] for e in eps}) == 16

@@ -98,7 +98,8 @@ def test_check_command_on_the_docker_backend(tmp_path: Path) -> None:
     """`cudagym check --sandbox docker`: an honest solution is compiled, verified and timed in containers."""
     require_docker()
     task = "ew_scale_bias_gelu"
-    r = subprocess.run([sys.executable, "-m", "cudagym", "check", task, str(REPO / "examples" / "solutions" / task / "cpu"),
+    r = subprocess.run([sys.executable, "-m", "cudagym", "check", task,
+                        str(REPO / "examples" / "solutions" / task / "cpu"),
                         "--json", "--target", "cpu", "--sandbox", "docker", "--no-compile-baseline",
                         "--cache-dir", str(tmp_path / "cache")],
                        capture_output=True, text=True, timeout=800, cwd=REPO,
@@ -143,8 +144,10 @@ def test_load_inline_manifest_names_the_workspace_files_a_container_build_read(e
 
     model = LOAD_MODEL.format(name=unique("scaled"))
     with Evaluator(backend_config("docker", eval_cache)) as ev:
-        good = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX, "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
-        zeros = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX, "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
+        good = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX,
+                                      "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
+        zeros = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX,
+                                       "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
         first = ev.compile(TASK, good)
         assert first.ok and not first.cached, first.errors
         second = ev.compile(TASK, zeros)

@@ -161,7 +161,8 @@ def test_an_evaluator_killed_mid_job_leaves_no_worker_or_fork_server(tmp_path: P
             assert proc.poll() is None and time.monotonic() < end, "the job never started"
             time.sleep(0.2)
         ours = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)] + [p.pid for p in marked(mark)]
-        servers = [p.pid for p in psutil.Process(proc.pid).children() if "cudagym.sandbox.forkserver" in " ".join(p.cmdline())]
+        servers = [p.pid for p in psutil.Process(proc.pid).children()
+                   if "cudagym.sandbox.forkserver" in " ".join(p.cmdline())]
         assert servers or server == "spawned"
         proc.send_signal(sig)
         proc.wait(timeout=60)

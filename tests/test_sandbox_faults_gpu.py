@@ -136,7 +136,8 @@ ev.verify(task, ws)
 
 def test_an_evaluator_killed_mid_job_leaves_nothing_on_the_gpu(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", EVALUATOR_SCRIPT, str(tmp_path), str(Path(__file__).parent)],
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+                            env={**os.environ,
+                                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
                             start_new_session=True)
     try:
         assert wait_for(lambda: proc.poll() is None and nvml()[1] == 100, 240), (proc.poll(), nvml())

@@ -53,7 +53,7 @@ def test_a_job_waiting_for_its_worker_holds_no_gpu():
                 await slow_start.wait()
             return device
 
-        async def run_on(job: Job, device: str, responder, worker):  # noqa: ANN001
+        async def run_on(job: Job, device: str, responder, worker):
             events.append(f"{job.kind} runs on {device}")
             if job.kind == "profile":
                 slow_start.set()
@@ -81,7 +81,7 @@ def test_a_cancelled_job_returns_its_ready_worker():
         async def ready(device: str) -> str:
             return "worker"
 
-        async def run_on(job: Job, device: str, responder, worker):  # noqa: ANN001
+        async def run_on(job: Job, device: str, responder, worker):
             await hold.wait()
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
@@ -129,7 +129,7 @@ def test_leases_are_logged_and_end_at_the_result_when_asked():
         async def ready(device: str) -> str:
             return "worker"
 
-        async def run_on(job: Job, device: str, responder, worker):  # noqa: ANN001
+        async def run_on(job: Job, device: str, responder, worker):
             gone = asyncio.get_running_loop().create_future()
 
             async def go() -> None:

@@ -54,7 +54,8 @@ def get_init_inputs():
 '''
 
 SCALE = RELU.replace("torch.relu(x)", "x * self.k").replace(
-    "def __init__(self):\n        super().__init__()", "def __init__(self, k):\n        super().__init__()\n        self.k = k"
+    "def __init__(self):\n        super().__init__()",
+    "def __init__(self, k):\n        super().__init__()\n        self.k = k"
 ).replace("def get_init_inputs():\n    return []", "def get_init_inputs():\n    return [2.0]")
 
 
@@ -66,7 +67,7 @@ def write(path: Path, text: str) -> Path:
 
 def run_reference(task: Task) -> torch.Tensor:
     ns: dict = {}
-    exec(compile(task.code, task.id, "exec"), ns)
+    exec(compile(task.code, task.id, "exec"), ns)  # noqa: S102 - runs the task source under test
     torch.manual_seed(0)
     with torch.no_grad():
         return ns["Model"](*ns["get_init_inputs"]())(*ns["get_inputs"]())
@@ -280,7 +281,7 @@ def test_cpu_solution_matches_reference(task_id, tmp_path, monkeypatch):
 
     task = bundled_task(task_id)
     ns: dict = {}
-    exec(compile(task.for_target(Target.CPU).code, task_id, "exec"), ns)
+    exec(compile(task.for_target(Target.CPU).code, task_id, "exec"), ns)  # noqa: S102 - runs the task source under test
     torch.manual_seed(0)
     init = ns["get_init_inputs"]()
     ref, new = ns["Model"](*init), module.ModelNew(*init)
@@ -296,7 +297,8 @@ def test_cpu_solution_matches_reference(task_id, tmp_path, monkeypatch):
                 got = new(*inputs)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=tol.atol, rtol=tol.rtol)
-        assert log.ops <= ALLOCATION_AND_VIEW_OPS, f"ModelNew.forward ran torch compute ops {log.ops - ALLOCATION_AND_VIEW_OPS}"
+        assert log.ops <= ALLOCATION_AND_VIEW_OPS, (f"ModelNew.forward ran torch compute ops "
+                                                    f"{log.ops - ALLOCATION_AND_VIEW_OPS}")
     del module
     sys.modules.pop(f"model_new_{task_id}", None)
 

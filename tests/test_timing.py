@@ -13,8 +13,8 @@ import subprocess
 import pytest
 import torch
 
-from cudagym.sandbox.timing import (MAX_OVERHEAD_NS, READ_SLACK_NS, TAIL_ALLOWANCE_MS, Calibration, DeviceTimer, call_ms,
-                                    drive_calls, gate_source)
+from cudagym.sandbox.timing import (MAX_OVERHEAD_NS, READ_SLACK_NS, TAIL_ALLOWANCE_MS, Calibration, DeviceTimer,
+                                    call_ms, drive_calls, gate_source)
 
 
 def test_the_loop_makes_the_calls_the_parent_asks_for_with_each_calls_inputs() -> None:

@@ -331,14 +331,17 @@ def call_scaled(artifact_dir: str) -> float:
 
 
 def test_included_file_that_differs_gets_its_own_object(toolchain: Toolchain, tmp_path: Path) -> None:
-    one = make_ws(tmp_path / "one", {"kernels/a.cpp": SCALED_CPP, "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
-    zero = make_ws(tmp_path / "zero", {"kernels/a.cpp": SCALED_CPP, "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
+    one = make_ws(tmp_path / "one", {"kernels/a.cpp": SCALED_CPP,
+                                     "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
+    zero = make_ws(tmp_path / "zero", {"kernels/a.cpp": SCALED_CPP,
+                                       "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
     first, second = toolchain.build(one, Target.CPU), toolchain.build(zero, Target.CPU)
     assert first.ok and second.ok and second.compiled == ["kernels/a.cpp"]
     assert (call_scaled(first.artifact_dir), call_scaled(second.artifact_dir)) == (2.0, 0.0)
     # both variants stay in the cache: each workspace finds its own
-    again = toolchain.build(make_ws(tmp_path / "one-again", {"kernels/a.cpp": SCALED_CPP,
-                                                             "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
+    again = toolchain.build(make_ws(tmp_path / "one-again",
+                                    {"kernels/a.cpp": SCALED_CPP,
+                                     "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
                             Target.CPU)
     assert again.cached and again.artifact_dir == first.artifact_dir
 
@@ -349,9 +352,11 @@ def test_header_the_source_marks_as_a_system_header_is_still_tracked(toolchain: 
     # `-MMD` would not list table.inc: it is included from what the source declared a system header
     files = {"kernels/a.cpp": '#include "hide.h"\nextern "C" float scaled(float x) { return SCALE * x; }\n',
              "kernels/hide.h": hide + '#include "table.inc"\n'}
-    one = toolchain.build(make_ws(tmp_path / "one", {**files, "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
+    one = toolchain.build(make_ws(tmp_path / "one",
+                                  {**files, "kernels/table.inc": "static const float SCALE = 1.0f;\n"}),
                           Target.CPU)
-    zero = toolchain.build(make_ws(tmp_path / "zero", {**files, "kernels/table.inc": "static const float SCALE = 0.0f;\n"}),
+    zero = toolchain.build(make_ws(tmp_path / "zero",
+                                   {**files, "kernels/table.inc": "static const float SCALE = 0.0f;\n"}),
                            Target.CPU)
     assert one.ok and zero.ok and zero.compiled == ["kernels/a.cpp"]
     assert (call_scaled(one.artifact_dir), call_scaled(zero.artifact_dir)) == (2.0, 0.0)

@@ -69,7 +69,8 @@ def _named(prefix: str = "test-eval:") -> list[str]:
 def test_one_named_pool_for_the_run_every_worker_connects(cluster, tmp_path: Path) -> None:
     from cudagym.train.runner import shared_pool
 
-    cfg = OmegaConf.create({"cudagym": {"evaluator": SPEC.model_dump()}, "trainer": {"n_gpus_per_node": 0, "nnodes": 1}})
+    cfg = OmegaConf.create({"cudagym": {"evaluator": SPEC.model_dump()},
+                            "trainer": {"n_gpus_per_node": 0, "nnodes": 1}})
     with shared_pool(cfg) as pool:
         assert pool is not None and _named() == ["test-eval:device-0"]
         assert ray.available_resources().get("cudagym_eval", 0) == 0  # the device actor holds the evaluation unit

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +107,8 @@ class ReplayServer:
         task_id = prompt.split("Task id: ", 1)[1].split(";", 1)[0]
         turn = self.turns.get(request_id, 0)
         self.turns[request_id] = turn + 1
-        reply = await self.policy.aact([], [], TurnContext(episode_id=request_id, task_id=task_id, target="cpu", turn=turn))
+        reply = await self.policy.aact([], [], TurnContext(episode_id=request_id, task_id=task_id, target="cpu",
+                                                           turn=turn))
         ids = self.tokenizer.encode(reply.content + EOS, add_special_tokens=False)
         self.max_tokens.append(sampling_params["max_tokens"])
         ids = ids[: sampling_params["max_tokens"]]
@@ -341,7 +341,8 @@ async def test_finished_episodes_through_verl_v0_worker_and_metrics(loop_env: An
     assert [c["task_id"] for c in nt["cudagym"]] == list(TASKS)
     rewards = [c["verdict"]["reward"] for c in nt["cudagym"]]
     last = out.batch["attention_mask"][:, out.batch["prompts"].size(1):].sum(-1) - 1
-    assert out.batch["rm_scores"][[0, 1], last].tolist() == rewards and out.batch["rm_scores"].sum().item() == sum(rewards)
+    assert out.batch["rm_scores"][[0, 1], last].tolist() == rewards
+    assert out.batch["rm_scores"].sum().item() == sum(rewards)
     assert [m["num_preempted"] for m in out.meta_info["metrics"]] == [0, 0]
 
     out.batch["token_level_scores"] = out.batch["rm_scores"]

@@ -97,5 +97,6 @@ def test_a_fork_server_that_dies_is_started_again(tmp_path: Path) -> None:
         sandbox.close()
     # the spare forked before the kill may die with the server before or after it is taken: its
     # job then runs on a worker of the new server
-    assert all(o.final is not None and o.final["result"] == "42" for o in outcomes), [(o.final, o.returncode, o.channel_error, o.timed_out, o.output) for o in outcomes]
+    assert all(o.final is not None and o.final["result"] == "42" for o in outcomes), [
+        (o.final, o.returncode, o.channel_error, o.timed_out, o.output) for o in outcomes]
     assert second is not None and second is not first

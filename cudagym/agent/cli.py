@@ -28,8 +28,10 @@ def register(app: typer.Typer) -> None:
         out: Optional[Path] = option(RunConfig, "out", "--out"),
         max_turns: int = option(RunConfig, "max_turns", "--max-turns"),
         mode: str = option(EvaluatorConfig, "mode", "--mode"),
-        atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance of the output check for every task (with --rtol; default: each task's own)."),
-        rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance of the output check for every task (with --atol; default: each task's own)."),
+        atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance of the output check for every "
+                                             "task (with --rtol; default: each task's own)."),
+        rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance of the output check for every "
+                                             "task (with --atol; default: each task's own)."),
         max_context_tokens: Optional[int] = option(RunConfig, "max_context_tokens", "--max-context-tokens"),
         tokenizer: Optional[Path] = option(RunConfig, "tokenizer", "--tokenizer"),
         solutions: Optional[Path] = option(RunConfig, "solutions", "--solutions"),
@@ -62,12 +64,14 @@ def register(app: typer.Typer) -> None:
                 "target": target, "mode": mode, "sandbox": {"backend": sandbox, "spare_workers": spare_workers},
                 "server_gap_ms": TimingConfig.parse_idle(server_gaps) if server_gaps else None,
                 **({"reward": {"against": RewardConfig.parse_against(reward_against)}} if reward_against else {})})
-            cfg = RunConfig(tasks=tasks, policy=policy, episodes=episodes, limit=limit, concurrency=concurrency,
-                            evaluator=evaluator, out=out, max_turns=max_turns,
-                            tolerance=optional_tolerance(atol, rtol), max_context_tokens=max_context_tokens,
-                            tokenizer=tokenizer, solutions=solutions, model=model, base_url=base_url, tool_mode=tool_mode,
-                            seed=seed, contrastive=contrastive, require_analysis=require_analysis,
-                            analysis_reward=analysis_reward, backend=backend, ray_address=ray_address)
+            # validated as the evaluator's options are: the choices of --tool-mode and --backend come as str
+            cfg = RunConfig.model_validate(dict(
+                tasks=tasks, policy=policy, episodes=episodes, limit=limit, concurrency=concurrency,
+                evaluator=evaluator, out=out, max_turns=max_turns, tolerance=optional_tolerance(atol, rtol),
+                max_context_tokens=max_context_tokens, tokenizer=tokenizer, solutions=solutions, model=model,
+                base_url=base_url, tool_mode=tool_mode, seed=seed, contrastive=contrastive,
+                require_analysis=require_analysis, analysis_reward=analysis_reward, backend=backend,
+                ray_address=ray_address))
             summary = run(cfg, console)
         except (CudagymError, ValueError, ImportError) as e:
             console.print(f"[red]error:[/] {e}")
@@ -81,10 +85,14 @@ def register(app: typer.Typer) -> None:
 
     @export.command("sft")
     def export_sft_cmd(
-        run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run directory written by `cudagym run`."),
+        run_dir: Path = typer.Argument(..., exists=True, file_okay=False,
+                                       help="A run directory written by `cudagym run`."),
         out: Path = typer.Option(..., "--out", help="Output file: .jsonl (JSON lines) or .parquet."),
-        min_milestone: str = typer.Option("correct", "--min-milestone", help="Keep episodes whose final verdict reached this: correct, faster_than_eager or faster_than_compile."),
-        min_speedup: Optional[float] = typer.Option(None, "--min-speedup", help="Also require at least this speedup over eager PyTorch."),
+        min_milestone: str = typer.Option("correct", "--min-milestone",
+                                          help="Keep episodes whose final verdict reached this: correct, "
+                                               "faster_than_eager or faster_than_compile."),
+        min_speedup: Optional[float] = typer.Option(None, "--min-speedup",
+                                                    help="Also require at least this speedup over eager PyTorch."),
     ) -> None:
         """Write the episodes whose final verdict passed the threshold as chat-format SFT data (TRL's
         SFTTrainer reads it), one row per distinct solution."""
@@ -100,12 +108,13 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
         console.print(f"exported {s.kept} of {s.episodes} episodes to {s.out} ({s.duplicates} duplicate solutions "
-                      f"skipped" + (f", {s.without_conversation} recorded without a conversation" if s.without_conversation
-                                    else "") + ")")
+                      f"skipped" + (f", {s.without_conversation} recorded without a conversation"
+                                    if s.without_conversation else "") + ")")
 
     @app.command("report")
     def report_cmd(
-        run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run directory written by `cudagym run`."),
+        run_dir: Path = typer.Argument(..., exists=True, file_okay=False,
+                                       help="A run directory written by `cudagym run`."),
     ) -> None:
         """Print the results table of a run directory and write report.md, report.json and speedup.png."""
         from rich.console import Console

@@ -188,7 +188,8 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
     policy, hermes = make_policy(cfg)
     counter: TokenCounter = TokenizerCounter.from_file(cfg.tokenizer) if cfg.tokenizer else CharEstimate()
     budget = ContextBudget(cfg.max_context_tokens, counter) if cfg.max_context_tokens else None
-    env_cfg = EnvConfig(target=cfg.evaluator.target, mode=cfg.evaluator.mode, tolerance=cfg.tolerance, max_turns=cfg.max_turns,
+    env_cfg = EnvConfig(target=cfg.evaluator.target, mode=cfg.evaluator.mode, tolerance=cfg.tolerance,
+                        max_turns=cfg.max_turns,
                         workspace_root=out / "workspaces",
                         contrastive=ContrastiveConfig(keep=cfg.contrastive, require_analysis=cfg.require_analysis,
                                                       analysis_reward=cfg.analysis_reward))

@@ -30,7 +30,8 @@ class ErrorKind(str, Enum):
     TAMPER = "tamper"  # harness, timer or result channel tampered with
     IMPLAUSIBLE = "implausible"  # faster than the roofline floor
     INTERNAL = "internal"  # a harness failure: not the candidate's fault
-    DEVICE_BUSY = "device_busy"  # another process used the GPU during a timing: no valid time, not the candidate's fault
+    # another process used the GPU during a timing: no valid time, not the candidate's fault
+    DEVICE_BUSY = "device_busy"
 
 
 class TimingStats(BaseModel):

@@ -54,8 +54,8 @@ def outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
             return ErrorKind.PROCESS_LIMIT, f"{what}: the process limit was hit and the worker was killed"
         sig = -o.returncode if o.returncode and o.returncode < 0 else None
         tail = "\n".join(o.output.strip().splitlines()[-15:])
-        return ErrorKind.CRASH, (f"{what}: the worker crashed" + (f" (signal {sig})" if sig else f" (exit {o.returncode})")
-                                 + (f"\n{tail}" if tail else ""))
+        how = f" (signal {sig})" if sig else f" (exit {o.returncode})"
+        return ErrorKind.CRASH, f"{what}: the worker crashed" + how + (f"\n{tail}" if tail else "")
     if not o.final.get("ok"):
         kind = _KIND.get(str(o.final.get("kind")), ErrorKind.EXCEPTION)
         if o.process_limited and kind in (ErrorKind.EXCEPTION, ErrorKind.CRASH):
@@ -88,7 +88,7 @@ class Audit:
     """The audit rules (`cudagym.core.audit`) under the evaluator's mode and target, applied to
     the candidate's build artifacts and to the op counts and kernel records its worker reported."""
 
-    def __init__(self, config: AuditSettings, target: Target):
+    def __init__(self, config: AuditSettings, target: Target) -> None:
         self.config, self.target = config, target
 
     def imports(self, artifact_dir: str | None, loaded: list[Any]) -> ImportAudit:
@@ -144,8 +144,8 @@ class Audit:
         if self.config.mode == "strict":
             forbidden = forbidden_ops(ops)
             if forbidden:
-                return ("strict mode: during timed calls, ModelNew.forward ran torch compute ops " + ", ".join(forbidden)
-                        + " (only your own kernels plus allocation/view ops are allowed)")
+                return ("strict mode: during timed calls, ModelNew.forward ran torch compute ops "
+                        + ", ".join(forbidden) + " (only your own kernels plus allocation/view ops are allowed)")
             if self.target == Target.CUDA:
                 if not records:  # the probes among the calls launch kernels: none recorded, no watcher
                     return "the kernel-origin audit could not run in the timed calls: no kernel records came back"

@@ -177,13 +177,15 @@ def compare_outputs(tensors: list[tuple[dict[str, Any], bytes | memoryview]], to
         for i in sorted(set(cand) & set(ref)):
             c, r = cand[i], ref[i]
             if c.shape != r.shape or c.dtype != r.dtype:
-                reasons.append(f"trial {trial}: output {i} is {c.dtype} {tuple(c.shape)}, expected {r.dtype} {tuple(r.shape)}")
+                reasons.append(f"trial {trial}: output {i} is {c.dtype} {tuple(c.shape)}, "
+                               f"expected {r.dtype} {tuple(r.shape)}")
                 kind, ok = "output_format", False
                 continue
             if not (r.is_floating_point() or r.is_complex()):
                 ndiff = _differing_elements(c, r)
                 if ndiff:
-                    reasons.append(f"trial {trial}: output {i} differs from the reference at {ndiff}/{r.numel()} elements")
+                    reasons.append(f"trial {trial}: output {i} differs from the reference "
+                                   f"at {ndiff}/{r.numel()} elements")
                     kind, ok = kind or "mismatch", False
                 continue
             parts = "elements"
@@ -259,7 +261,8 @@ def projected_mismatch(candidate: list[tuple[dict[str, Any], Any]], reference: l
     def frames(which: list[tuple[dict[str, Any], Any]], role: str) -> dict[tuple[Any, Any], tuple[dict[str, Any], Any]]:
         return {(h.get("trial"), h.get("index")): (h, p) for h, p in which if h.get("role") == role}
 
-    cand, ref_proj, ref_out = frames(candidate, "projection"), frames(reference, "projection"), frames(reference, "reference")
+    cand, ref_proj = frames(candidate, "projection"), frames(reference, "projection")
+    ref_out = frames(reference, "reference")
     for t, (call, _seed) in enumerate(picks):
         for (tt, j), (rh, rp) in sorted(ref_out.items(), key=lambda kv: kv[0][1]):
             if tt != t:

@@ -127,7 +127,7 @@ def _job_breakdown(role: str, o: JobOutcome) -> dict[str, float]:
 class Evaluator:
     """compile / verify / profile / evaluate a workspace for a task; async forms `a*`."""
 
-    def __init__(self, config: EvaluatorConfig | None = None, sandbox: Sandbox | None = None):
+    def __init__(self, config: EvaluatorConfig | None = None, sandbox: Sandbox | None = None) -> None:
         self.config = config or EvaluatorConfig()
         self._target = resolve_target(self.config.target)
         cache = Path(self.config.cache_dir)
@@ -154,7 +154,8 @@ class Evaluator:
 
     def _job(self, kind: JobKind, task: Task, ws: Workspace | None, **kw: Any) -> Job:
         return Job(kind=kind, nonce=secrets.token_hex(16), task_id=task.id, task_code=task.code, dtype=task.dtype,
-                   device=self.device, workspace=str(ws.root) if ws else "", cache_dir=str(self.config.cache_dir / "build"),
+                   device=self.device, workspace=str(ws.root) if ws else "",
+                   cache_dir=str(self.config.cache_dir / "build"),
                    mode=self.config.mode, seed=secrets.randbits(62), verify=self.config.verify,
                    timing=kw.pop("timing", self.config.timing), limits=self.config.limits, **kw)
 
@@ -193,15 +194,17 @@ class Evaluator:
             final = outcome.final or {}
             requests = final.get("requests")
             try:
-                builds = [self.inline_cache.prepare(r, workspace.root) for r in (requests if isinstance(requests, list) else [])]
+                builds = [self.inline_cache.prepare(r, workspace.root)
+                          for r in (requests if isinstance(requests, list) else [])]
             except InlineCompileError as e:
                 return failed(str(e).splitlines())
             new = {b.key: b for b in builds if b.key not in handled}
             if not new:
                 break
             if n == MAX_INLINE_PASSES:
-                return failed([f"model_new.py still asked for new extensions ({', '.join(b.name for b in new.values())}) "
-                               f"after {MAX_INLINE_PASSES} compile passes (each runs it once and builds what it asked for)"])
+                return failed([f"model_new.py still asked for new extensions "
+                               f"({', '.join(b.name for b in new.values())}) after {MAX_INLINE_PASSES} compile "
+                               f"passes (each runs it once and builds what it asked for)"])
             handled.update(new)
             todo = [b for b in new.values() if not self.inline_cache.cached(b, workspace.root)]
             errors = [e for e in await asyncio.gather(*(self._abuild_inline(task, b, workspace) for b in todo)) if e]
@@ -209,8 +212,9 @@ class Evaluator:
                 return failed([line for e in errors for line in e.splitlines()])
             built_any = built_any or bool(todo)
         if builds:  # asked for again although built (or found) by this compile: its inputs changed meanwhile
-            return failed([f"{b.kind} module '{b.name}' ({b.site}) is in the build cache, but model_new.py did not find "
-                           "it there: the files it is built from changed while the compile step ran" for b in builds])
+            return failed([f"{b.kind} module '{b.name}' ({b.site}) is in the build cache, but model_new.py did "
+                           "not find it there: the files it is built from changed while the compile step ran"
+                           for b in builds])
         errors = [str(e) for e in final.get("load_failures") or []]
         if final.get("import_error"):
             errors.append(str(final["import_error"]))
@@ -279,7 +283,8 @@ class Evaluator:
         if feed.violations:
             failure = ErrorKind.TAMPER, "verify: " + feed.violations[0]
         if ref_failure and not failure:
-            return VerifyResult(ok=False, error_kind=ErrorKind.INTERNAL, error=f"the reference failed: {ref_failure[1]}",
+            return VerifyResult(ok=False, error_kind=ErrorKind.INTERNAL,
+                                error=f"the reference failed: {ref_failure[1]}",
                                 reasons=["the reference itself failed (not the candidate's fault)"],
                                 seconds=time.perf_counter() - t0)
         # Only the reference-only worker's outputs count; the candidate's process cannot forge them.
@@ -338,8 +343,8 @@ class Evaluator:
         else:
             passed = share is not None and share >= self.config.verify.min_own_share
             if not passed:
-                audit_reasons.append(f"permissive mode: your own kernels did {0 if share is None else share:.0%} of the "
-                                     f"work (needs >= {self.config.verify.min_own_share:.0%})")
+                audit_reasons.append(f"permissive mode: your own kernels did {0 if share is None else share:.0%} "
+                                     f"of the work (needs >= {self.config.verify.min_own_share:.0%})")
         audit = AuditResult(mode=self.config.mode, passed=passed, forbidden_ops=forbidden, ops_seen=ops,
                             own_kernel_share=share, reasons=audit_reasons)
         correct = cmp.kind is None and cmp.passed == cmp.trials and cmp.trials >= self.config.verify.trials
@@ -438,8 +443,10 @@ class Evaluator:
             s = await self._timed_profile(task, workspace, built, server, time.perf_counter(), measured, params)
             if not s.ok or s.candidate is None:
                 why = [f"server mode ({server.idle_ms[0]:g}-{server.idle_ms[1]:g} ms gaps): {r}" for r in s.reasons]
-                return s.model_copy(update={"reasons": why or ["server mode failed"], "seconds": time.perf_counter() - t0})
-            result.server = ServerTiming(gap_ms=server.idle_ms, candidate=s.candidate, eager=s.eager, compiled=s.compiled,
+                return s.model_copy(update={"reasons": why or ["server mode failed"],
+                                            "seconds": time.perf_counter() - t0})
+            result.server = ServerTiming(gap_ms=server.idle_ms, candidate=s.candidate, eager=s.eager,
+                                         compiled=s.compiled,
                                          speedup_vs_eager=s.speedup_vs_eager, speedup_vs_compile=s.speedup_vs_compile,
                                          library=s.library, speedup_vs_library=s.speedup_vs_library)
             result.breakdown["server_s"] = s.seconds

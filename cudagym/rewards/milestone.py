@@ -9,11 +9,11 @@ judged against the default one instead, and the verdict's reasons say so.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from cudagym.core.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
+from cudagym.core.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 
 BaselineName = Literal["eager", "compiled", "cublaslt", "cublaslt_tuned"]
@@ -64,30 +64,36 @@ def milestone_verdict(
     """Combine the step results into a `Verdict` with its reward and reasons."""
     cfg = config or RewardConfig()
     reasons: list[str] = []
-    base = dict(compile_result=compile_result, verify_result=verify_result, profile_result=profile_result)
+    base: dict[str, Any] = dict(compile_result=compile_result, verify_result=verify_result,
+                                profile_result=profile_result)
 
     if not compile_result.ok:
         reasons.append("did not compile: " + ("; ".join(compile_result.errors[:3]) or "see log"))
         return Verdict(reward=cfg.fail, milestone="failed", compiled=False, correct=False, reasons=reasons,
-                       error="\n".join(compile_result.errors) or compile_result.log, error_kind="compile_error", **base)
-    assert verify_result is not None
+                       error="\n".join(compile_result.errors) or compile_result.log, error_kind=ErrorKind.COMPILE,
+                       **base)
+    if verify_result is None:
+        raise ValueError("a candidate that compiled needs its verify_result")
     audit = verify_result.audit
     if not verify_result.ok:
         reasons.extend(verify_result.reasons or ["not correct"])
         return Verdict(reward=cfg.fail, milestone="failed", compiled=True, correct=verify_result.correct, audit=audit,
                        reasons=reasons, error=verify_result.error, error_kind=verify_result.error_kind, **base)
-    reasons.append(f"correct on {verify_result.trials_passed}/{verify_result.trials} trials; audit ({audit.mode if audit else '-'}) passed")
+    reasons.append(f"correct on {verify_result.trials_passed}/{verify_result.trials} trials; "
+                   f"audit ({audit.mode if audit else '-'}) passed")
     if verify_result.params:
         reasons.append(f"parameters: {verify_result.params}")
-    timing = dict(audit=audit)
+    timing: dict[str, Any] = dict(audit=audit)
     if profile_result is None or not profile_result.ok:
         why = profile_result.error if profile_result else "not profiled"
-        if profile_result is not None and profile_result.error_kind is not None and profile_result.error_kind.value not in ("internal", "device_busy"):
+        kind = profile_result.error_kind if profile_result is not None else None
+        if profile_result is not None and kind is not None and kind.value not in ("internal", "device_busy"):
             reasons.extend(profile_result.reasons or [f"profile failed: {why}"])
             return Verdict(reward=cfg.fail, milestone="failed", compiled=True, correct=False, reasons=reasons,
                            error=why, error_kind=profile_result.error_kind, **timing, **base)
         reasons.append(f"no speed milestone: profile unavailable ({why})")
-        return Verdict(reward=cfg.correct, milestone="correct", compiled=True, correct=True, reasons=reasons, **timing, **base)
+        return Verdict(reward=cfg.correct, milestone="correct", compiled=True, correct=True, reasons=reasons,
+                       **timing, **base)
 
     p = profile_result
     timing.update(
@@ -101,7 +107,8 @@ def milestone_verdict(
     timing.update(library_ms={n: s.median_ms for n, s in p.library.items()}, speedup_vs_library=p.speedup_vs_library)
     fmt = lambda s: "n/a" if s is None else f"{s:.3f}x"  # noqa: E731
     beats = []
-    for name, default, margin in zip(cfg.against, ("eager", "compiled"), (cfg.eager_margin, cfg.compile_margin)):
+    defaults: tuple[BaselineName, BaselineName] = ("eager", "compiled")
+    for name, default, margin in zip(cfg.against, defaults, (cfg.eager_margin, cfg.compile_margin)):
         if name != default and _speedup(p, name) is None:
             reasons.append(f"no {BASELINE_TITLES[name]} baseline for this task: this milestone is against "
                            f"{BASELINE_TITLES[default]}")
@@ -116,4 +123,5 @@ def milestone_verdict(
     if beats_eager:
         return Verdict(reward=cfg.faster_than_eager, milestone="faster_than_eager", compiled=True, correct=True,
                        reasons=reasons, **timing, **base)
-    return Verdict(reward=cfg.correct, milestone="correct", compiled=True, correct=True, reasons=reasons, **timing, **base)
+    return Verdict(reward=cfg.correct, milestone="correct", compiled=True, correct=True, reasons=reasons,
+                   **timing, **base)

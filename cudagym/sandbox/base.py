@@ -15,7 +15,7 @@ class JobOutcome:
     """What came back from one worker. `final` is None when the worker died or was killed."""
 
     final: dict[str, Any] | None
-    tensors: list[tuple[dict[str, Any], bytes]] = field(default_factory=list)
+    tensors: list[tuple[dict[str, Any], bytes | memoryview]] = field(default_factory=list)
     started: dict[str, Any] | None = None
     returncode: int | None = None
     timed_out: bool = False

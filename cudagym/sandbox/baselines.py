@@ -11,9 +11,10 @@ median), when the sandbox's own account of its timed loops (`JobOutcome.host_loa
 sandbox's quiet windows) says other work used more than `max_other_cores` cores meanwhile, or when
 the host's run queue, sampled by a thread of the parent during the loops (`HostLoad`: runnable
 threads, from /proc/stat; a backend without that account still has this), held more than
-`max_excess_load` runnable threads per core beyond the cores. When every attempt was disturbed, the least disturbed (the lowest eager
-median) is used for the profile that asked, uncached, and says so (`disturbed`, `notes`). Another
-process's load cannot make a later episode's baseline: at worst it costs this profile a re-measure.
+`max_excess_load` runnable threads per core beyond the cores. When every attempt was disturbed, the
+least disturbed (the lowest eager median) is used for the profile that asked, uncached, and says so
+(`disturbed`, `notes`). Another process's load cannot make a later episode's baseline: at worst it
+costs this profile a re-measure.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class HostLoad:
     """The host's run queue (runnable threads, /proc/stat's `procs_running`), sampled by a thread
     on `time.perf_counter()`'s clock, the clock of the parent's call records."""
 
-    def __init__(self, interval_s: float = 0.02):
+    def __init__(self, interval_s: float = 0.02) -> None:
         self.interval_s = interval_s
         self.samples: list[tuple[float, int]] = []
         self.cores = os.cpu_count() or 1
@@ -157,7 +158,7 @@ async def measure_guarded(measure: Callable[[], Awaitable[dict[str, Any]]],
 
 
 class BaselineCache:
-    def __init__(self, root: Path, guard: BaselineGuard | None = None):
+    def __init__(self, root: Path, guard: BaselineGuard | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.guard = guard or BaselineGuard()

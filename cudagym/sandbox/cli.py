@@ -18,7 +18,8 @@ def build(
                                "root file system, labelled cudagym.rootfs=host; its containers get this host's /usr, "
                                "/lib*, dynamic-linker cache and Python prefix mounted read-only, so no registry is "
                                "needed and workers run this machine's interpreter, torch and compilers. 'dockerfile': "
-                               "cudagym/sandbox/Dockerfile (a CUDA + PyTorch base image, for GPU machines; needs its registry)."),
+                               "cudagym/sandbox/Dockerfile (a CUDA + PyTorch base image, for GPU machines; needs its "
+                               "registry)."),
     tag: str = option(DockerSandboxConfig, "image", "--tag"),
 ) -> None:
     """Build the docker sandbox's image (default: offline, from this host's own Python environment)."""

@@ -25,7 +25,7 @@ include directories, /usr/include, /usr/lib/gcc, torch's, Python's and CUDA's di
 nothing a candidate can write; the compiler identity and the torch version in the first key
 stand for them). A path is recorded as the compiler opened it: relative to the workspace when
 it lies in it (so identical files in another workspace match), absolute otherwise. A file the
-compiler reported that the manifest cannot stand for fails the build (`UnrecordedDependency`):
+compiler reported that the manifest cannot stand for fails the build (`UnrecordedDependencyError`):
 one under /proc, /dev or /sys, named so or reached through a symlink (`/proc/self/cwd` is the
 compiler's directory when the compiler reads it and the evaluator's when the evaluator hashes
 it), and one the evaluator cannot hash (missing, unreadable, not a regular file). Left out of
@@ -125,7 +125,7 @@ def _under(path: str, roots: Iterable[str]) -> bool:
 class Roots:
     """A set of directories (trusted roots, a build's scratch), compared lexically and resolved."""
 
-    def __init__(self, dirs: Iterable[str]):
+    def __init__(self, dirs: Iterable[str]) -> None:
         found = {p for d in dirs if d for p in (os.path.normpath(d), os.path.realpath(d))}
         self.dirs = tuple(sorted(found))
 
@@ -167,14 +167,14 @@ def system_roots(compiler: str, *extra: str | None) -> Roots:
 PROCESS_DEPENDENT = ("/proc", "/dev", "/sys")  # what a path there holds depends on the process reading it
 
 
-class UnrecordedDependency(ValueError):
+class UnrecordedDependencyError(ValueError):
     """A file the compiler read that a manifest cannot stand for: under /proc, /dev or /sys (its
     contents depend on which process reads it: `/proc/self/cwd` is the compiler's directory for the
     compiler and the evaluator's for the evaluator), or one the evaluator cannot hash (missing,
     unreadable, not a regular file). `problems` are readable lines, one per file; the build must
     fail (a variant without that file in its manifest would be reused whatever the file holds)."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
 
@@ -217,7 +217,7 @@ def record(deps: Iterable[str], *, cwd: Path, workspace: Path, trusted: Roots,
     `deps` are paths as the compiler (the preprocessor) reported them, relative to `cwd` (where
     it ran); `assembler` what GNU as reported (`--MD`). Files under `exclude` (the build's own
     scratch: generated sources, temporaries) are left out. A file under /proc, /dev or /sys, or
-    one that cannot be hashed here, raises `UnrecordedDependency` (never silently left out: the
+    one that cannot be hashed here, raises `UnrecordedDependencyError` (never silently left out: the
     variant would then be reused whatever that file holds for the next build). The only names
     skipped for being missing are the assembler's: GNU as lists the `.file` names, which it
     never opens, and fails on an `.incbin` or `.include` it cannot read. Nothing writes the
@@ -255,7 +255,7 @@ def record(deps: Iterable[str], *, cwd: Path, workspace: Path, trusted: Roots,
             name = name[len(ws) + 1 :]
         out[name] = digest
     if problems:
-        raise UnrecordedDependency(list(dict.fromkeys(problems)))
+        raise UnrecordedDependencyError(list(dict.fromkeys(problems)))
     return dict(sorted(out.items()))
 
 
@@ -294,7 +294,7 @@ def outputs_intact(entry: Path) -> bool:
 class VariantStore:
     """Variants under `root/<key>/` (see the module docstring); safe across threads and processes."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
     def find(self, key: str, workspace: Path, digests: dict[str, str | None] | None = None) -> Path | None:

@@ -25,6 +25,7 @@ one job directory of its own (`/cudagym/job`, read-write) and everything else re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import shutil
@@ -133,15 +134,16 @@ class _Container:
 
 
 class DockerSandbox(SpareWorkerSandbox):
-    _stop_timeout_s = 60.0
-
     """Runs each job in a fresh container; see the module docstring for what it isolates.
 
     `read_only` are host directories every job may read at their own paths (the evaluator's
     cache); `home` is the workers' HOME (read-only too, as in the local backend)."""
 
+    _stop_timeout_s = 60.0
+    config: DockerSandboxConfig
+
     def __init__(self, config: DockerSandboxConfig | None = None, home: Path | None = None,
-                 read_only: list[Path] | None = None):
+                 read_only: list[Path] | None = None) -> None:
         self.config = config or DockerSandboxConfig()
         self.client = docker_client(self.config.docker_url)
         try:
@@ -194,10 +196,8 @@ class DockerSandbox(SpareWorkerSandbox):
         for c in leftover:
             pid = (c.labels or {}).get("cudagym.sandbox", "")
             if pid.isdigit() and not psutil.pid_exists(int(pid)):
-                try:
+                with contextlib.suppress(Exception):  # removed meanwhile
                     c.remove(force=True)
-                except Exception:  # noqa: BLE001 - removed meanwhile
-                    pass
 
     @property
     def isolation(self) -> dict[str, bool]:
@@ -272,7 +272,8 @@ class DockerSandbox(SpareWorkerSandbox):
 
         limits = LimitsConfig()  # until a job sets its own (`_apply_limits`)
         python = self.config.python or (sys.executable if self._host_rootfs else "python3")
-        gpu = [DeviceRequest(device_ids=[device.split(":")[1]], capabilities=[["gpu"]])] if device.startswith("cuda:") else []
+        gpu = ([DeviceRequest(device_ids=[device.split(":")[1]], capabilities=[["gpu"]])]
+               if device.startswith("cuda:") else [])
         container = self.client.containers.create(
             self.config.image, [python, "-m", "cudagym.sandbox.worker", "--channel", JOB_DIR],
             user=self._user, environment=self._env(device), mounts=self._mounts(slot),
@@ -325,14 +326,15 @@ class DockerSandbox(SpareWorkerSandbox):
         # As the local backend's cap: the worker's own threads at rest (torch's pools), measured, plus the job's
         current = (_pids_file(c.container.id, "pids.current") or "").strip()
         base = int(current) if current.isdigit() else self.config.base_pids
-        api._raise_for_status(api._post_json(api._url("/containers/{0}/update", c.container.id), data={
-            "Memory": memory, "MemorySwap": memory, "PidsLimit": base + limits.max_processes}))
+        url = api._url("/containers/{0}/update", c.container.id)  # noqa: SLF001 - docker-py's helpers, as said above
+        body = {"Memory": memory, "MemorySwap": memory, "PidsLimit": base + limits.max_processes}
+        api._raise_for_status(api._post_json(url, data=body))  # noqa: SLF001 - docker-py's helpers, as said above
 
     async def _spawn(self, device: str) -> _Container:
         slot, frames_fd, shm = self._make_slot()
         try:
             container = await asyncio.to_thread(self._create, device, slot)
-        except Exception as e:  # noqa: BLE001 - docker.errors.*
+        except Exception as e:  # docker.errors.*
             for fd in (frames_fd, shm):
                 os.close(fd)
             shutil.rmtree(slot, ignore_errors=True)
@@ -375,18 +377,14 @@ class DockerSandbox(SpareWorkerSandbox):
 
     async def _remove(self, c: _Container) -> None:
         c.release()
-        try:
+        with contextlib.suppress(Exception):  # already gone
             await asyncio.to_thread(c.container.remove, force=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
         shutil.rmtree(c.slot, ignore_errors=True)
 
     def _pause(self, workers: list[_Container], pause: bool) -> None:
         for c in workers:
-            try:
+            with contextlib.suppress(Exception):  # it may have exited meanwhile
                 (c.container.pause if pause else c.container.unpause)()
-            except Exception:  # noqa: BLE001 - it may have exited meanwhile
-                pass
 
     def _is_starting(self, worker: _Container) -> bool:
         return not worker.frames.ready.done() and not worker.exited.done()
@@ -401,8 +399,8 @@ class DockerSandbox(SpareWorkerSandbox):
             moves.append((d, f"{JOB_DIR}/w{i}"))
             c.copy_back.append((c.slot / f"w{i}", Path(d)))
         c.paths = {inside: host for host, inside in moves}
-        for host, inside in moves:
-            dst = c.slot / Path(inside).name
+        for host, at in moves:
+            dst = c.slot / Path(at).name
             if os.path.isdir(host):
                 shutil.copytree(host, dst, symlinks=True)
             else:
@@ -429,8 +427,8 @@ class DockerSandbox(SpareWorkerSandbox):
         """A spare container of `device` that is ready; SandboxError (with its logs) if none starts."""
         c = await self._take(device)  # spares start now; a timing job pauses them in its quiet windows
         try:
-            await asyncio.wait([asyncio.shield(c.frames.ready), asyncio.shield(c.exited)],
-                               timeout=self.config.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            either: list[asyncio.Future[Any]] = [asyncio.shield(c.frames.ready), asyncio.shield(c.exited)]
+            await asyncio.wait(either, timeout=self.config.start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             self._unused(c)
             raise
@@ -527,10 +525,8 @@ class DockerSandbox(SpareWorkerSandbox):
         for _ in range(attempts):
             if c.exited.done():
                 return True
-            try:
+            with contextlib.suppress(Exception):  # docker.errors.APIError: not running, or no exit event yet
                 await asyncio.to_thread(c.container.kill)
-            except Exception:  # noqa: BLE001 - docker.errors.APIError: not running, or no exit event yet
-                pass
             try:
                 await asyncio.wait_for(asyncio.shield(c.exited), timeout=20)
                 return True
@@ -543,7 +539,12 @@ class DockerSandbox(SpareWorkerSandbox):
         """Whether the process of `pidfd` exits within `timeout_s` (a pidfd is readable once it has)."""
         loop = asyncio.get_running_loop()
         gone: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+
+        def exited() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(pidfd, exited)
         try:
             await asyncio.wait_for(gone, timeout=timeout_s)
             return True

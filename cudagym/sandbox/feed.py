@@ -60,7 +60,7 @@ def _violation(violations: list[str], why: str) -> dict[str, Any]:
 class TrialFeed:
     """Reveals verify's trials one at a time, in order (see the module's text)."""
 
-    def __init__(self, seeds: list[int], scales: list[float], orders: list[str]):
+    def __init__(self, seeds: list[int], scales: list[float], orders: list[str]) -> None:
         self._plan = list(zip(seeds, scales, orders, strict=True))
         self.served = 0
         self.violations: list[str] = []
@@ -100,7 +100,7 @@ class CallFeed:
     interleaved throughout (see the module's text) and are neither warm-up nor timed calls.
     """
 
-    def __init__(self, cfg: TimingConfig, roles: tuple[str, ...]):
+    def __init__(self, cfg: TimingConfig, roles: tuple[str, ...]) -> None:
         self.cfg = cfg
         self.roles = roles
         self._roles: dict[str, _Role] = {}

@@ -92,7 +92,7 @@ def _fork_keeps_cuda() -> bool:
 
     pid = os.fork()
     if pid == 0:
-        if torch.cuda._is_in_bad_fork():
+        if torch.cuda._is_in_bad_fork():  # noqa: SLF001 - torch's own fork check
             os._exit(3)
         try:
             import pynvml
@@ -118,7 +118,7 @@ def serve(control_fd: int) -> None:
     from cudagym.sandbox.worker import entry
 
     sock = socket.socket(fileno=control_fd)
-    entry._pin(os.environ.get("CUDAGYM_CPUS"))  # its workers inherit it
+    entry.pin_cpus(os.environ.get("CUDAGYM_CPUS"))  # its workers inherit it
     clock = entry.StartupClock()
     state = entry.warm_host(clock)
     _shut_nvml()
@@ -128,7 +128,8 @@ def serve(control_fd: int) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
     while True:
-        readable, _, _ = select.select([sock, wake_r], [], [], 1.0)
+        watched: list[socket.socket | int] = [sock, wake_r]
+        readable, _, _ = select.select(watched, [], [], 1.0)
         if wake_r in readable:
             try:
                 os.read(wake_r, 4096)
@@ -215,7 +216,7 @@ def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t
 
         main = os.path.join(os.path.dirname(entry.__file__), "__main__.py")
         sys.argv = [main, str(RESULT_FD), str(SHM_FD)]  # as a spawned worker's
-        entry._pin(os.environ.get("CUDAGYM_CPUS"))
+        entry.pin_cpus(os.environ.get("CUDAGYM_CPUS"))
         entry.serve(RESULT_FD, SHM_FD, entry.StartupClock({"fork": time.perf_counter() - t_fork}), state)
     except BaseException as e:  # noqa: BLE001 - a worker that cannot start says why, and exits
         try:
@@ -254,7 +255,7 @@ class ForkedWorker:
     `asyncio.subprocess.Process` (`pid`, `returncode`, `stdout`, `wait()`), plus `close()`."""
 
     def __init__(self, pid: int, stdout: asyncio.StreamReader, transport: asyncio.BaseTransport,
-                 exited: asyncio.Future[int]):
+                 exited: asyncio.Future[int]) -> None:
         self.pid = pid
         self.stdout = stdout
         self._transport = transport
@@ -274,7 +275,7 @@ class ForkedWorker:
 class ForkServer:
     """The sandbox's handle on one server process (one per device), on the sandbox's loop."""
 
-    def __init__(self, python: str, env: dict[str, str]):
+    def __init__(self, python: str, env: dict[str, str]) -> None:
         self.python, self.env = python, env
         self.proc: asyncio.subprocess.Process | None = None
         self.fork_ok = False
@@ -323,7 +324,8 @@ class ForkServer:
 
     async def _drain_stderr(self) -> None:
         """Keep the end of what the server prints (its warnings), so that it never blocks on a full pipe."""
-        assert self.proc is not None and self.proc.stderr is not None
+        if self.proc is None or self.proc.stderr is None:
+            raise RuntimeError("the fork server is not started (no stderr pipe)")
         while chunk := await self.proc.stderr.read(65536):
             self._stderr_tail = (self._stderr_tail + chunk)[-4096:]
 
@@ -332,7 +334,8 @@ class ForkServer:
         return self._reader is not None and not self._reader.done()
 
     async def _read(self) -> None:
-        assert self._sock is not None
+        if self._sock is None:
+            raise RuntimeError("the fork server is not connected")
         loop = asyncio.get_running_loop()
         try:
             while msg := await loop.sock_recv(self._sock, 65536):

@@ -71,7 +71,8 @@ def run_requirements() -> list[str]:
     try:
         reqs = requires("cudagym") or []
     except PackageNotFoundError as e:
-        raise RuntimeError("cudagym is not installed (pip install -e . or a wheel): its requirements are unknown") from e
+        raise RuntimeError("cudagym is not installed (pip install -e . or a wheel): "
+                           "its requirements are unknown") from e
     return [r for r in reqs if "extra ==" not in r and not r.split(";")[0].strip().startswith("torch")]
 
 

@@ -32,30 +32,30 @@ AUTOTUNE_ITERATIONS = 10
 INSTALL_HINT = "pip install 'cudagym[gemm]' (nvmath-python)"
 
 
-class LibraryUnavailable(Exception):
+class LibraryUnavailableError(Exception):
     """The library baseline cannot be measured here; the message says why."""
 
 
 def _matmul_operands(args: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two matrices of a `C = A @ B` reference, or LibraryUnavailable."""
+    """The two matrices of a `C = A @ B` reference, or LibraryUnavailableError."""
     if (len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args)
             or args[0].dim() != 2 or args[1].dim() != 2 or args[0].shape[1] != args[1].shape[0]):
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
-        raise LibraryUnavailable(f"the reference's inputs are not two matrices A[M, K], B[K, N] (got {shapes})")
+        raise LibraryUnavailableError(f"the reference's inputs are not two matrices A[M, K], B[K, N] (got {shapes})")
     if args[0].device.type != "cuda":
-        raise LibraryUnavailable("cuBLASLt baselines need a CUDA GPU")
+        raise LibraryUnavailableError("cuBLASLt baselines need a CUDA GPU")
     return args[0], args[1]
 
 
 def library_matmul(name: str, args: list[Any]) -> Callable[..., torch.Tensor]:
     """A callable `fn(A, B) -> C` of library baseline `name`, planned (and tuned) on `args`."""
     if name not in LIBRARY_BASELINES:
-        raise LibraryUnavailable(f"unknown library baseline {name!r} (known: {', '.join(LIBRARY_BASELINES)})")
+        raise LibraryUnavailableError(f"unknown library baseline {name!r} (known: {', '.join(LIBRARY_BASELINES)})")
     a, b = _matmul_operands(args)
     try:
         from nvmath.linalg.advanced import Matmul
     except ImportError as e:
-        raise LibraryUnavailable(f"nvmath-python is not installed ({e}); {INSTALL_HINT}") from None
+        raise LibraryUnavailableError(f"nvmath-python is not installed ({e}); {INSTALL_HINT}") from None
     try:
         mm = Matmul(a, b)
         mm.plan()
@@ -63,7 +63,8 @@ def library_matmul(name: str, args: list[Any]) -> Callable[..., torch.Tensor]:
             mm.autotune(iterations=AUTOTUNE_ITERATIONS)
         torch.cuda.current_stream(a.device).synchronize()
     except Exception as e:  # noqa: BLE001 - the library's own error, reported as the baseline's
-        raise LibraryUnavailable(f"nvmath could not plan this matmul: {type(e).__name__}: {str(e)[:300]}") from None
+        raise LibraryUnavailableError(f"nvmath could not plan this matmul: {type(e).__name__}: "
+                                      f"{str(e)[:300]}") from None
     reset = mm.reset_operands_unchecked
     execute = mm.execute
 

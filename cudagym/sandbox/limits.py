@@ -198,7 +198,7 @@ def namespace_prefix() -> tuple[str, ...]:
 class JobCgroup:
     """A pids (and, where possible, memory) cgroup for one worker; `None` parts where unavailable."""
 
-    def __init__(self, max_pids: int, memory_mb: int | None):
+    def __init__(self, max_pids: int, memory_mb: int | None) -> None:
         self.paths: list[Path] = []
         name = f"cudagym-{uuid.uuid4().hex[:12]}"
         v2 = Path("/sys/fs/cgroup/cgroup.controllers")

@@ -41,7 +41,7 @@ _OUTPUT_LIMIT = 20_000
 _NICE = shutil.which("nice")
 
 
-class _ServerDied(SandboxError):
+class _ServerDiedError(SandboxError):
     """The fork server died while it was asked for a worker."""
 
 
@@ -59,7 +59,7 @@ class _Worker:
         if isinstance(self.proc, ForkedWorker):
             self.proc.close()
         else:
-            self.proc._transport.close()  # type: ignore[attr-defined]
+            self.proc._transport.close()  # type: ignore[attr-defined]  # noqa: SLF001 - asyncio's pipe transport
 
     def release(self) -> None:
         self.frames.stop()
@@ -71,7 +71,9 @@ class _Worker:
 
 
 class LocalSandbox(SpareWorkerSandbox):
-    def __init__(self, config: LocalSandboxConfig | None = None, home: Path | None = None):
+    config: LocalSandboxConfig
+
+    def __init__(self, config: LocalSandboxConfig | None = None, home: Path | None = None) -> None:
         self.config = config or LocalSandboxConfig()
         self.home = Path(home or Path.home() / ".cache" / "cudagym" / "home")
         self.home.mkdir(parents=True, exist_ok=True)
@@ -168,7 +170,7 @@ class LocalSandbox(SpareWorkerSandbox):
     async def _spawn(self, device: str) -> _Worker:
         try:
             return await self._spawn_once(device)
-        except _ServerDied:  # killed between our request and its answer: once more, from a new server
+        except _ServerDiedError:  # killed between our request and its answer: once more, from a new server
             return await self._spawn_once(device)
 
     async def _spawn_once(self, device: str) -> _Worker:
@@ -183,7 +185,7 @@ class LocalSandbox(SpareWorkerSandbox):
         except (OSError, SandboxError) as e:
             for fd in (r, w, shm, job_r, job_w):
                 os.close(fd)
-            if isinstance(e, _ServerDied):
+            if isinstance(e, _ServerDiedError):
                 raise
             raise SandboxError(f"could not start a worker: {e}") from e
         os.close(w)
@@ -202,7 +204,7 @@ class LocalSandbox(SpareWorkerSandbox):
         except BaseException as e:
             os.close(out_r)
             if isinstance(e, SandboxError) and not server.alive:
-                raise _ServerDied(str(e)) from e
+                raise _ServerDiedError(str(e)) from e
             raise
         finally:
             os.close(out_w)
@@ -378,7 +380,8 @@ class LocalSandbox(SpareWorkerSandbox):
         since `since_us`; None if nothing. The evaluator's own process may hold an idle context
         (a test, a trainer's), not run kernels."""
         index = int(device.split(":")[1]) if ":" in device else 0
-        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours(), since_us, self.config.gpu_sharing_allow,
+        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours(), since_us,
+                                                               self.config.gpu_sharing_allow,
                                                                idle_ok=frozenset({os.getpid()})))
 
     async def _ready(self, device: str) -> _Worker:
@@ -480,7 +483,8 @@ class LocalSandbox(SpareWorkerSandbox):
         output: list[bytes] = []
 
         async def collect_output() -> None:
-            assert w.proc.stdout is not None
+            if w.proc.stdout is None:
+                raise RuntimeError("the worker was started without a stdout pipe")
             size = 0
             while chunk := await w.proc.stdout.read(65536):
                 if size < _OUTPUT_LIMIT:

@@ -72,7 +72,7 @@ class OpCount(NamedTuple):
 
     name: str  # "aten::add"
     overload: str  # "Tensor"; "" for the default overload
-    count: int
+    calls: int  # times the callback saw it (`count` would shadow tuple.count)
     decomposes: bool  # run as its CompositeImplicitAutograd function (calls other ops) on CPU/CUDA
 
 
@@ -82,7 +82,7 @@ def _build_flags() -> tuple[list[str], list[str], str]:
     import torch.utils.cpp_extension as cpp
 
     compile_flags = ["-O2", "-fPIC", "-shared", "-std=c++17",
-                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",  # noqa: SLF001 - torch's ABI
                      *(f for d in cpp.include_paths() for f in ("-isystem", d))]
     lib = cpp.TORCH_LIB_PATH
     link_flags = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
@@ -171,7 +171,7 @@ class OpWatch:
     `check_alive` watches).
     """
 
-    def __init__(self, library: Path):
+    def __init__(self, library: Path) -> None:
         """Loads `library` (from `build_library`) and installs its callback; see `load`."""
         lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
         for name, restype, argtypes in (
@@ -190,7 +190,7 @@ class OpWatch:
         if lib.opwatch_install() != 0:
             raise ToolchainError("torch refused to register the op watcher's RecordFunction callback")
         self.library = library
-        self._lib = lib
+        self.lib = lib  # its functions, typed above (the worker binds two before any candidate code)
         # the CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): plain
         # native code of the harness's, not the op counter's; here because this is the harness's library
         self.cpu_close = lib.cudagym_cpu_close
@@ -207,17 +207,17 @@ class OpWatch:
 
     def arm(self) -> None:
         """Count ops from now on (on every thread)."""
-        self._lib.opwatch_arm()
+        self.lib.opwatch_arm()
         self._state_changes += 1
 
     def disarm(self) -> None:
         """Stop counting; the counts stay until `reset`."""
-        self._lib.opwatch_disarm()
+        self.lib.opwatch_disarm()
         self._state_changes += 1
 
     def reset(self) -> None:
         """Zero every count."""
-        self._lib.opwatch_reset()
+        self.lib.opwatch_reset()
         self._state_changes += 1
 
     def ops(self) -> list[OpCount]:
@@ -225,7 +225,7 @@ class OpWatch:
         cap = 1 << 14
         while True:
             buf = ctypes.create_string_buffer(cap)
-            need = self._lib.opwatch_dump(buf, cap)
+            need = self.lib.opwatch_dump(buf, cap)
             if need < cap:
                 break
             cap = need + 1024  # ops counted on other threads meanwhile may have made it longer
@@ -243,14 +243,14 @@ class OpWatch:
         out: Counter[str] = Counter()
         for op in self.ops():
             if not op.decomposes:
-                out[op.name] += op.count
+                out[op.name] += op.calls
         return out
 
     def callbacks_registered(self) -> int:
         """RecordFunction callbacks (global or thread-local) registered in this process so far by
         anyone but this method, this library's own included (see opwatch.cpp); removed or
         disabled ones too."""
-        return int(self._lib.opwatch_callbacks_registered())
+        return int(self.lib.opwatch_callbacks_registered())
 
     def check_alive(self) -> str | None:
         """None while the watcher works on the calling thread; else the reason it does not.
@@ -259,9 +259,9 @@ class OpWatch:
         its own (not counted) and checks that the callback saw it, that RecordFunction is on
         for this thread, and that nobody but this object armed, disarmed or reset the counter.
         """
-        code = self._lib.opwatch_alive()
+        code = self.lib.opwatch_alive()
         if code in _ALIVE_FAILURES:
             return _ALIVE_FAILURES[code]
-        if self._lib.opwatch_state_changes() != self._state_changes:
+        if self.lib.opwatch_state_changes() != self._state_changes:
             return "the op watcher was armed, disarmed or reset by code other than the harness"
         return None

@@ -142,7 +142,8 @@ def records_from_counts(counts: dict[str, int]) -> list[KernelRecord]:
             continue
         slot = acc.setdefault((parts[2], parts[4], parts[3]), [0, 0])
         slot[0 if parts[1] == "launches" else 1] = int(n)
-    return [KernelRecord(via, name, origin, launches, threads) for (via, name, origin), (launches, threads) in acc.items()]
+    return [KernelRecord(via, name, origin, launches, threads)
+            for (via, name, origin), (launches, threads) in acc.items()]
 
 
 # The timed loop's model calls (probes excluded), counted by the worker beside the op counts.
@@ -157,7 +158,7 @@ class KernelWatch:
     """The loaded kernel watcher. Its C state is per process; hold one per process, and bind what
     the harness needs before any candidate code runs (as for `OpWatch`)."""
 
-    def __init__(self, library: Path):
+    def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
         for name, restype, argtypes in (
             ("origin_install", ctypes.c_int, [ctypes.c_char_p]),
@@ -301,7 +302,7 @@ def _op_names() -> dict[str, str]:
     import torch
 
     out: dict[str, str] = {}
-    for full in torch._C._dispatch_get_all_op_names():
+    for full in torch._C._dispatch_get_all_op_names():  # noqa: SLF001 - torch's dispatcher registry
         ns, _, rest = full.partition("::")
         if ns != "aten":
             continue

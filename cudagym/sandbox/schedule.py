@@ -10,18 +10,22 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import itertools
 import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
 from cudagym.sandbox.bridge import LoopThread
 from cudagym.sandbox.gpu import gpu_count
 from cudagym.sandbox.worker.wire import TIMING_KINDS, Job
+
+if TYPE_CHECKING:
+    from cudagym.sandbox.config import SpareWorkerConfig
 
 Ready = Callable[[str], Awaitable[Any]]  # a ready worker of the device
 RunOn = Callable[[Job, str, "Responder | None", Any], Awaitable[tuple[JobOutcome, "asyncio.Future[None]"]]]
@@ -153,14 +157,14 @@ class JobScheduler:
                 else:
                     gone.add_done_callback(release)
             return _waits(outcome, t0, t_ready, t_leased)
-        if self._cpu_slots is None:
+        if self._cpu_slots is None or self._cpu_timing is None:  # both are made at once
             self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
             self._cpu_timing = asyncio.Lock()
         worker = await ready(device)
         t_ready = time.perf_counter()
-        hold = self._cpu_timing if exclusive else self._cpu_slots
+        slot: asyncio.Lock | asyncio.Semaphore = self._cpu_timing if exclusive else self._cpu_slots
         try:
-            await hold.acquire()  # type: ignore[union-attr]
+            await slot.acquire()
         except BaseException:
             unused(worker)
             raise
@@ -170,7 +174,7 @@ class JobScheduler:
             if exclusive:
                 await gone
         finally:
-            hold.release()  # type: ignore[union-attr]
+            slot.release()
         return _waits(outcome, t0, t_ready, t_leased)
 
 
@@ -196,7 +200,7 @@ class QuietWindows:
     thread, the rest on the loop."""
 
     def __init__(self, pause: Callable[[list[Any], bool], int | None], others: Callable[[], list[Any]],
-                 load: Callable[[], tuple[float, float, float]] | None = None):
+                 load: Callable[[], tuple[float, float, float]] | None = None) -> None:
         self._pause, self._others, self._load = pause, others, load
         self._lock = threading.Lock()
         self._paused: list[Any] | None = None  # None: no window open
@@ -301,6 +305,8 @@ class SpareWorkerSandbox(Sandbox):
     and `_stop_spares` (stop them at `close`)."""
 
     _stop_timeout_s = 10.0
+    config: SpareWorkerConfig  # the backend's settings
+    _spares: dict[str, list[Any]]  # the backend's ready spares, per device
 
     def _start_loop(self, name: str) -> None:
         self._loop_thread = LoopThread(name)
@@ -435,7 +441,5 @@ class SpareWorkerSandbox(Sandbox):
             self._loop_thread.stop()
 
     def __del__(self) -> None:  # best effort: never leave spares behind
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: BLE001
-            pass

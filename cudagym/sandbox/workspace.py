@@ -14,6 +14,7 @@ Only `model_new.py` and files under `kernels/` are writable through this API.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import shutil
@@ -32,7 +33,7 @@ SOURCE_SUFFIXES = (".cu", ".cpp", ".cc", ".c", ".h", ".hpp", ".cuh")
 class Workspace:
     """A directory holding one candidate solution; all paths are relative to `root`."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise WorkspaceError(f"workspace {self.root} does not exist")
@@ -146,7 +147,7 @@ class Workspace:
                 h.update(str(st.st_mtime_ns).encode())
         return h.hexdigest()
 
-    def kernel_sources(self) -> list[Path]:
+    def kernel_sources(self) -> builtins.list[Path]:  # `list` here is the method above
         """Compilable sources under kernels/ (headers excluded), sorted."""
         kdir = self.root / "kernels"
         if not kdir.is_dir():

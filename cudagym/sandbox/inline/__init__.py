@@ -23,9 +23,9 @@ never compiles and never writes the cache. Three parties:
   only writable directory), on a copy of the workspace's declared files made by the parent
   (`kernels/` and `model_new.py`, as the compile tool copies them: no precompiled headers, no
   symlinks or FIFOs, bounded; see `cudagym.sandbox.toolchain.copy_sources`), never on the
-  workspace itself, which a job that ran candidate code may have written; with torch's final import step disabled, so the library is never
-  loaded and none of its static constructors run. Its build file is rewritten to record every
-  dependency: `-MD` instead of torch's `-MMD` (which a source can blind with
+  workspace itself, which a job that ran candidate code may have written; with torch's final import
+  step disabled, so the library is never loaded and none of its static constructors run. Its build
+  file is rewritten to record every dependency: `-MD` instead of torch's `-MMD` (which a source can blind with
   `#pragma GCC system_header`), `.d` files kept, and GNU as's `--MD` for `.incbin`.
 
 The key hashes the canonical arguments (sources, functions, flags, include paths; paths

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cudagym.sandbox.deps import (Roots, UnrecordedDependency, VariantStore, host_path, parse_depfile, record,
+from cudagym.sandbox.deps import (Roots, UnrecordedDependencyError, VariantStore, host_path, parse_depfile, record,
                                   system_roots)
 from cudagym.sandbox.inline.flags import refusal
 from cudagym.sandbox.inline.requests import (COPIED_FILES, INLINE_DIR, KINDS, MAX_SOURCE_BYTES, MAX_SOURCE_FILES,
@@ -47,7 +47,7 @@ class InlineBuildCache:
     build job gets; `store` files the built library with its dependency manifest. Thread-safe.
     """
 
-    def __init__(self, cache_dir: Path, bound: CacheBound | None = None, max_output_bytes: int = 256 << 20):
+    def __init__(self, cache_dir: Path, bound: CacheBound | None = None, max_output_bytes: int = 256 << 20) -> None:
         self.root = Path(cache_dir).resolve() / INLINE_DIR
         self.bound = bound  # the build cache's size bound, enforced after each store
         self.max_output_bytes = max_output_bytes  # of one module stored (ToolchainConfig.max_build_output_mb)
@@ -59,7 +59,8 @@ class InlineBuildCache:
         """The checked form of `request`; InlineCompileError naming what is refused."""
         import torch.utils.cpp_extension as cpp
 
-        if not isinstance(request, dict) or request.get("kind") not in KINDS or not isinstance(request.get("args"), dict):
+        if (not isinstance(request, dict) or request.get("kind") not in KINDS
+                or not isinstance(request.get("args"), dict)):
             raise InlineCompileError(f"a malformed extension build request: {str(request)[:200]}")
         kind, site = request["kind"], str(request.get("site", "?"))[:300]
         try:
@@ -120,9 +121,9 @@ class InlineBuildCache:
         what = f"{build.kind} module '{build.name}' ({build.site})"
         size = lib.stat().st_size
         if size > self.max_output_bytes:
-            raise InlineCompileError(f"{what} failed to compile:\nits library holds {size >> 20} MiB, over the limit of "
-                                     f"{self.max_output_bytes >> 20} MiB for one build; a large initialized array or "
-                                     f"table belongs in memory allocated at run time")
+            raise InlineCompileError(f"{what} failed to compile:\nits library holds {size >> 20} MiB, over the "
+                                     f"limit of {self.max_output_bytes >> 20} MiB for one build; a large "
+                                     f"initialized array or table belongs in memory allocated at run time")
 
         def listed(pattern: str) -> list[str]:
             return [host_path(d, paths or {}) for f in sorted(build_dir.glob(pattern))
@@ -136,7 +137,7 @@ class InlineBuildCache:
             else:
                 manifest = record(listed("*.d"), cwd=build_dir, workspace=workspace, trusted=self.trusted_roots()[0],
                                   exclude=Roots([str(staging)]), assembler=listed("*.asd"))
-        except UnrecordedDependency as e:  # nothing is stored
+        except UnrecordedDependencyError as e:  # nothing is stored
             repl = {str(copy) + "/": "", str(build_dir) + "/": "", str(workspace) + "/": ""}
             raise InlineCompileError(f"{what} failed to compile:\n" + "\n".join(
                 f"error: {relativize(p, repl)}" for p in e.problems)) from None

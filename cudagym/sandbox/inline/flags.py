@@ -102,10 +102,10 @@ def _check_compile_words(words: list[str], tool: str, include_roots: Roots, lib_
             return f"{w!r} is refused: it {_REFUSED[refused]}"
         sub = _option(w, _SUBTOOL) if tool == "nvcc" else None
         sep = _option(w, _SEPARATE) if sub is None else None
-        if sub is None and sep is None:
+        option = sub or sep
+        if option is None:
             i += 1
             continue
-        option = sub or sep
         value = w[len(option):].lstrip("=")
         if not value and w == option:
             value = words[i + 1] if i + 1 < len(words) else ""

@@ -27,15 +27,18 @@ def build_extension(request: dict[str, Any], build_dir: Path) -> None:
     for var in ("CC", "CXX", "PYTORCH_NVCC", "TORCH_EXTENSION_SKIP_NVCC_GEN_DEPENDENCIES"):
         os.environ.pop(var, None)  # the key names `c++` and CUDA_HOME's nvcc, with dependency output
     gnu_as = "Free Software Foundation" in compiler_identity(False)
-    write_ninja = cpp._write_ninja_file
+    write_ninja = cpp._write_ninja_file  # noqa: SLF001 - torch's ninja writer, wrapped
 
     def write_tracked(*args: Any, **kwargs: Any) -> None:
         write_ninja(*args, **kwargs)
         _track_all_dependencies(Path(kwargs["path"] if "path" in kwargs else args[0]), gnu_as)
 
-    cpp._write_ninja_file = write_tracked
-    cpp._import_module_from_library = lambda module_name, path, is_python_module: os.path.join(
-        path, module_name + cpp.LIB_EXT)  # never load what was built here
+    cpp._write_ninja_file = write_tracked  # noqa: SLF001 - torch's ninja writer, wrapped
+
+    def built_path(module_name: str, path: str, is_python_module: bool) -> str:
+        return os.path.join(path, module_name + cpp.LIB_EXT)  # never load what was built here
+
+    cpp._import_module_from_library = built_path  # noqa: SLF001 - torch's loader, replaced
     kind, args = request["kind"], dict(request["args"])
     name = args["name"]
     workspace = request["workspace"]
@@ -50,8 +53,8 @@ def build_extension(request: dict[str, Any], build_dir: Path) -> None:
             raise InlineCompileError(f"{kind} module '{name}' ({request['site']}) cannot be built: "
                                      f"{type(e).__name__}: {str(e)[:2000]}") from None
         implicit = not args.get("no_implicit_headers", False)
-        offsets = {"main.cpp": ("cpp_sources", 1 if implicit else 0), "cuda.cu": ("cuda_sources", 3 if implicit else 0)} \
-            if kind == "load_inline" else {}
+        offsets = ({"main.cpp": ("cpp_sources", 1 if implicit else 0),
+                    "cuda.cu": ("cuda_sources", 3 if implicit else 0)} if kind == "load_inline" else {})
         raise InlineCompileError(_readable_error(f"{kind} module '{name}' ({request['site']})", str(e), build_dir,
                                                  Path(workspace), offsets)) from None
 

@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ class InlineLoader:
     missing: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
-    _originals: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
+    originals: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)  # torch's, by kind
     _modules: dict[str, Any] = field(default_factory=dict, repr=False)
     _identity: dict[bool, str] = field(default_factory=dict, repr=False)
 
@@ -54,7 +55,7 @@ class InlineLoader:
 
     def _load(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         site = _call_site(self.workspace)
-        bound = inspect.signature(self._originals[kind]).bind(*args, **kwargs)
+        bound = inspect.signature(self.originals[kind]).bind(*args, **kwargs)
         bound.apply_defaults()
         canon = canonical_args(dict(bound.arguments), self.workspace, Path.cwd())
         with_cuda = with_cuda_of(kind, canon)
@@ -105,8 +106,8 @@ def install_inline_loader(cache_dir: Path, workspace: Path) -> InlineLoader:
     """
     import torch.utils.cpp_extension as cpp
 
-    loader = InlineLoader(Path(cache_dir).resolve() / INLINE_DIR, Path(workspace).resolve())
-    loader._originals = {"load_inline": cpp.load_inline, "load": cpp.load}
+    loader = InlineLoader(Path(cache_dir).resolve() / INLINE_DIR, Path(workspace).resolve(),
+                          originals={"load_inline": cpp.load_inline, "load": cpp.load})
     cpp.load_inline = loader.load_inline
     cpp.load = loader.load
     _INSTALLED[:] = [loader]
@@ -121,7 +122,7 @@ def inline_problems() -> list[str]:
 def _call_site(workspace: Path) -> str:
     """`path:line` of the innermost frame in a workspace file: the candidate's call."""
     prefix = str(workspace) + os.sep
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - the caller's frame
     while frame is not None:
         if frame.f_code.co_filename.startswith(prefix):
             return f"{frame.f_code.co_filename[len(prefix):]}:{frame.f_lineno}"

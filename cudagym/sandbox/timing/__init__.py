@@ -93,7 +93,7 @@ dispatcher kernel or hook of anyone's sees a position before its value is taken;
 hook does after the call returns and before the close runs inside the interval, and is timed;
 (3) pages a fault handler fills on first read are filled, and timed, in the close. After it the
 harness sends the evidence's raw bytes (`Evidence.raw`) with no ATen op, and a Python profile,
-trace or monitoring hook found right after the call (`foreign_hooks`) is `TimerTampered`. Left:
+trace or monitoring hook found right after the call (`foreign_hooks`) is `TimerTamperedError`. Left:
 a native thread of the candidate's that rewrites the evidence buffers between the close and the
 pipe write (it must find them and know the positions: they are in the buffer only after the
 close), and native code that edits the interpreter's or torch's state directly.
@@ -124,12 +124,13 @@ from cudagym.sandbox.timing.timer import (CALIBRATION_CALLS, CALIBRATION_ELEMENT
                                           LARGE_CALIBRATION_ELEMENTS, MAX_OVERHEAD_NS, PLACEMENT_BYTES, PROJECTIONS,
                                           PROTOCOL_VERSION, READ_SLACK_NS, READ_SLACK_REL, SAMPLE_SIZE,
                                           STRIDED_CALIBRATION_ELEMENTS, TAIL_ALLOWANCE_MS, Calibration, DeviceTimer,
-                                          TimerTampered, call_ms, drive_calls, foreign_hooks, harness_calibration,
+                                          TimerTamperedError, call_ms, drive_calls, foreign_hooks, harness_calibration,
                                           projection, refill_, touch_pages, use_native_close)
 
 __all__ = ["CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CLOSE_TIMEOUT_NS", "GATE_THREADS", "LARGE_CALIBRATION_CALLS",
-           "LARGE_CALIBRATION_ELEMENTS", "MAX_CPU_DIMS", "MAX_OVERHEAD_NS", "MAX_SAMPLED_DIMS", "MAX_SAMPLED_OUTPUTS", "PLACEMENT_BYTES",
+           "LARGE_CALIBRATION_ELEMENTS", "MAX_CPU_DIMS", "MAX_OVERHEAD_NS", "MAX_SAMPLED_DIMS", "MAX_SAMPLED_OUTPUTS",
+           "PLACEMENT_BYTES",
            "PROJECTED_KINDS", "PROJECTIONS", "PROTOCOL_VERSION", "READ_SLACK_NS", "READ_SLACK_REL", "SAMPLE_SIZE",
            "STRIDED_CALIBRATION_ELEMENTS", "TAIL_ALLOWANCE_MS", "Calibration", "DeviceTimer", "Evidence", "Gate",
-           "TimerTampered", "call_ms", "drive_calls", "foreign_hooks", "gate_kernels", "gate_source",
+           "TimerTamperedError", "call_ms", "drive_calls", "foreign_hooks", "gate_kernels", "gate_source",
            "harness_calibration", "projection", "refill_", "touch_pages", "use_native_close"]

@@ -39,7 +39,7 @@ class Evidence(NamedTuple):
 class Reading:
     """What the close kernel reads of one call (GPU), gathered by `read_at_end` while `after` runs."""
 
-    def __init__(self, seed: int, projections: torch.Tensor | None):
+    def __init__(self, seed: int, projections: torch.Tensor | None) -> None:
         self.samples = Samples(seed=seed)
         self.kept: list[torch.Tensor] = []  # alive until the close kernel has read them
         self.projections = projections  # (MAX_SAMPLED_OUTPUTS, PROJECTIONS), zeroed before the open gate
@@ -67,8 +67,8 @@ class Reading:
                           count=n if count else 0, elem_size=t.element_size(), ndim=len(shape))
         for d, (size, stride) in enumerate(zip(shape, strides)):
             entry.sizes[d], entry.strides[d] = size, stride
-        raw = (memoryview(values.view(torch.uint8).numpy()) if n else memoryview(b""),
-               None if positions is None else memoryview(positions.view(torch.uint8).numpy()))
+        raw = (values.view(torch.uint8).numpy().data if n else memoryview(b""),
+               None if positions is None else positions.view(torch.uint8).numpy().data)
         ev = Evidence(values.view(t.shape) if positions is None else values, positions, None, 0, raw)
         self.cpu.append((entry, (t, ev if count else None)))  # t: alive until the close has read it
         return ev

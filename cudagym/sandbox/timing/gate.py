@@ -134,7 +134,8 @@ __device__ __noinline__ void add_block(Acc acc, double* proj) {
     __syncthreads();
 }
 template <int KIND, typename T>
-__device__ __noinline__ void project_dense(const T* src, unsigned long long n, unsigned int s0, unsigned int s1, double* proj) {
+__device__ __noinline__ void project_dense(const T* src, unsigned long long n, unsigned int s0, unsigned int s1,
+                                           double* proj) {
     const volatile T* p = (const volatile T*)src;
     const unsigned long long stride = (unsigned long long)gridDim.x * THREADS;
     Acc acc = {0.0, 0.0, 0.0, 0.0};
@@ -154,13 +155,15 @@ __device__ __noinline__ void project_strided(const Sampled& s, unsigned int s0, 
             off += (rest % s.sizes[d]) * s.strides[d];
             rest /= s.sizes[d];
         }
-        accumulate(component((const volatile unsigned char*)s.src + off * s.elem_size + (i & (parts - 1)) * part_size, kind),
+        accumulate(component((const volatile unsigned char*)s.src + off * s.elem_size
+                             + (i & (parts - 1)) * part_size, kind),
                    i, s0, s1, acc);
     }
     add_block(acc, (double*)s.proj);
 }
 __device__ void project(const Sampled& s, unsigned int o, unsigned long long seed) {
-    const unsigned int s0 = (unsigned int)seed ^ mix32(2u * o + 1u), s1 = (unsigned int)(seed >> 32) ^ mix32(2u * o + 2u);
+    const unsigned int s0 = (unsigned int)seed ^ mix32(2u * o + 1u),
+                       s1 = (unsigned int)(seed >> 32) ^ mix32(2u * o + 2u);
     if (!(s.ndim == 1 && s.strides[0] == 1)) { project_strided(s, s0, s1); return; }
     double* proj = (double*)s.proj;
     const unsigned long long n = (unsigned long long)s.numel;  // contiguous: no index arithmetic
@@ -207,7 +210,8 @@ cudagym_gate_close(unsigned int* gate, unsigned int blocks, unsigned int timeout
         for (unsigned long long i = tid; i < (unsigned long long)s.count; i += stride) {
             long long flat = (long long)i;
             if (s.count != s.numel)
-                flat = (long long)((mix64(samples.seed + 0x9e3779b97f4a7c15ull * ((unsigned long long)o << 32 | i)) >> 11)
+                flat = (long long)((mix64(samples.seed
+                                          + 0x9e3779b97f4a7c15ull * ((unsigned long long)o << 32 | i)) >> 11)
                                    % (unsigned long long)s.numel);
             long long off = 0, rest = flat;
             for (int d = (int)s.ndim - 1; d >= 0; --d) {
@@ -280,6 +284,8 @@ def gate_kernels(index: int) -> Gate:
     with torch.cuda.device(index):
         ptx, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open")
         kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
+        if not isinstance(kernels, dict):  # torch returns the module itself only when no names are given
+            raise RuntimeError(f"torch loaded the gate module without its kernels ({type(kernels).__name__})")
         resident = ctypes.c_int(0)
         libcuda = _get_gpu_runtime_library()
         for k in (kernels["cudagym_gate_open"], kernels["cudagym_gate_close"]):

@@ -27,7 +27,8 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
 # 12: the CPU target's close (page reads, sample draw and reads) is one native call inside the interval;
 # 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
-# are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call that launches nothing
+# are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call
+# that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
 PROTOCOL_VERSION = "gated-events-12"
@@ -129,7 +130,7 @@ def use_native_close(fn: Any) -> None:
     _NATIVE_CLOSE[:] = [fn]
 
 
-class TimerTampered(Exception):
+class TimerTamperedError(Exception):
     """Something the candidate set up would run between a call's close and its evidence's send."""
 
 
@@ -172,7 +173,8 @@ class Calibration(NamedTuple):
         """What is left out of a call whose close took `read_ns` to read its outputs and to
         project `dense` contiguous elements (max(elements, bytes / 4) of each) and `strided`
         others."""
-        grown = self.read_ps_per_element * max(dense - CALIBRATION_ELEMENTS, 0) + self.read_ps_per_strided_element * strided
+        grown = (self.read_ps_per_element * max(dense - CALIBRATION_ELEMENTS, 0)
+                 + self.read_ps_per_strided_element * strided)
         return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns + int(grown / 1000))
 
 
@@ -185,10 +187,11 @@ class DeviceTimer:
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
-                 calibration: Calibration | None = None, native_close: Any = None):
+                 calibration: Calibration | None = None, native_close: Any = None) -> None:
         self.device = device
         # the CPU close (`_close_cpu`): the harness's native one (a worker's timer always has it)
-        self._native_close = None if device.type == "cuda" else native_close or (_NATIVE_CLOSE[0] if _NATIVE_CLOSE else None)
+        self._native_close = (None if device.type == "cuda"
+                              else native_close or (_NATIVE_CLOSE[0] if _NATIVE_CLOSE else None))
         self.cuda = device.type == "cuda"
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self._perf = time.perf_counter
@@ -239,13 +242,13 @@ class DeviceTimer:
         return torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
-             after: Callable[[Any], None] | None = None, copies: torch.Tensor | None = None) -> tuple[Any, float]:
+             after: Callable[[Any], object] | None = None, copies: torch.Tensor | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         once the call has returned, to register its outputs with `read_at_end`, inside the
         interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
         reads them; on the CPU: before the native close, which reads them; see `cudagym.sandbox.timing`).
         `copies` (`copy_plan`; GPU): what the open gate copies at the window's end, before the
-        start event. CPU: raises `TimerTampered` after the interval if a Python hook that is not
+        start event. CPU: raises `TimerTamperedError` after the interval if a Python hook that is not
         the harness's was active when the call returned."""
         if not self.cuda:
             # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
@@ -272,7 +275,7 @@ class DeviceTimer:
             if failed:
                 raise RuntimeError("the timer's CPU close failed (getrandom)")
             if hooks:
-                raise TimerTampered(f"a Python hook the harness did not set was active after the call: {hooks}")
+                raise TimerTamperedError(f"a Python hook the harness did not set was active after the call: {hooks}")
             return out, ms
         # one stream for the gates, the events and the call (see `cudagym.sandbox.timing`): the caller's
         stream = torch.cuda.current_stream(self.device)
@@ -283,7 +286,8 @@ class DeviceTimer:
             self._cudart.cudaCtxResetPersistingL2Cache()
         plan, n_copies = (copies, copies.numel() // 3) if copies is not None else (self._gate, 0)
         self._stamps.zero_()
-        # the close kernel adds each output's projections here (zeroed now: no kernel of the harness's between call and close)
+        # the close kernel adds each output's projections here (zeroed now: no kernel of the harness's
+        # between call and close)
         projections = (torch.zeros(MAX_SAMPLED_OUTPUTS, PROJECTIONS, dtype=torch.float64, device=self.device)
                        if after is not None else None)
         self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps],
@@ -438,8 +442,8 @@ class DeviceTimer:
         timed = []
         for _ in range(CALIBRATION_CALLS if calls is None else calls):
             ms = self.call(lambda: None, [], read)[1]
-            read_ns = self.read_phase_ns
-            timed.append((ms * 1e6 - read_ns, read_ns, self.host_ms or 0.0))
+            phase_ns = self.read_phase_ns
+            timed.append((ms * 1e6 - phase_ns, phase_ns, self.host_ms or 0.0))
         # a call the host launched after the window's end holds that lateness: not the timer's own
         on_time = [t for t in timed if t[2] <= self.window_ms] or timed
         read_ns = statistics.median(t[1] for t in on_time)
@@ -542,7 +546,8 @@ def drive_calls(
             refill_([s if s is not None else a for s, a in zip(stage, args)], inputs_for(seed))
             seen: dict[str, Any] = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
-            spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8, device=timer.device)
+            spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8,
+                                  device=timer.device)
                       if timer.cuda else None)
             out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k])
             del spacer

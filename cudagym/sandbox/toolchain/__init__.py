@@ -83,7 +83,8 @@ from cudagym.sandbox.toolchain.compilers import (MAX_LOG_LINES, ToolRun, fallbac
 from cudagym.sandbox.toolchain.sources import (PCH_MAGIC, PCH_SUFFIXES, SKIPPED_DIRS, SourceCopy, copy_sources,
                                                source_listing)
 
-__all__ = ["BINDING_SUFFIX", "CACHE_FORMAT", "MAX_LOG_LINES", "OBJECT_FILE", "PCH_MAGIC", "PCH_SUFFIXES", "SKIPPED_DIRS",
+__all__ = ["BINDING_SUFFIX", "CACHE_FORMAT", "MAX_LOG_LINES", "OBJECT_FILE", "PCH_MAGIC", "PCH_SUFFIXES",
+           "SKIPPED_DIRS",
            "CacheBound", "SourceCopy", "ToolRun", "Toolchain", "ToolchainConfig", "copy_sources", "detect_cuda_arch",
            "fallback_error", "over_output_limit", "parse_diagnostics", "relativize", "remove_entry", "run_tool",
            "sha256_of", "source_listing", "trim_log"]

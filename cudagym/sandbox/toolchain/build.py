@@ -5,6 +5,7 @@ workspace's compiles, look them up in and store them to the object cache, and li
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from cudagym.errors import ToolchainError
 from cudagym.core.verdict import CompileResult
-from cudagym.sandbox.deps import (Roots, UnrecordedDependency, VariantStore, outputs_intact, parse_depfile,
+from cudagym.sandbox.deps import (Roots, UnrecordedDependencyError, VariantStore, outputs_intact, parse_depfile,
                                   record, seal_outputs, system_roots)
 from cudagym.runtime import EXTENSION_NAME, LIBRARY_NAME
 from cudagym.sandbox.toolchain.cache import CacheBound, remove_entry, sha256_of
@@ -57,6 +58,11 @@ class ToolchainConfig(BaseModel):
     evict_grace_s: float = Field(default=300.0, ge=0)  # entries used this recently are kept (see CacheBound)
 
 
+def _place_object(obj: Path, directory: Path) -> None:
+    """Move a compiled object into its new cache variant's directory (`VariantStore.store`'s fill)."""
+    os.replace(obj, directory / OBJECT_FILE)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -73,7 +79,7 @@ def _alive(pid: int) -> bool:
 class _OutputBudget:
     """What one build's new objects hold, against `max_build_output_mb` (thread-safe)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
         self.over = False
@@ -131,7 +137,7 @@ class Toolchain:
     needs cannot be run at all.
     """
 
-    def __init__(self, cache_dir: Path, config: ToolchainConfig | None = None):
+    def __init__(self, cache_dir: Path, config: ToolchainConfig | None = None) -> None:
         self.cache_dir = Path(cache_dir).resolve()
         self.config = config or ToolchainConfig()
         for sub in ("objects", "artifacts", "src"):
@@ -171,7 +177,8 @@ class Toolchain:
         finally:
             shutil.rmtree(copy.root, ignore_errors=True)
         if copy.left_out:
-            note = "not copied for the build (a build reads only regular source files): " + ", ".join(copy.left_out[:20])
+            note = ("not copied for the build (a build reads only regular source files): "
+                    + ", ".join(copy.left_out[:20]))
             result = result.model_copy(update={"log": "\n".join(x for x in (note, result.log) if x)})
         if stored:
             self.bound.enforce(CacheBound.size_of(*stored), keep=(artifact,))
@@ -214,8 +221,7 @@ class Toolchain:
                     for c, (_, _, _, built) in zip(pending, runs, strict=True):
                         if built is not None:
                             obj, manifest = built
-                            c.variant = self._objects.store(c.key, manifest,
-                                                            lambda d, obj=obj: os.replace(obj, d / OBJECT_FILE),
+                            c.variant = self._objects.store(c.key, manifest, functools.partial(_place_object, obj),
                                                             created=created)
             finally:
                 for _, _, _, built in runs:
@@ -331,7 +337,7 @@ class Toolchain:
             dirs.append(py_inc)
         inc = [f for d in dirs for f in ("-isystem", d)]
         defs = [f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]  # noqa: SLF001 - torch's ABI flag
         pybind = getattr(cpp, "_get_pybind11_abi_build_flags", None)
         if pybind is not None:  # empty (and deprecated) from torch 2.10 on: pybind11 handles its ABI
             with warnings.catch_warnings():
@@ -358,7 +364,8 @@ class Toolchain:
             repl[str(obj)] = f"{c.rel}.o"
             out = relativize(run.output, repl)
             if run.timed_out:
-                return False, trim_log(out), [f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"], None
+                why = f"{c.rel}: error: compile timed out after {self.config.timeout_s:g} s"
+                return False, trim_log(out), [why], None
             if run.returncode != 0 or not obj.is_file():
                 if over_output_limit(run):
                     return False, trim_log(out), [f"{c.rel}: error: {self._output_limit_message()}"], None
@@ -374,7 +381,7 @@ class Toolchain:
             try:
                 manifest = record(listed("cpp.d"), cwd=ws.root, workspace=ws.root, trusted=plan.trusted,
                                   exclude=Roots([str(scratch), str(ws.build_dir / "tmp")]), assembler=listed("as.d"))
-            except UnrecordedDependency as e:
+            except UnrecordedDependencyError as e:
                 return False, trim_log(out), [f"{c.rel}: error: {relativize(p, self._replacements(ws))}"
                                               for p in e.problems], None
             keep = True

@@ -40,7 +40,7 @@ class CacheBound:
     LAYOUT = (("objects", 2), ("artifacts", 1), ("inline", 2))  # (subdirectory, depth of an entry)
 
     def __init__(self, root: Path, max_bytes: int, grace_s: float, rescan_s: float = 60.0,
-                 slack_bytes: int = 256 << 20):
+                 slack_bytes: int = 256 << 20) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.grace_s = grace_s

@@ -48,7 +48,7 @@ def raised_by_candidate(exc: BaseException, roots: list[str], depth: int = 0) ->
     return cause is not None and depth < 8 and raised_by_candidate(cause, roots, depth + 1)
 
 
-def _pin(cpus: str | None) -> None:
+def pin_cpus(cpus: str | None) -> None:
     """Restrict the calling thread (and threads it starts later) to `cpus` ("3" or "0,1,2")."""
     if cpus:
         try:
@@ -80,7 +80,7 @@ def main() -> None:
     else:
         fd = int(sys.argv[1])
         shm_fd = int(sys.argv[2]) if len(sys.argv) > 2 else None
-    _pin(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
+    pin_cpus(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
     clock = StartupClock()
     state = warm_host(clock)
     serve(fd, shm_fd, clock, state)
@@ -89,7 +89,7 @@ def main() -> None:
 class StartupClock:
     """Seconds of each start-up step, on the worker's own clock (sent with the ready frame)."""
 
-    def __init__(self, steps: dict[str, float] | None = None):
+    def __init__(self, steps: dict[str, float] | None = None) -> None:
         self.steps: dict[str, float] = dict(steps or {})
         self._t = time.perf_counter()
 

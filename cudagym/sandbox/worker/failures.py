@@ -21,7 +21,7 @@ MAX_MESSAGE = 1000  # characters of an exception's own message kept in a verdict
 class CandidateError(Exception):
     """The candidate's own code failed; `kind` is an ErrorKind value."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 

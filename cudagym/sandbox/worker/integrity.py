@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
 # from the audit). The harness never uses them: in a worker they do nothing but leave a note.
 PAUSE_SWITCHES = ("_toggle_collection_dynamic", "_enable_record_function")
-_SWITCH_MODULES = (torch._C._autograd, torch.autograd, torch.autograd.profiler)
+_SWITCH_MODULES = (torch._C._autograd, torch.autograd, torch.autograd.profiler)  # noqa: SLF001 - profiler switches
 
 
 def install_inert_switches(state: WorkerState) -> None:
@@ -58,6 +58,8 @@ def install_inert_switches(state: WorkerState) -> None:
             if hasattr(mod, name):
                 setattr(mod, name, switch)
 
+
+_TORCH_C = torch._C  # noqa: SLF001 - torch's C bindings: some of the functions below are theirs
 
 # The functions whose identity is snapshot before any candidate code runs and checked after.
 WATCHED: dict[str, tuple[Any, str]] = {
@@ -100,11 +102,11 @@ WATCHED: dict[str, tuple[Any, str]] = {
     "torch.Tensor.uniform_": (torch.Tensor, "uniform_"),
     "torch.Tensor.normal_": (torch.Tensor, "normal_"),
     # the timed loop's check that no dispatch or function mode of the candidate's sees its ops
-    "torch._C._len_torch_dispatch_stack": (torch._C, "_len_torch_dispatch_stack"),
-    "torch._C._len_torch_function_stack": (torch._C, "_len_torch_function_stack"),
+    "torch._C._len_torch_dispatch_stack": (_TORCH_C, "_len_torch_dispatch_stack"),
+    "torch._C._len_torch_function_stack": (_TORCH_C, "_len_torch_function_stack"),
     # the dispatcher check's own readers (`dispatch_table`)
-    "torch._C._dispatch_dump": (torch._C, "_dispatch_dump"),
-    "torch._C._dispatch_get_all_op_names": (torch._C, "_dispatch_get_all_op_names"),
+    "torch._C._dispatch_dump": (_TORCH_C, "_dispatch_dump"),
+    "torch._C._dispatch_get_all_op_names": (_TORCH_C, "_dispatch_get_all_op_names"),
 }
 
 
@@ -139,7 +141,8 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
     def refuse_hooks(event: str, args: tuple) -> None:
         if event in _HOOK_EVENTS:
             seen.append(event)
-            raise RuntimeError(f"{event} is refused in a cudagym worker (a hook would run code outside the timed calls)")
+            raise RuntimeError(f"{event} is refused in a cudagym worker "
+                               "(a hook would run code outside the timed calls)")
         if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
             name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
             if isinstance(name, str) and name.startswith(TORCH_MANGLED):
@@ -217,13 +220,15 @@ def check_tamper(state: WorkerState) -> None:
     if hooks := foreign_hooks():
         raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
     if state.pause_attempts:
-        raise CandidateError("tamper", f"the candidate tried to pause the profiler's op recording ({state.pause_attempts[0]})")
+        raise CandidateError("tamper", "the candidate tried to pause the profiler's op recording "
+                             f"({state.pause_attempts[0]})")
     originals = state.originals
     for name, (obj, attr) in WATCHED.items():
         if getattr(obj, attr, None) is not originals[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
     before = state.dispatch
-    if before and (changed := sorted(n for n, k in dispatch_table(originals).items() if n in before and before[n] != k)):
+    if before and (changed := sorted(n for n, k in dispatch_table(originals).items()
+                                     if n in before and before[n] != k)):
         raise CandidateError("tamper", "the candidate registered kernels of its own for torch's ops with the "
                              f"dispatcher ({', '.join(changed[:4])}): the harness runs torch's ops between calls")
     snap = state.snapshot
@@ -235,7 +240,8 @@ def check_tamper(state: WorkerState) -> None:
         if bound is not fn or getattr(fn, "__wrapped__", fn).__code__ is not code:
             raise CandidateError("tamper", f"the harness function {name} was replaced by the candidate")
     for (cls, attr), fn in snap.methods.items():
-        if cls.__dict__.get(attr) is not fn or (isinstance(fn, types.FunctionType) and fn.__code__ is not snap.method_code[(cls, attr)]):
+        if cls.__dict__.get(attr) is not fn or (isinstance(fn, types.FunctionType)
+                                                 and fn.__code__ is not snap.method_code[(cls, attr)]):
             raise CandidateError("tamper", f"the harness method {cls.__name__}.{attr} was replaced by the candidate")
 
 
@@ -247,8 +253,8 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.ops[func._schema.name] += 1
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # noqa: ANN001
+        self.ops[func._schema.name] += 1  # noqa: SLF001 - the op's schema name
         return func(*args, **(kwargs or {}))
 
 

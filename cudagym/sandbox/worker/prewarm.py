@@ -39,7 +39,7 @@ def profiler_available() -> bool:
 
 def _timer_modules() -> list[types.ModuleType]:
     """The modules of the timer's code that the harness calls (their own functions are snapshot too)."""
-    used = (timing.DeviceTimer, timing.Evidence, timing.TimerTampered, timing.drive_calls, timing.foreign_hooks,
+    used = (timing.DeviceTimer, timing.Evidence, timing.TimerTamperedError, timing.drive_calls, timing.foreign_hooks,
             timing.gate_kernels, timing.harness_calibration, timing.projection, timing.use_native_close)
     return list(dict.fromkeys(sys.modules[o.__module__] for o in used))
 
@@ -69,8 +69,8 @@ def prewarm_host() -> WorkerState:
     live_helpers()
     watch = OpWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home()))
     state.opwatch = watch
-    state.opwatch_changes = watch._lib.opwatch_state_changes  # bound before any candidate code
-    state.opwatch_callbacks = watch._lib.opwatch_callbacks_registered
+    state.opwatch_changes = watch.lib.opwatch_state_changes  # bound before any candidate code
+    state.opwatch_callbacks = watch.lib.opwatch_callbacks_registered
     timing.use_native_close(watch.cpu_close)  # the CPU timers' close: native code of the harness's own
     try:  # filelock (inductor's and Triton's caches) adds an audit hook of its own when first imported
         import filelock  # noqa: F401  (on Python >= 3.12): before the refusal, not at a candidate's compile

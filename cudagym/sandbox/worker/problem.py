@@ -42,12 +42,15 @@ def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
     if not path.is_file():
         raise CandidateError("exception", "model_new.py does not exist: write it first")
     spec = importlib.util.spec_from_file_location("model_new", path)
+    if spec is None or spec.loader is None:
+        raise CandidateError("exception", "model_new.py cannot be loaded as a Python module")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["model_new"] = mod
     try:
         spec.loader.exec_module(mod)
     except Exception as e:  # noqa: BLE001
-        raise CandidateError(failure_kind(e, state), "importing model_new.py failed:\n" + candidate_traceback(e, [ws])) from None
+        raise CandidateError(failure_kind(e, state),
+                             "importing model_new.py failed:\n" + candidate_traceback(e, [ws])) from None
     if not isinstance(getattr(mod, "ModelNew", None), type):
         raise CandidateError("exception", "model_new.py must define a class ModelNew(nn.Module)")
     return mod
@@ -71,7 +74,7 @@ class Problem:
     `params_retry` whether a second try could differ.
     """
 
-    def __init__(self, job: Job, state: WorkerState, with_candidate: bool):
+    def __init__(self, job: Job, state: WorkerState, with_candidate: bool) -> None:
         self.job = job
         self.state = state
         self.device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
@@ -147,7 +150,8 @@ class Problem:
 
     def intact(self) -> None:
         """Raise if the candidate rebound the reference's functions or this object's methods."""
-        if type(self) is not Problem or any(k in vars(self) for k in ("inputs", "sync", "sync_caller_stream", "intact")):
+        if type(self) is not Problem or any(k in vars(self)
+                                            for k in ("inputs", "sync", "sync_caller_stream", "intact")):
             raise CandidateError("tamper", "the harness's problem object was modified by the candidate")
         if any(getattr(self.ref_mod, k, None) is not v for k, v in self._ref_api.items()):
             raise CandidateError("tamper", "the reference module's functions were replaced by the candidate")

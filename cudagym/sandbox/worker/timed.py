@@ -18,10 +18,11 @@ import torch
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS
-from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, TimerTampered, drive_calls,
+from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, TimerTamperedError, drive_calls,
                                     foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import check_tamper, kernel_watch, kernels_alive, op_watch, watch_alive, watch_changes
+from cudagym.sandbox.worker.integrity import (check_tamper, kernel_watch, kernels_alive, op_watch, watch_alive,
+                                              watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -120,7 +121,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             if ev.raw is not None:
                 for what, t, raw, extra in (("sample", ev.values, ev.raw[0], {"full_shape": list(shape)}),
                                             ("positions", ev.positions, ev.raw[1], {})):
-                    if t is not None:
+                    if t is not None and raw is not None:  # raw is None exactly when t is
                         ch.send({"type": "tensor", "role": what, "trial": made[0] - 1, "index": j,
                                  "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), **extra}, raw)
                 continue
@@ -132,7 +133,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.clear()
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
-        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():  # noqa: SLF001 - mode stacks
             raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
         if made[0]:
             if state.hook_attempts or (hooks := foreign_hooks()):
@@ -173,7 +174,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     with torch.no_grad():
         try:
             n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
-        except TimerTampered as e:
+        except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
@@ -217,7 +218,8 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     ph.mark("telemetry")
     if problems := inline_problems():
         raise CandidateError("compile_error", "\n".join(problems))
-    ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry, "telemetry": {"before": tele0, "after": tele1},
+    ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry,
+              "telemetry": {"before": tele0, "after": tele1},
               "phases": ph.times, "diagnostics": ph.extra})
 
 
@@ -244,10 +246,11 @@ def run_baseline(job: Job, ch: Channel, state: WorkerState) -> None:
     ch.final({**body, "phases": ph.times, "diagnostics": ph.extra})
 
 
-def library_runs(p: Problem, job: Job, ch: Channel, ph: Phases, timer: DeviceTimer, state: WorkerState) -> dict[str, str]:
+def library_runs(p: Problem, job: Job, ch: Channel, ph: Phases, timer: DeviceTimer,
+                 state: WorkerState) -> dict[str, str]:
     """The timed loops of the job's library baselines (`cudagym.sandbox.library`), each planned,
     then checked against the reference on one input set; why each one that was not timed was not."""
-    from cudagym.sandbox.library import LibraryUnavailable, library_matmul
+    from cudagym.sandbox.library import LibraryUnavailableError, library_matmul
 
     errors: dict[str, str] = {}
     atol, rtol = job.library_tolerance
@@ -261,9 +264,9 @@ def library_runs(p: Problem, job: Job, ch: Channel, ph: Phases, timer: DeviceTim
                     got.float(), want.float(), atol=atol, rtol=rtol):
                 worst = (got.float() - want.float()).abs().max().item() if isinstance(want, torch.Tensor) \
                     and want.shape == got.shape else float("nan")
-                raise LibraryUnavailable(f"its result does not match the reference (max abs error {worst:.3g}, "
+                raise LibraryUnavailableError(f"its result does not match the reference (max abs error {worst:.3g}, "
                                          f"atol {atol:g}, rtol {rtol:g})")
-        except LibraryUnavailable as e:
+        except LibraryUnavailableError as e:
             errors[name] = str(e)
             continue
         ph.mark(f"{name}_plan")

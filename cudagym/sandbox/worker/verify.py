@@ -23,8 +23,9 @@ from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.origin import records_as_counts
 from cudagym.sandbox.timing import projection
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (OpRecorder, check_tamper, check_torch_lookups, kernel_watch, kernels_alive,
-                                              live_helpers, op_watch, poison_allocator, watch_alive, watch_changes)
+from cudagym.sandbox.worker.integrity import (OpRecorder, check_tamper, check_torch_lookups, kernel_watch,
+                                              kernels_alive, live_helpers, op_watch, poison_allocator, watch_alive,
+                                              watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args, same_bits
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -52,7 +53,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
     trials = job.trials
     ops: Counter[str] = Counter()
     out_bytes = 1 << 20
-    profiler_enabled = torch.autograd._profiler_enabled
+    profiler_enabled = torch.autograd._profiler_enabled  # noqa: SLF001 - torch's profiler flag
     watch = op_watch(state)
     changes = watch_changes(state)
     kwatch = kernel_watch(state, p.device)
@@ -69,7 +70,8 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
             p.sync()
             params = {q.data_ptr() for q in list(p.ref.parameters()) + list(p.ref.buffers())}
             for o in out:  # poison freed output memory before the candidate runs
-                if o.is_floating_point() and o.data_ptr() not in params and o._base is None:
+                view = o._base is not None  # noqa: SLF001 - a view's base tensor
+                if o.is_floating_point() and o.data_ptr() not in params and not view:
                     o.fill_(float("nan"))
             del out, args
 
@@ -98,7 +100,8 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
         except CandidateError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CandidateError(failure_kind(e, state), "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
+            raise CandidateError(failure_kind(e, state),
+                                 "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
         returned = clock()
         check(state)
         p.intact()
@@ -144,7 +147,8 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
     if problems := inline_problems():  # an extension verify had to do without, named
         raise CandidateError("compile_error", "\n".join(problems))
     ch.final({"ok": True, "trials": trials, "ops": dict(ops), "forbidden": forbidden_ops(ops),
-              "own_kernel_share": own_share, "params": p.params, "params_retry": p.params_retry, "phases": ph.times, "kernels": kernels,
+              "own_kernel_share": own_share, "params": p.params, "params_retry": p.params_retry, "phases": ph.times,
+              "kernels": kernels,
               "share_kernels": share_kernels, "kernel_watch_error": state.kwatch_error,
               "own_objects": own_objects(job)})
 

@@ -170,7 +170,7 @@ class Channel:
     """
 
     def __init__(self, fd: int, nonce: str, stdin: LineReader, shm_fd: int | None = None,
-                 premapped: mmap.mmap | None = None):
+                 premapped: mmap.mmap | None = None) -> None:
         self._fd, self._nonce, self._shm = fd, nonce, shm_fd
         self._write = os.write
         self._shm_off = 0
@@ -202,7 +202,8 @@ class Channel:
         if n and self._shm is not None and not pipe:
             off = self._shm_off
             if off + n > self._shm_cap:
-                raise CandidateError("output_format", f"the outputs exceed the result limit of {self._shm_cap >> 20} MB")
+                raise CandidateError("output_format",
+                                     f"the outputs exceed the result limit of {self._shm_cap >> 20} MB")
             if self._premapped is not None and off + n <= len(self._premapped):
                 mm, at = self._premapped, off  # populated (and page-locked on a GPU) while a spare
             else:
@@ -216,7 +217,7 @@ class Channel:
             self.send({**header, "offset": off, "nbytes": n})
             return
         c = c.to("cpu").contiguous()
-        raw = memoryview(c.reshape(-1).view(torch.uint8).numpy()).cast("B") if c.numel() else b""
+        raw = c.reshape(-1).view(torch.uint8).numpy().data.cast("B") if c.numel() else b""
         self.send(header, raw)
 
     def final(self, body: dict[str, Any]) -> None:
@@ -241,7 +242,7 @@ class LineReader:
     """Lines from a file descriptor, unbuffered beyond the current line's read (the job line,
     then the parent's answers, arrive on stdin one at a time)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int) -> None:
         self._fd, self._buf = fd, bytearray()
         self._read = os.read
 
@@ -277,7 +278,7 @@ class FrameReader:
     `Sandbox.run`), on the worker's stdin (`answer_fd`); `requests` counts them.
     """
 
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int, started: float | None = None):
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, max_bytes: int, started: float | None = None) -> None:
         self._fd, self._loop, self._budget = fd, loop, max_bytes
         self.ready: asyncio.Future[bool] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
@@ -387,7 +388,8 @@ def result_memory(capacity: int) -> int:
     return fd
 
 
-def _map_results(shm_fd: int, frames: list[tuple[dict[str, Any], memoryview]]) -> list[tuple[dict[str, Any], memoryview]]:
+def _map_results(shm_fd: int,
+                 frames: list[tuple[dict[str, Any], memoryview]]) -> list[tuple[dict[str, Any], memoryview]]:
     """Tensor frames with their bytes: from the pipe, or from the worker's result memory."""
     cap = os.fstat(shm_fd).st_size
     spans = []

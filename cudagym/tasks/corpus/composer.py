@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,7 @@ class EmitContext:
         self.attrs.append(name)
         return name
 
-    def input(self, base: str, dims: list[Dim | str], kind: str = "randn", high: Dim | None = None) -> str:
+    def input(self, base: str, dims: Sequence[Dim | str], kind: str = "randn", high: Dim | None = None) -> str:
         """A new model input of the given dims (Dim or a lower-case name from `size`)."""
         names = [self._dim_const(d, "size") for d in dims]
         high_name = self._dim_const(high, "num_classes") if high is not None else None

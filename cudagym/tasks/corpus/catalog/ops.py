@@ -226,9 +226,14 @@ _ACT_MODULES: dict[str, Callable[[EmitContext], str]] = {
 }
 
 
+def _of_context(ctor: Callable[[EmitContext], str]) -> Callable[[EmitContext, State], str]:
+    """`ctor` as a module op's constructor (which is also given the state, unused here)."""
+    return lambda c, s: ctor(c)
+
+
 def _add_activations(cat: Catalog) -> None:
     for name, ctor in _ACT_MODULES.items():
-        module_op(cat, f"nn.{name}", "activation", lambda c, s, ctor=ctor: ctor(c), name.lower(), weight=1.2)
+        module_op(cat, f"nn.{name}", "activation", _of_context(ctor), name.lower(), weight=1.2)
 
     def prelu(ctx: EmitContext, state: State) -> str:
         if choice(ctx, [True, False]) and state.fixed(1):
@@ -349,7 +354,8 @@ def _add_indexing(cat: Catalog) -> None:
     fn_op(cat, "torch.masked_fill", "indexing",
           lambda c, s: f"x.masked_fill(x < {choice(c, [-1.0, 0.0])}, {choice(c, [0.0, -1.0])})", weight=0.6)
     fn_op(cat, "torch.cat", "indexing",
-          lambda c, s: f"torch.cat([x, {choice(c, ['torch.relu(x)', 'x * x', 'torch.tanh(x)'])}], dim={reduce_dim(c, s)})",
+          lambda c, s: f"torch.cat([x, {choice(c, ['torch.relu(x)', 'x * x', 'torch.tanh(x)'])}], "
+                       f"dim={reduce_dim(c, s)})",
           weight=0.6)
 
     def pixel_shuffle(ctx: EmitContext, state: State) -> str:
@@ -376,7 +382,8 @@ def _add_indexing(cat: Catalog) -> None:
             return f"F.interpolate(x, scale_factor=2, mode={mode!r}{align})"
         return expr
 
-    fn_op(cat, "F.interpolate(nearest)", "indexing", upsample("nearest"), ranks=(3, 4, 5), starts=("image2d",), weight=0.6)
+    fn_op(cat, "F.interpolate(nearest)", "indexing", upsample("nearest"), ranks=(3, 4, 5), starts=("image2d",),
+          weight=0.6)
     fn_op(cat, "F.interpolate(bilinear)", "indexing", upsample("bilinear"), ranks=(4,), starts=("image2d",), weight=0.6)
 
     def index_select(ctx: EmitContext, state: State) -> bool:

@@ -5,9 +5,9 @@ with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from cudagym.tasks.corpus.composer import EmitContext, State
@@ -90,7 +90,10 @@ def fn_op(cat: Catalog, name: str, category: str, expr: Callable[[EmitContext, S
     cat.add(OpSpec(name, category, ranks, sample, starts=starts, weight=weight, terminal=terminal))
 
 
-def choice(ctx: EmitContext, options: list) -> object:
+_T = TypeVar("_T")
+
+
+def choice(ctx: EmitContext, options: Sequence[_T]) -> _T:
     return ctx.rng.choice(options)
 
 
