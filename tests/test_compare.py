@@ -10,7 +10,7 @@ import torch
 
 from cudagym.rewards import compare
 from cudagym.rewards.compare import Comparison, compare_outcome, compare_outputs
-from cudagym.sandbox.base import JobOutcome
+from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.tasks.loaders import bundled_task
 from cudagym.tasks.model import Tolerance

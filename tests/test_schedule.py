@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cudagym.sandbox.base import JobOutcome
+from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.schedule import JobScheduler, _GpuLease
 from cudagym.sandbox.worker.wire import Job
 

@@ -27,7 +27,7 @@ from cudagym.core.audit import (
 )
 from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
 from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
-from cudagym.sandbox.base import JobOutcome
+from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.feed import CallFeed
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
 from cudagym.sandbox.protocol import TimingConfig

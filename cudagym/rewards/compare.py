@@ -22,7 +22,7 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 
 from cudagym.core.verdict import ErrorKind
-from cudagym.sandbox.base import JobOutcome
+from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.tasks.model import Task, Tolerance
 

@@ -28,7 +28,8 @@ from cudagym.core.verdict import (
 from cudagym.rewards.checks import FORBIDDEN_IMPORTS, Audit, TimedRun, apply_checks, outcome_failure, release_later
 from cudagym.rewards.compare import Comparison, compare_outcome
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
-from cudagym.sandbox.base import JobOutcome, Sandbox
+from cudagym.sandbox.base import Sandbox
+from cudagym.sandbox.backends import open_sandbox
 from cudagym.sandbox.baselines import BaselineCache
 from cudagym.sandbox.bridge import run_sync
 from cudagym.sandbox.config import LocalSandboxConfig, SandboxConfig, reject_moved
@@ -39,7 +40,7 @@ from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 from cudagym.sandbox.ncu import ncu_job_limits
 from cudagym.sandbox.protocol import LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
-from cudagym.sandbox.worker.wire import Job, JobKind
+from cudagym.sandbox.worker.wire import Job, JobKind, JobOutcome
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.gemm import GEMM_SOURCE
 from cudagym.tasks.model import Target, Task
@@ -135,7 +136,7 @@ class Evaluator:
         self.toolchain = Toolchain(cache / "build", self.config.toolchain)
         self.inline_cache = InlineBuildCache(cache / "build", self.toolchain.bound,
                                             self.toolchain.config.max_build_output_mb << 20)
-        self.sandbox = sandbox or self.config.sandbox.open(home=cache / "home", read_only=[cache])
+        self.sandbox = sandbox or open_sandbox(self.config.sandbox, home=cache / "home", read_only=[cache])
         self.baselines = BaselineCache(cache / "baselines")
         self.audit = Audit(self.config, self._target)
         self._baseline_locks: dict[str, threading.Lock] = {}

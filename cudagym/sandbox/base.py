@@ -3,47 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from cudagym.sandbox.worker.wire import Job
-
-
-@dataclass
-class JobOutcome:
-    """What came back from one worker. `final` is None when the worker died or was killed."""
-
-    final: dict[str, Any] | None
-    tensors: list[tuple[dict[str, Any], bytes | memoryview]] = field(default_factory=list)
-    started: dict[str, Any] | None = None
-    returncode: int | None = None
-    timed_out: bool = False
-    memory_exceeded: bool = False
-    process_limited: bool = False
-    channel_error: str | None = None  # malformed or forged frames
-    output: str = ""  # the worker's stdout+stderr (the candidate's prints), trimmed
-    seconds: float = 0.0  # from the worker's ready frame to its exit
-    wait_s: float = 0.0  # waiting for a spare worker to be ready (start-up not yet done)
-    lease_wait_s: float = 0.0  # then waiting for the device (a GPU's lease, the CPU's slots)
-    phases: dict[str, float] = field(default_factory=dict)  # the worker's own time per phase (s)
-    # a timing job: another process used its GPU before or during it (what was seen); the
-    # timing is not valid
-    device_busy: str | None = None
-    # a timing job: the host's load during its timed loops (`QuietWindows.load`): windows,
-    # window_s, host_busy_s, job_busy_s, parent_busy_s, other_cores, frozen_jobs, frozen_processes
-    host_load: dict[str, Any] = field(default_factory=dict)
-    # where the job's directories were as the worker saw them, {worker path: host path}, for
-    # those it saw elsewhere than the host (a container's job directory); paths a job's outputs
-    # name (a build's dependency files) are read through it
-    paths: dict[str, str] = field(default_factory=dict)
-
-
-# Answers a worker's request during its job: `responder(request, arrived_s)` gets the request
-# frame's header and the `time.perf_counter()` at which it arrived, and returns the answer (a
-# JSON object written to the worker as one line). Called on the sandbox's own thread, one request
-# at a time per job; it must not block.
-Responder = Callable[[dict[str, Any], float], dict[str, Any]]
+from cudagym.sandbox.worker.wire import Job, JobOutcome, Responder
 
 
 class Sandbox(abc.ABC):

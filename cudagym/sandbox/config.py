@@ -2,22 +2,18 @@
 
 `SandboxConfig` is the discriminated union the evaluator holds (`backend: "local" | "docker"`);
 each setting is declared once here, with its default and its description (the command line's
-options read both from the fields, `cudagym.options`), and `config.open(...)` starts the backend
-it describes. The models import nothing heavy, so a config can be built and validated without
-importing a backend.
+options read both from the fields, `cudagym.options`); `cudagym.sandbox.backends.open_sandbox`
+starts the backend a config describes. The models import no backend, so a config can be built and
+validated without importing one.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
-
-if TYPE_CHECKING:
-    from cudagym.sandbox.docker import DockerSandbox
-    from cudagym.sandbox.local import LocalSandbox
 
 SPARES_PER_GPU = 6
 SPARES_ON_CPU = 2
@@ -68,12 +64,6 @@ class LocalSandboxConfig(SpareWorkerConfig):
     device_busy_wait_s: float = 30.0
     gpu_sharing_allow: tuple[str, ...] = ()  # process names that count as ours (e.g. "nvidia-cuda-mps-server")
 
-    def open(self, home: Path, read_only: list[Path]) -> LocalSandbox:
-        """The sandbox of these settings; workers' HOME is `home` (`read_only`: the docker
-        backend's extra mounts; a local worker reads the host's files under its Landlock rules)."""
-        from cudagym.sandbox.local import LocalSandbox
-
-        return LocalSandbox(self, home=home)
 
 
 class DockerSandboxConfig(SpareWorkerConfig):
@@ -100,12 +90,6 @@ class DockerSandboxConfig(SpareWorkerConfig):
     # host, on two cores with twelve runnable tasks); the daemon's default under systemd.
     cgroup_parent: str | None = None
 
-    def open(self, home: Path, read_only: list[Path]) -> DockerSandbox:
-        """The sandbox of these settings; workers' HOME is `home`, and `read_only` is mounted
-        read-only in every container (the evaluator's cache)."""
-        from cudagym.sandbox.docker import DockerSandbox
-
-        return DockerSandbox(self, home=home, read_only=read_only)
 
 
 # The backend a config is for, by its `backend` field ("local" or "docker")

@@ -43,7 +43,7 @@ import psutil
 
 import cudagym
 from cudagym.errors import SandboxError
-from cudagym.sandbox.base import JobOutcome, Responder
+from cudagym.sandbox.worker.wire import JobOutcome, Responder
 from cudagym.sandbox.config import DockerSandboxConfig
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.protocol import LimitsConfig

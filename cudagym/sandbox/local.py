@@ -27,7 +27,7 @@ import psutil
 
 import cudagym
 from cudagym.errors import SandboxError
-from cudagym.sandbox.base import JobOutcome, Responder
+from cudagym.sandbox.worker.wire import JobOutcome, Responder
 from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus

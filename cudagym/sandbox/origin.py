@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cudagym.errors import ToolchainError
+from cudagym.sandbox.native import build_shared
 
 SOURCE = Path(__file__).with_name("origin.cpp")
 
@@ -82,8 +83,6 @@ def cuda_include_dirs() -> list[str]:
 def build_library(cache_dir: Path) -> Path:
     """`cache_dir/opwatch/<key>/liborigin.so`, built from `origin.cpp` if absent (seconds: CUDA's
     and CUPTI's headers only; libcupti and libcuda are opened at install)."""
-    from cudagym.sandbox.opwatch import build_shared
-
     flags = ["-O2", "-fPIC", "-shared", "-std=c++17", *(f for d in cuda_include_dirs() for f in ("-isystem", d))]
     return build_shared(cache_dir, SOURCE, flags, ["-ldl"], "cuda-headers\n" + "\n".join(cuda_include_dirs()))
 

@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cudagym.sandbox.base import JobOutcome, Responder, Sandbox
+from cudagym.sandbox.base import Sandbox
 from cudagym.sandbox.bridge import LoopThread
 from cudagym.sandbox.gpu import gpu_count
-from cudagym.sandbox.worker.wire import TIMING_KINDS, Job
+from cudagym.sandbox.worker.wire import TIMING_KINDS, Job, JobOutcome, Responder
 
 if TYPE_CHECKING:
     from cudagym.sandbox.config import SpareWorkerConfig

@@ -68,5 +68,5 @@ def run_probe(job: Job, ch: Channel, state: WorkerState) -> None:
     try:
         exec(compile(job.probe or "", "<candidate probe>", "exec"), ns)  # noqa: S102
     except Exception as e:  # noqa: BLE001
-        raise CandidateError(failure_kind(e, state), candidate_traceback(e, [job.workspace])) from None
+        raise CandidateError(failure_kind(e, state.hook_attempts), candidate_traceback(e, [job.workspace])) from None
     ch.final({"ok": True, "result": repr(ns.get("RESULT"))[:2000]})

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import errno
 import traceback
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cudagym.sandbox.worker.state import WorkerState
 
 MAX_MESSAGE = 1000  # characters of an exception's own message kept in a verdict
 
@@ -26,9 +22,10 @@ class CandidateError(Exception):
         self.kind = kind
 
 
-def failure_kind(e: BaseException, state: WorkerState) -> str:
-    """Sandbox refusals (writes outside the workspace, network) are named as such."""
-    if state.hook_attempts:  # the refusal of a profile/trace/audit hook (`integrity.audit_hook`) surfaced here
+def failure_kind(e: BaseException, hook_attempts: list[str]) -> str:
+    """Sandbox refusals (writes outside the workspace, network) are named as such; any hook
+    refused so far (`WorkerState.hook_attempts`) makes the failure tampering."""
+    if hook_attempts:  # the refusal of a profile/trace/audit hook (`integrity.audit_hook`) surfaced here
         return "tamper"
     if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EROFS)):
         return "sandbox_violation"

@@ -24,7 +24,6 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym.sandbox.timing import foreign_hooks
 from cudagym.sandbox.worker.failures import CandidateError
+from cudagym.sandbox.worker.state import Snapshot, WorkerState
 
 if TYPE_CHECKING:
     from cudagym.sandbox.origin import KernelWatch
-    from cudagym.sandbox.worker.state import WorkerState
 
 # Switches that would pause the profiler's op recording inside a call (and so hide torch ops
 # from the audit). The harness never uses them: in a worker they do nothing but leave a note.
@@ -174,18 +173,6 @@ def dispatch_table(originals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 
 
 # -- the harness's own code ----------------------------------------------------------------------
-@dataclass(eq=False)
-class Snapshot:
-    """The harness's code as bound before any candidate code ran: every callable its modules name
-    (their own and imported ones), their own functions (cached ones too) with their code, and the
-    methods of its classes with theirs."""
-
-    names: dict[tuple[types.ModuleType, str], Any]
-    functions: dict[tuple[types.ModuleType, str], tuple[Any, Any]]
-    methods: dict[tuple[type, str], Any]
-    method_code: dict[tuple[type, str], Any]
-
-
 def own_functions(mod: types.ModuleType) -> dict[tuple[types.ModuleType, str], tuple[Any, Any]]:
     """The module's functions (cached ones too) and their code."""
     return {(mod, k): (v, getattr(v, "__wrapped__", v).__code__) for k, v in list(vars(mod).items())

@@ -49,7 +49,7 @@ def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
     try:
         spec.loader.exec_module(mod)
     except Exception as e:  # noqa: BLE001
-        raise CandidateError(failure_kind(e, state),
+        raise CandidateError(failure_kind(e, state.hook_attempts),
                              "importing model_new.py failed:\n" + candidate_traceback(e, [ws])) from None
     if not isinstance(getattr(mod, "ModelNew", None), type):
         raise CandidateError("exception", "model_new.py must define a class ModelNew(nn.Module)")
@@ -107,14 +107,14 @@ class Problem:
         try:
             self.cand = cls(*self._init)
         except Exception as e:  # noqa: BLE001
-            raise CandidateError(failure_kind(e, self.state), "ModelNew(*get_init_inputs()) failed:\n"
+            raise CandidateError(failure_kind(e, self.state.hook_attempts), "ModelNew(*get_init_inputs()) failed:\n"
                                  + candidate_traceback(e, [job.workspace])) from None
         if not isinstance(self.cand, torch.nn.Module):
             raise CandidateError("exception", f"ModelNew(...) built a {type(self.cand).__name__}, not an nn.Module")
         try:
             self.cand.to(self.device)
         except Exception as e:  # noqa: BLE001
-            raise CandidateError(failure_kind(e, self.state), "ModelNew.to(device) failed:\n"
+            raise CandidateError(failure_kind(e, self.state.hook_attempts), "ModelNew.to(device) failed:\n"
                                  + candidate_traceback(e, [job.workspace])) from None
         self.params = self._settle_parameters()
         check_tamper(self.state)
@@ -142,7 +142,8 @@ class Problem:
             self.cand.load_state_dict(ref_state)
         except Exception as e:  # noqa: BLE001 - shapes differ, or ModelNew's state_dict hooks fail
             if self.job.params == "state_dict":
-                raise CandidateError(failure_kind(e, self.state), "loading Model's state_dict into ModelNew failed: "
+                raise CandidateError(failure_kind(e, self.state.hook_attempts),
+                                     "loading Model's state_dict into ModelNew failed: "
                                      + " ".join(str(e).split())[-300:]) from None
             return f"ModelNew's own parameters, built after the same seed ({' '.join(str(e).split())[-200:]})"
         return ("Model's state_dict loaded into ModelNew (second try: with its own same-seed parameters, which "

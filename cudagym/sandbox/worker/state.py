@@ -10,6 +10,7 @@ A fork server makes it once; each worker forked from it gets its own copy.
 from __future__ import annotations
 
 import mmap
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,18 @@ if TYPE_CHECKING:
 
     from cudagym.sandbox.opwatch import OpWatch
     from cudagym.sandbox.origin import KernelWatch
-    from cudagym.sandbox.worker.integrity import Snapshot
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """The harness's code as bound before any candidate code ran: every callable its modules name
+    (their own and imported ones), their own functions (cached ones too) with their code, and the
+    methods of its classes with theirs."""
+
+    names: dict[tuple[types.ModuleType, str], Any]
+    functions: dict[tuple[types.ModuleType, str], tuple[Any, Any]]
+    methods: dict[tuple[type, str], Any]
+    method_code: dict[tuple[type, str], Any]
 
 
 @dataclass(eq=False)

@@ -102,7 +102,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         except CandidateError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CandidateError(failure_kind(e, state), f"{who} raised in a timed-loop call:\n"
+            raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
             if kwatch:

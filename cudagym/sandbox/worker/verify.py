@@ -100,7 +100,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
         except CandidateError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CandidateError(failure_kind(e, state),
+            raise CandidateError(failure_kind(e, state.hook_attempts),
                                  "ModelNew.forward raised:\n" + candidate_traceback(e, [job.workspace])) from None
         returned = clock()
         check(state)

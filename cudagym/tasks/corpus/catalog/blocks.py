@@ -5,12 +5,10 @@ block's helper class (`BLOCK_SOURCES`, written into a task that uses it) and the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from cudagym.tasks.corpus.catalog.spec import Catalog, OpSpec, Reject, choice, need_fixed
 
-if TYPE_CHECKING:
-    from cudagym.tasks.corpus.composer import EmitContext, State
+from cudagym.tasks.corpus.emit import EmitContext, State
 
 
 # -- transformer-style blocks ---------------------------------------------------------------

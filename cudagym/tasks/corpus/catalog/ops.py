@@ -6,13 +6,11 @@ losses. `add_operators` adds them all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from cudagym.tasks.corpus.catalog.spec import (ANY_RANK, IMAGE_LAYOUTS, Catalog, OpSpec, Reject, choice, fn_op,
                                              module_op, need_fixed, reduce_dim)
 
-if TYPE_CHECKING:
-    from cudagym.tasks.corpus.composer import EmitContext, State
+from cudagym.tasks.corpus.emit import EmitContext, State
 
 
 # -- convolutions ---------------------------------------------------------------------------

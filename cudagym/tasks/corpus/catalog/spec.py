@@ -7,19 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from cudagym.tasks.corpus.composer import EmitContext, State
+from cudagym.tasks.corpus.emit import EmitContext, Reject, State
 
 ANY_RANK = (2, 3, 4, 5)
 # Input layouts a chain can start from (see composer.START_LAYOUTS).
 IMAGE_LAYOUTS = {1: "image1d", 2: "image2d", 3: "image3d"}
 GENERIC_STARTS = ("features", "seq", "image2d")
-
-
-class Reject(Exception):
-    """The op does not fit the current state."""
 
 
 @dataclass(frozen=True)
