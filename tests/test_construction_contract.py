@@ -104,5 +104,8 @@ def test_profile_runs_with_the_parameters_verify_decided(ev: Evaluator, tmp_path
         verdict = ev.evaluate(task, ws)
         assert verdict.correct and verdict.profile_result is not None and verdict.profile_result.ok, verdict.reasons
         assert verdict.profile_result.params_path == path
+        # an accepted profile's reasons say which parameters its timed calls ran with
+        assert (path == "state_dict") == any(r.startswith("parameters: ") for r in verdict.profile_result.reasons), \
+            verdict.profile_result.reasons
         alone = ev.profile(task, ws)  # no verify before it: the profile's own second try
         assert alone.ok and alone.params_path == path, alone.reasons

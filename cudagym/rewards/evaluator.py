@@ -514,6 +514,9 @@ class Evaluator:
             reasons.append(f"torch.compile baseline unavailable: {base['compile_error'][:200]}")
         for name, why in (base.get("library_errors") or {}).items():
             reasons.append(f"{LIBRARY_TITLES.get(name, name)} baseline unavailable: {why[:300]}")
+        if params == "state_dict":
+            reasons.append("parameters: " + str(final.get("params") or "Model's state_dict loaded into ModelNew"))
+        reasons += notes  # (before the result is built: the model keeps a copy of the list it is given)
         result = ProfileResult(
             ok=True, candidate=cand, eager=eager, compiled=comp,
             speedup_vs_eager=eager.median_ms / cand.median_ms if eager and cand.median_ms > 0 else None,
@@ -525,11 +528,8 @@ class Evaluator:
             harness_overhead_ns=run.diagnostics.get("harness_overhead_ns"), close_timeouts=run.close_timeouts,
             clock_gap_ms=run.clock_gap_ms, params_path=params,
         )
-        if params == "state_dict":
-            reasons.append("parameters: " + str(final.get("params") or "Model's state_dict loaded into ModelNew"))
         if self._target == Target.CUDA:
             result.late_launches, result.host_ms = run.late_launches
-        reasons += notes
         if refusal is not None:  # refused as measured (implausible): the times stand beside the verdict
             result = result.model_copy(update={"ok": False, "error_kind": refusal.kind, "error": refusal.error,
                                                "reasons": [*reasons, refusal.reason]})
