@@ -74,6 +74,8 @@ def measure(backend: str, task_id: str, reps: int, cache: Path, root: Path) -> d
         ws = Workspace.from_solution(root / f"{backend}-ws", task, REPO / "examples" / "solutions" / task_id / "cpu")
         first = ev.evaluate(task, ws)
         assert first.reward >= 1, (backend, first.reasons, first.error)
+        # the evaluate row times a profile on both backends, not a verdict without times
+        assert first.eager_ms and first.candidate_ms, (backend, first.reasons)
         ready = lambda: wait_for_spares(ev, 2)  # noqa: E731
         run = ev.sandbox.run_sync  # type: ignore[attr-defined] - both backends have it
         out["empty job"] = median_s(lambda: run(probe_job(), "cpu"), reps, ready)
