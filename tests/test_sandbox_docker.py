@@ -137,20 +137,9 @@ def test_load_inline_manifest_names_the_workspace_files_a_container_build_read(e
     names those files where the evaluator can hash them, so the same call with another included
     file builds again (a variant is never reused whatever that file holds)."""
     from cudagym.rewards.evaluator import Evaluator
-    from cudagym.core.verdict import ErrorKind
-    from test_inline_build import LOAD_CXX, LOAD_MODEL, TASK, unique
+    from test_inline_build import check_included_file_gets_its_own_module
 
     from conftest import backend_config
 
-    model = LOAD_MODEL.format(name=unique("scaled"))
     with Evaluator(backend_config("docker", eval_cache)) as ev:
-        good = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX,
-                                      "kernels/table.inc": "static const float SCALE = 1.0f;\n"})
-        zeros = build_ws(TASK, model, {"kernels/ext.cxx": LOAD_CXX,
-                                       "kernels/table.inc": "static const float SCALE = 0.0f;\n"})
-        first = ev.compile(TASK, good)
-        assert first.ok and not first.cached, first.errors
-        second = ev.compile(TASK, zeros)
-        assert second.ok and not second.cached, second.errors
-        v = ev.evaluate(TASK, zeros)
-    assert v.reward < 0 and v.error_kind == ErrorKind.MISMATCH, v.summary()
+        check_included_file_gets_its_own_module(ev, build_ws)
