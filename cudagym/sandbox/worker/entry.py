@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cudagym.sandbox.worker.state import WorkerState
+    from cudagym.sandbox.worker.wire import Job
 
 
 def _uses_cpp_extension(workspace: str) -> bool:
@@ -113,6 +114,17 @@ def warm_host(clock: StartupClock) -> WorkerState:
     return state
 
 
+def _runs_ncu(job: Job) -> bool:
+    """Whether this worker is an ncu job's outer worker, which only runs Nsight Compute over a
+    child worker and no candidate code. It leaves Landlock to that child: ncu's injected library
+    writes under /proc while CUDA starts in the child (under an inherited Landlock domain, CUDA's
+    start fails with error 304), and the child confines its writes after its CUDA start-up and
+    before it reads its job, as every worker does."""
+    from cudagym.sandbox.ncu import UNDER_NCU
+
+    return job.kind == "ncu" and not os.environ.get(UNDER_NCU)
+
+
 def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) -> None:
     """The rest of a worker's life: its device's start-up (the CUDA context, the profiler, the
     result memory), the ready frame, then one job; never returns."""
@@ -153,7 +165,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(jit, "inductor")
             os.environ["TRITON_CACHE_DIR"] = os.path.join(jit, "triton")
             os.environ["CUPY_CACHE_DIR"] = os.path.join(jit, "cupy")
-        landlocked = restrict_writes([d for d in [job.workspace, *job.writable] if d])
+        landlocked = False if _runs_ncu(job) else restrict_writes([d for d in [job.workspace, *job.writable] if d])
         apply_rlimits(max_file_mb=job.limits.max_file_mb,
                       memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
         ch.send({"type": "started", "landlock": landlocked})
