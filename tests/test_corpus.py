@@ -141,7 +141,7 @@ def test_selfcheck_verifies_sampled_tasks_through_the_env(built, tmp_path, monke
     monkeypatch.setenv("CUDAGYM_CACHE", str(tmp_path / "cache"))
 
     from cudagym.cli import app
-    from cudagym.tasks.corpus.selfcheck import reference_as_candidate
+    from cudagym.selfcheck import reference_as_candidate
 
     r = CliRunner().invoke(app, ["tasks", "selfcheck", str(built), "--sample", "2", "--target", "cpu"])
     assert r.exit_code == 0, r.output

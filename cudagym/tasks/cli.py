@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Optional, cast
+from typing import Optional
 
 import typer
 
@@ -116,39 +116,6 @@ def calibrate_cmd(
     if not (out / "tasks.parquet").exists():
         _fail(FileNotFoundError(f"{out}: no tasks.parquet (build it first)"))
     _run_calibration(out, sample, seed)
-
-
-@app.command("selfcheck")
-def selfcheck_cmd(
-    out: Path = typer.Argument(..., help="A built corpus directory."),
-    sample: int = typer.Option(20, "--sample", help="Number of tasks to verify."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sample."),
-    mode: str = typer.Option("permissive", "--mode", help="Audit mode: permissive or strict."),
-    min_own_share: float = typer.Option(0.0, "--min-own-share",
-                                        help="Permissive mode's minimum share of the candidate's own kernels."),
-    target: str = typer.Option("auto", "--target", help="auto (GPU if present), cuda or cpu."),
-) -> None:
-    """Play sampled tasks through the environment with the reference as the candidate; all must verify."""
-    from rich.console import Console
-
-    from cudagym.core.verdict import AuditMode
-    from cudagym.tasks.corpus.selfcheck import print_selfcheck, selfcheck_dir
-
-    if not (out / "tasks.parquet").exists():
-        _fail(FileNotFoundError(f"{out}: no tasks.parquet (build it first)"))
-    if mode not in ("permissive", "strict"):
-        _fail(ValueError(f"--mode must be permissive or strict, not {mode!r}"))
-    try:
-        # mode is checked above; EvaluatorConfig checks target
-        summary = selfcheck_dir(out, sample=sample, seed=seed, mode=cast(AuditMode, mode), min_own_share=min_own_share,
-                                target=cast(Literal["auto", "cuda", "cpu"], target))
-    except CudagymError as e:
-        _fail(e)
-        return
-    print_selfcheck(summary, Console())
-    (out / "selfcheck.json").write_text(json.dumps(summary, indent=1))
-    if summary["passed"] < summary["sampled"]:
-        raise typer.Exit(1)
 
 
 @app.command("stats")

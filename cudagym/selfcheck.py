@@ -7,17 +7,23 @@ build on this device, its outputs are not reproducible under the verification pr
 stochastic op the filters missed), or it exceeds the sandbox's limits. Permissive mode with no
 minimum own-kernel share is the default, since a reference runs only torch ops (strict mode, or
 a share above 0, rejects it by design).
+
+It sits above the floors it drives (tasks, the evaluator, the environment), beside `check.py`;
+`cudagym/cli.py` registers its command as `cudagym tasks selfcheck`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+import typer
 from pydantic import BaseModel
 
 from cudagym.core.verdict import AuditMode
+from cudagym.errors import CudagymError
 
 
 class SelfCheckRow(BaseModel):
@@ -90,3 +96,37 @@ def print_selfcheck(summary: dict[str, Any], console: Any = None) -> None:
     for r in summary["rows"]:
         t.add_row(r["id"], "yes" if r["ok"] else "NO", f"{r['seconds']:.2f}", r["reason"])
     console.print(t)
+
+
+def _fail(e: Exception) -> None:
+    typer.secho(f"error: {e}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def selfcheck_cmd(
+    out: Path = typer.Argument(..., help="A built corpus directory."),
+    sample: int = typer.Option(20, "--sample", help="Number of tasks to verify."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sample."),
+    mode: str = typer.Option("permissive", "--mode", help="Audit mode: permissive or strict."),
+    min_own_share: float = typer.Option(0.0, "--min-own-share",
+                                        help="Permissive mode's minimum share of the candidate's own kernels."),
+    target: str = typer.Option("auto", "--target", help="auto (GPU if present), cuda or cpu."),
+) -> None:
+    """Play sampled tasks through the environment with the reference as the candidate; all must verify."""
+    from rich.console import Console
+
+    if not (out / "tasks.parquet").exists():
+        _fail(FileNotFoundError(f"{out}: no tasks.parquet (build it first)"))
+    if mode not in ("permissive", "strict"):
+        _fail(ValueError(f"--mode must be permissive or strict, not {mode!r}"))
+    try:
+        # mode is checked above; EvaluatorConfig checks target
+        summary = selfcheck_dir(out, sample=sample, seed=seed, mode=cast(AuditMode, mode), min_own_share=min_own_share,
+                                target=cast(Literal["auto", "cuda", "cpu"], target))
+    except CudagymError as e:
+        _fail(e)
+        return
+    print_selfcheck(summary, Console())
+    (out / "selfcheck.json").write_text(json.dumps(summary, indent=1))
+    if summary["passed"] < summary["sampled"]:
+        raise typer.Exit(1)
