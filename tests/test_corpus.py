@@ -154,3 +154,81 @@ def test_selfcheck_verifies_sampled_tasks_through_the_env(built, tmp_path, monke
     assert summary["passed"] == 0 and "strict mode" in summary["rows"][0]["reason"]
     with pytest.raises(ValueError):
         reference_as_candidate("import torch\n")
+
+
+TINY_TASKS = {
+    "1_Tiny_ReLU.py": '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(64, 32)]
+
+
+def get_init_inputs():
+    return []
+''',
+    "2_Tiny_Linear_Tanh.py": '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, features):
+        super(Model, self).__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def get_inputs():
+    return [torch.randn(16, 24)]
+
+
+def get_init_inputs():
+    return [24]
+''',
+}
+
+
+def test_selfcheck_of_a_kernelbench_directory_runs_concurrently_and_resumes(tmp_path, monkeypatch):
+    """A KernelBench-layout directory (level*/ files) self-checks whole (--sample 0), two tasks at
+    a time; its rows are kept as they end, and a second run with the same settings runs none again."""
+    from typer.testing import CliRunner
+
+    from cudagym.cli import app
+
+    monkeypatch.setenv("CUDAGYM_CACHE", str(tmp_path / "cache"))
+    level = tmp_path / "bench" / "level1"
+    level.mkdir(parents=True)
+    for name, code in TINY_TASKS.items():
+        (level / name).write_text(code)
+    report = tmp_path / "kb.json"
+    args = ["tasks", "selfcheck", str(tmp_path / "bench"), "--sample", "0", "--target", "cpu",
+            "--concurrency", "2", "--report", str(report)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    summary = json.loads(report.read_text())
+    assert (summary["sampled"], summary["passed"], summary["resumed"]) == (2, 2, 0)
+    rows = report.with_suffix(".rows.jsonl").read_text().splitlines()
+    assert json.loads(rows[0])["settings"]["mode"] == "permissive" and len(rows) == 3
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    summary = json.loads(report.read_text())
+    assert (summary["sampled"], summary["passed"], summary["resumed"]) == (2, 2, 2)
+    assert {row["id"] for row in summary["rows"]} == {"1_Tiny_ReLU", "2_Tiny_Linear_Tanh"}
+    # other settings start the rows again: strict mode rejects a reference made of torch ops
+    r = CliRunner().invoke(app, [*args[:-2], "--report", str(report), "--mode", "strict"])
+    assert r.exit_code == 1
+    summary = json.loads(report.read_text())
+    assert (summary["passed"], summary["resumed"]) == (0, 0)
+    r = CliRunner().invoke(app, ["tasks", "selfcheck", str(tmp_path / "nothing-here")])
+    assert r.exit_code != 0
