@@ -90,6 +90,35 @@ def test_resume_after_sigkill(tmp_path):
     assert all(s["verdict"]["milestone"] == "failed" and s["reward"] == -1.0 for s in summaries)
 
 
+@pytest.mark.timeout(900)
+def test_ctrl_c_leaves_no_partial_episode_and_resume_completes(tmp_path):
+    """Ctrl-C (SIGINT) stops the run: the episodes in flight are aborted (no .partial file left,
+    no open trajectory), the complete ones stay, and the next run finishes the rest."""
+    out = tmp_path / "run"
+    args = ["run", "--tasks", TASKS, "--policy", "test_runner:slow_policy", "--episodes", "4",
+            "--concurrency", "2", "--target", "cpu", "--out", str(out)]
+    proc = _cli(*args)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        partial = list((out / "episodes").glob("*.partial")) if (out / "episodes").is_dir() else []
+        if partial and any(p.stat().st_size > 0 for p in partial):
+            break
+        if proc.poll() is not None:
+            pytest.fail("the runner finished before it could be interrupted:\n" + proc.stdout.read())
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    assert not list((out / "episodes").glob("*.partial")), output
+    done_before = {p.name for p in (out / "episodes").glob("*.jsonl")}
+    assert len(done_before) < 4
+    proc = _cli(*args)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    counts, _ = _episode_records(out)
+    assert counts == {f"{TASKS}@{k}": 1 for k in range(4)}
+
+
 async def test_runner_in_process_records_and_refuses_changed_settings(tmp_path):
     cfg = RunConfig(tasks=TASKS, policy="test_runner:slow_policy", episodes=2, concurrency=2,
                     evaluator=EvaluatorConfig(target="cpu"), out=tmp_path / "r", max_turns=2)

@@ -76,6 +76,10 @@ def register(app: typer.Typer) -> None:
         except (CudagymError, ValueError, ImportError) as e:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            console.print(f"interrupted: the complete episodes are kept in {cfg.out or 'the run directory'}; "
+                          "the same command goes on from them")
+            raise typer.Exit(130) from None
         console.print(render_table(summary.rows, title=f"cudagym results ({summary.out})"))
         console.print(f"ran {summary.ran} episodes, skipped {summary.skipped} already complete, "
                       f"in {summary.seconds:.1f}s; report: {summary.report_md}; plot: {summary.plot}")

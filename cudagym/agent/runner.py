@@ -209,6 +209,9 @@ async def arun(cfg: RunConfig, console: Any = None, evaluator: Any = None) -> Ru
             try:
                 result = await run_episode(env, policy, task, eid, hermes_prompt=hermes, context=budget,
                                            on_step=writer.write, seed=cfg.seed)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                writer.abort()  # the run was stopped: this episode runs again on resume
+                raise
             except Exception as e:  # noqa: BLE001 - one broken episode must not end the run
                 result = EpisodeResult(episode_id=eid, task_id=task.id, status="error", reward=0.0, turns=0,
                                        seconds=0.0, task={"id": task.id, "source": task.source, "level": task.level},
