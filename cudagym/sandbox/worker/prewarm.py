@@ -104,9 +104,10 @@ def prewarm_device(state: WorkerState) -> None:
 def load_kernel_watch(state: WorkerState) -> None:
     """Install the kernel watcher (`cudagym.sandbox.origin`, built by the parent beside the op
     counter) before the profiler's first session takes CUPTI; why not, if it cannot be."""
-    try:
+    try:  # the probe first: a watcher without its probe would read as one the candidate disabled
+        probe = torch.zeros(1, device="cuda")
         state.kwatch = KernelWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home()))
-        state.kprobe = torch.zeros(1, device="cuda")
+        state.kprobe = probe
     except Exception as e:  # noqa: BLE001 - reported with every verify: the GPU audit cannot pass without it
         state.kwatch_error = f"{type(e).__name__}: {e}"[:500]
 

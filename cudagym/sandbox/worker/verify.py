@@ -59,6 +59,9 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
     kwatch = kernel_watch(state, p.device)
     if kwatch:
         kwatch.reset()  # every kernel of every trial, by origin: the parent applies the rules
+    elif p.device.type == "cuda":  # the harness's start-up failed (e.g. the GPU's memory was full then)
+        raise CandidateError("internal", f"the harness's kernel watcher could not start in this worker: "
+                                         f"{state.kwatch_error or 'not loaded'}")
     for t in range(trials):
         plan = ch.request("trial", index=t)  # this trial's secret, only now
         order = plan.get("order")
