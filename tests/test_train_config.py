@@ -147,3 +147,14 @@ def test_prepare_bundled_fits_the_stage_configs(reaching: Path, tmp_path: Path) 
     result = _dry(f"actor_rollout_ref.model.path={reaching}", *data, "data.train_batch_size=16",
                   "actor_rollout_ref.actor.ppo_mini_batch_size=16")
     assert result.exit_code == 2 and "0 steps per epoch" in " ".join(result.output.split()), result.output
+
+
+def test_prepare_without_out_writes_where_the_config_reads(reaching: Path, tmp_path: Path, monkeypatch) -> None:
+    """The acceptance's two commands as written: `cudagym train prepare bundled`, then the dry run
+    of the bundled config, which finds the rows there and counts its steps from them."""
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["train", "prepare", "bundled"]).exit_code == 0
+    assert (tmp_path / "data" / "cudagym" / "train.parquet").is_file()
+    result = _dry(f"actor_rollout_ref.model.path={reaching}")
+    assert result.exit_code == 0, result.output
+    assert "step(s) per epoch" in " ".join(result.output.split()) and "not there yet" not in result.output

@@ -78,7 +78,9 @@ def launch_cmd(
 def prepare_cmd(
     source: str = typer.Argument(..., help="Task source: 'bundled', a bundled task id, a task .py, a KernelBench-style "
                                            "directory, a built corpus directory or an Ops-6K .parquet."),
-    out: Path = typer.Option(..., "--out", help="Output directory (train.parquet, val.parquet, prepare.json)."),
+    out: Path = typer.Option(Path("data/cudagym"), "--out",
+                             help="Output directory (train.parquet, val.parquet, prepare.json); the default is "
+                                  "where the bundled GRPO config's data.train_files and val_files point."),
     val_fraction: float = typer.Option(0.1, "--val-fraction", min=0.0, max=0.99,
                                        help="Share of the source held out for validation (at least one task "
                                             "when > 0)."),
