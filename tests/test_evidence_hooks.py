@@ -339,3 +339,33 @@ def test_the_honest_cpu_solution_is_still_correct_and_timed(evaluator: Evaluator
     v = evaluator.evaluate(GELU, ws)
     assert v.correct and v.reward >= 1, (v.reward, v.reasons, v.error)
     assert v.candidate_ms is not None and v.candidate_ms > 0
+
+
+def test_cpu_inputs_take_their_values_only_after_the_flush() -> None:
+    """A thread of the candidate's that watches the input buffers must find, while the CPU cache
+    flush runs (untimed, milliseconds), the previous call's values there, never this call's: the
+    refill comes after the flush, right before the interval opens (as the open gate copies them
+    at the window's end on a GPU). A red-team thread computed the answer during the flush: +3."""
+    import torch
+
+    from cudagym.sandbox.timing import DeviceTimer, drive_calls
+
+    timer = DeviceTimer(torch.device("cpu"), flush_l2=False)
+    buf = [torch.zeros(1000)]
+    seen_at_flush: list[float] = []
+    seen_in_call: list[float] = []
+    timer.flush = lambda: seen_at_flush.append(float(buf[0][0]))  # type: ignore[method-assign]
+    seeds = iter([1.0, 2.0, 3.0])
+
+    def next_call(report: dict) -> tuple[int, bool, float] | None:
+        seed = next(seeds, None)
+        return None if seed is None else (int(seed), False, 0.0)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen_in_call.append(float(x[0]))
+        return x + 1
+
+    made = drive_calls(fn, [buf], lambda seed: [torch.full((1000,), float(seed))], next_call, timer)
+    assert made == 3
+    assert seen_in_call == [1.0, 2.0, 3.0]  # each call sees its own values
+    assert seen_at_flush == [0.0, 1.0, 2.0]  # the flush, the previous call's

@@ -106,3 +106,19 @@ def test_the_evaluators_ncu_step_runs_an_ncu_job_in_its_sandbox(evaluator: Evalu
     task = task_of("ew_scale_bias_gelu").for_target(evaluator.target)
     ws = make_workspace(tmp_path / "ws", task, CANDIDATE)
     assert evaluator._sync(evaluator._ancu(task, ws, None)) == {"error": ncu.NOT_INSTALLED}
+
+
+def test_the_ncu_log_is_read_only_where_ncu_wrote_it(tmp_path):
+    """A link the candidate planted where ncu writes its log is neither followed nor read back:
+    the outer ncu worker runs no candidate code but reads what the child's workspace holds."""
+    from cudagym.sandbox.ncu import _read_own_file
+
+    secret = tmp_path / "outside.txt"
+    secret.write_text("not ncu's")
+    log = tmp_path / "ncu.csv"
+    log.symlink_to(secret)
+    assert _read_own_file(log) == ""
+    log.unlink()
+    log.write_text('"ID","Kernel Name"\n')
+    assert _read_own_file(log).startswith('"ID"')
+    assert _read_own_file(tmp_path / "missing.csv") == ""

@@ -87,6 +87,7 @@ def ncu_summary(job: Job) -> dict[str, Any]:
     # child, whose writes are confined to the workspace
     tmp = build / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
+    log.unlink(missing_ok=True)  # an earlier job's log, or a link planted in its place
     env = {**os.environ, "PYTHONUNBUFFERED": "1", UNDER_NCU: "1", "TMPDIR": str(tmp)}
     cmd = [ncu, "--csv", "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
            "--metrics", ",".join(METRICS), "--log-file", str(log),
@@ -109,8 +110,19 @@ def ncu_summary(job: Job) -> dict[str, Any]:
         for fd in (r, w):
             if fd >= 0:
                 os.close(fd)
-    text = log.read_text(errors="replace") if log.exists() else ""
+    text = _read_own_file(log)
     result = parse_ncu_csv(text)
     if "error" in result:  # ncu writes its own messages (permissions, no kernels) to the log file
         result["output"] = (out.decode(errors="replace")[-1500:] + "\n--- ncu log ---\n" + text[-1500:]).strip()
     return result
+
+
+def _read_own_file(path: Path) -> str:
+    """`path`'s text if it is a regular file (a link the candidate planted there is not followed:
+    what it names is not ncu's log), else ""."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        return f.read(1 << 24).decode(errors="replace")

@@ -76,7 +76,11 @@ every stream) instruments kernels: it slowed kernels of many short-lived blocks 
 H200 and left torch's, cuBLAS's and Triton's alone (`benchmarks/probe_ncu_gap.py`), a bias
 against honest candidates of a common style.
 
-CPU: the wall clock around the call, after reading a buffer larger than the LLC. The interval
+CPU: the wall clock around the call, after reading a buffer larger than the LLC and then writing
+the call's input values (so the inputs start the call in cache, where on a GPU the gate copies them
+before its flush: a thread of the candidate's that computed the answer while the flush ran, from
+inputs already written, had the flush's few milliseconds untimed, +3 in a red-team attempt with
+three passes of work). The interval
 holds the call, then the *CPU close*: `after` (the harness's: it checks the outputs and registers
 each with `read_at_end`, which allocates its evidence buffers), then one call into the harness's
 own native library (`cudagym_cpu_close` in opwatch.cpp, compiled by the parent, bound by ctypes
@@ -96,7 +100,12 @@ harness sends the evidence's raw bytes (`Evidence.raw`) with no ATen op, and a P
 trace or monitoring hook found right after the call (`foreign_hooks`) is `TimerTamperedError`. Left:
 a native thread of the candidate's that rewrites the evidence buffers between the close and the
 pipe write (it must find them and know the positions: they are in the buffer only after the
-close), and native code that edits the interpreter's or torch's state directly.
+close), and native code that edits the interpreter's or torch's state directly. A red team did
+the first (2026-11-26): a SIGSEGV handler the close's read of a protected page ran found the
+close's entries, and a native thread holding the GIL wrote the right values at the drawn
+positions of an output of zeros: +3. What closes it (not built yet): projections of every output
+element, as the GPU's close kernel makes, checked by the parent on the CPU too, and a close that
+reads with process_vm_readv (no fault reaches a handler of the candidate's).
 
 Evidence (what the parent re-checks, `cudagym.rewards.compare`): each output's samples, their
 positions and (GPU) its projections are sent on the pipe before the worker asks for the next

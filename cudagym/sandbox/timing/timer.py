@@ -242,20 +242,26 @@ class DeviceTimer:
         return torch.tensor(rows, dtype=torch.int64, device=self.device) if rows else None
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
-             after: Callable[[Any], object] | None = None, copies: torch.Tensor | None = None) -> tuple[Any, float]:
+             after: Callable[[Any], object] | None = None, copies: torch.Tensor | None = None,
+             refill: Callable[[], object] | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         once the call has returned, to register its outputs with `read_at_end`, inside the
         interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
         reads them; on the CPU: before the native close, which reads them; see `cudagym.sandbox.timing`).
         `copies` (`copy_plan`; GPU): what the open gate copies at the window's end, before the
-        start event. CPU: raises `TimerTamperedError` after the interval if a Python hook that is not
-        the harness's was active when the call returned."""
+        start event. `refill()` (CPU): gives the call's input buffers their values after the
+        cache flush, right before the interval opens, as the open gate does on a GPU, so that
+        no thread of the candidate's can work on them while the flush runs. CPU: raises
+        `TimerTamperedError` after the interval if a Python hook that is not the harness's was
+        active when the call returned."""
         if not self.cuda:
             # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
             # then one native call that reads every page, draws the positions and gathers the
             # values, all inside the interval. Nothing the candidate hooks into Python or ATen
             # can run between the draw and the read, and what it runs before the draw is timed.
             self.flush()
+            if refill is not None:
+                refill()
             reading = Reading(0, None)
             t0 = self._perf()
             out = fn(*args)
@@ -512,9 +518,10 @@ def drive_calls(
     next call's inputs, whether it is a probe (`probe` is called instead of `fn`: the
     parent measures the loop's own overhead on it) and how long to idle before it (seconds;
     server mode), or None to stop. Call i's buffers
-    `input_sets[i % k]` are refilled with `inputs_for(seed)`: before the call on the CPU target;
-    on a GPU, by the open gate at the end of the launch window, from a staging copy (a buffer it
-    cannot copy, a non-contiguous one, is refilled before the call). On a GPU an allocation of
+    `input_sets[i % k]` are refilled with `inputs_for(seed)`: on the CPU target after the cache
+    flush, right before the interval opens (`DeviceTimer.call`'s `refill`); on a GPU, by the
+    open gate at the end of the launch window, from a staging copy (a buffer it cannot copy, a
+    non-contiguous one, is refilled before the call). On a GPU an allocation of
     `PLACEMENT_BYTES[(i // k) % 8]` is held across call i, so that the call's own allocations
     land elsewhere from one round of input sets to the next. `after(i, out)` runs once call
     i has returned (`DeviceTimer.call`'s `after`: it reads outputs with `read_at_end`) and returns
@@ -543,13 +550,17 @@ def drive_calls(
             if idle_s > 0:
                 time.sleep(idle_s)  # server mode: the call arrives after a gap (nothing is timed here)
             args = input_sets[i % k]
-            refill_([s if s is not None else a for s, a in zip(stage, args)], inputs_for(seed))
+            fresh = inputs_for(seed)
+            targets = [s if s is not None else a for s, a in zip(stage, args)]
+            if timer.cuda:  # the open gate copies the staged values at the window's end
+                refill_(targets, fresh)
             seen: dict[str, Any] = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
             spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8,
                                   device=timer.device)
                       if timer.cuda else None)
-            out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k])
+            out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k],
+                                 refill=None if timer.cuda else functools.partial(refill_, targets, fresh))
             del spacer
             report = {"ms": ms, "host_ms": timer.host_ms, **seen}
             i += 1

@@ -114,15 +114,19 @@ def warm_host(clock: StartupClock) -> WorkerState:
     return state
 
 
-def _runs_ncu(job: Job) -> bool:
-    """Whether this worker is an ncu job's outer worker, which only runs Nsight Compute over a
-    child worker and no candidate code. It leaves Landlock to that child: ncu's injected library
-    writes under /proc while CUDA starts in the child (under an inherited Landlock domain, CUDA's
-    start fails with error 304), and the child confines its writes after its CUDA start-up and
-    before it reads its job, as every worker does."""
+def _writable(job: Job) -> list[str]:
+    """Where the job's worker may write: its workspace and scratch. An ncu job's outer worker,
+    which runs only Nsight Compute over a child worker and no candidate code, may also write under
+    /proc: ncu's injected library writes there while CUDA starts in the child, which inherits
+    this domain (under a domain without /proc, its cudaGetDeviceCount failed with error 304). The
+    child adds its own domain, without /proc, after its CUDA start-up and before any candidate
+    code, as every worker does; Landlock layers stack, so the candidate's writes answer to both,
+    and ncu's own writes (its log, through a link the candidate may have planted in the
+    workspace) stay inside the workspace."""
     from cudagym.sandbox.ncu import UNDER_NCU
 
-    return job.kind == "ncu" and not os.environ.get(UNDER_NCU)
+    dirs = [d for d in [job.workspace, *job.writable] if d]
+    return [*dirs, "/proc"] if job.kind == "ncu" and not os.environ.get(UNDER_NCU) else dirs
 
 
 def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) -> None:
@@ -165,7 +169,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(jit, "inductor")
             os.environ["TRITON_CACHE_DIR"] = os.path.join(jit, "triton")
             os.environ["CUPY_CACHE_DIR"] = os.path.join(jit, "cupy")
-        landlocked = False if _runs_ncu(job) else restrict_writes([d for d in [job.workspace, *job.writable] if d])
+        landlocked = restrict_writes(_writable(job))
         apply_rlimits(max_file_mb=job.limits.max_file_mb,
                       memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
         ch.send({"type": "started", "landlock": landlocked})

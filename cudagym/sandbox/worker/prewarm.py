@@ -104,12 +104,18 @@ def prewarm_device(state: WorkerState) -> None:
 def load_kernel_watch(state: WorkerState) -> None:
     """Install the kernel watcher (`cudagym.sandbox.origin`, built by the parent beside the op
     counter) before the profiler's first session takes CUPTI; why not, if it cannot be."""
-    try:  # the probe first: a watcher without its probe would read as one the candidate disabled
-        probe = torch.zeros(1, device="cuda")
+    try:
         state.kwatch = KernelWatch.load(Path(os.environ.get("CUDAGYM_OPWATCH_DIR") or Path.home()))
-        state.kprobe = probe
     except Exception as e:  # noqa: BLE001 - reported with every verify: the GPU audit cannot pass without it
         state.kwatch_error = f"{type(e).__name__}: {e}"[:500]
+        return
+    # the probe after the watcher, never before: the module of torch's fill kernels would load
+    # unwatched, and every later launch from it would have no origin ("<unknown library>")
+    try:
+        state.kprobe = torch.zeros(1, device="cuda")
+    except Exception as e:  # noqa: BLE001 - e.g. the GPU's memory full while this spare started
+        state.kwatch = None  # a watcher without its probe would read as one the candidate disabled
+        state.kwatch_error = f"the kernel watcher's probe could not be allocated: {type(e).__name__}: {e}"[:500]
 
 
 def premap_results(shm_fd: int, mb: int) -> mmap.mmap | None:

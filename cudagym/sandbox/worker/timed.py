@@ -171,21 +171,28 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                 kwatch.disarm()
             watch.disarm()
 
+    def untouched() -> None:
+        check_tamper(state)
+        changed = any(getattr(timer, k, None) is not v for k, v in timer_parts.items())
+        if changed or timer.calibration is not calibration:
+            raise CandidateError("tamper", "the harness's timer was modified by the candidate")
+
     with torch.no_grad():
         try:
             n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
         except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
+        except Exception:
+            untouched()  # a harness the candidate patched, which then raised, is tamper
+            raise
     ph.mark(f"{role}_timed_loop")
     if timer.cuda:
         ph.extra["harness_overhead_ns"] = calibration.overhead_ns
         ph.extra["read_cap_ns"] = calibration.read_cap_ns
         ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts() - timeouts
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
-    check_tamper(state)
+    untouched()
     p.intact()
-    if any(getattr(timer, k, None) is not v for k, v in timer_parts.items()) or timer.calibration is not calibration:
-        raise CandidateError("tamper", "the harness's timer was modified by the candidate")
     return n
 
 
