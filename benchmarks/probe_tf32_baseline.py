@@ -22,6 +22,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from timing_driver import events_ms  # this folder's module
+
 
 def load(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -30,20 +32,6 @@ def load(path: Path) -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def events_ms(fn: Any, calls: int = 50) -> float:
-    import torch
-
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_file(path: Path) -> dict[str, float]:
@@ -67,7 +55,7 @@ def time_file(path: Path) -> dict[str, float]:
         call()
         torch.cuda.synchronize()
         row[f"bench{tf32}"] = float(do_bench(call, return_mode="median"))
-        row[f"events{tf32}"] = events_ms(call)
+        row[f"events{tf32}"] = statistics.median(events_ms(call, 50))
     return row
 
 

@@ -73,6 +73,19 @@ def run_ncu(model: torch.nn.Module, inputs: list[Any], calls: int, entry: dict[s
         cudart.cudaProfilerStop()
 
 
+def events_ms(fn: Any, calls: int) -> list[float]:
+    """Each call's time (ms) by CUDA events right around it, then a synchronize (KernelBench's way)."""
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def run_direct(model: torch.nn.Module, inputs: list[Any], calls: int, device: torch.device) -> dict[str, Any]:
     def fn() -> Any:
         return model(*inputs)
@@ -87,15 +100,7 @@ def run_direct(model: torch.nn.Module, inputs: list[Any], calls: int, device: to
             wall_ms.append((time.perf_counter() - t0) * 1e3)
         return {"wall_ms": wall_ms}
     torch.cuda.synchronize()
-    events_ms = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        events_ms.append(start.elapsed_time(end))
-    out: dict[str, Any] = {"events_ms": events_ms}
+    out: dict[str, Any] = {"events_ms": events_ms(fn, calls)}
     try:
         from triton.testing import do_bench
     except ImportError as e:
