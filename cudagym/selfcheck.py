@@ -182,11 +182,6 @@ def print_selfcheck(summary: dict[str, Any], console: Any = None) -> None:
     console.print(t)
 
 
-def _fail(e: Exception) -> None:
-    typer.secho(f"error: {e}", fg="red", err=True)
-    raise typer.Exit(2)
-
-
 def selfcheck_cmd(
     source: str = typer.Argument(..., help="A built corpus directory, or any task source: a KernelBench level "
                                            "directory, a .py file, a parquet file, 'bundled'."),
@@ -205,12 +200,10 @@ def selfcheck_cmd(
     """Play sampled tasks through the environment with the reference as the candidate; all must verify."""
     from rich.console import Console
 
+    from cudagym.tasks.cli import _fail
     from cudagym.tasks.corpus.build import PARQUET_NAME
 
-    corpus = Path(source) / PARQUET_NAME
-    if Path(source).is_dir() and not corpus.exists() and not any(Path(source).glob("*.py")) \
-            and not any(Path(source).glob("level*/*.py")):
-        _fail(FileNotFoundError(f"{source}: neither a built corpus (no {PARQUET_NAME}) nor a directory of tasks"))
+    corpus = Path(source) / PARQUET_NAME  # a source the loaders cannot read is their TaskError, below
     if mode not in ("permissive", "strict"):
         _fail(ValueError(f"--mode must be permissive or strict, not {mode!r}"))
     out = report or (Path(source) / "selfcheck.json" if corpus.exists() else Path("selfcheck.json"))

@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
-            console.print(f"interrupted: the complete episodes are kept in {cfg.out or 'the run directory'}; "
+            console.print("interrupted: the complete episodes are kept in the run's directory; "
                           "the same command goes on from them")
             raise typer.Exit(130) from None
         console.print(render_table(summary.rows, title=f"cudagym results ({summary.out})"))
