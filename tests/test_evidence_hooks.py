@@ -26,12 +26,15 @@ from cudagym.rewards.evaluator import Evaluator
 from cudagym.core.verdict import ErrorKind
 from cudagym.sandbox import timing
 from cudagym.sandbox.opwatch import OpWatch
-from cudagym.sandbox.timing import DeviceTimer, TimerTamperedError
+from cudagym.rewards.compare import projection_mismatch
+from cudagym.sandbox.timing import PROJECTIONS, DeviceTimer, TimerTamperedError, projection
+from cudagym.tasks.model import Tolerance
 
 from conftest import make_workspace
 from test_reward_hacking import GELU, GELU_KERNELS, INIT, assert_rejected, gelu_model
 
 REPO = Path(__file__).resolve().parents[1]
+TOL = Tolerance(atol=1e-4, rtol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,56 @@ def test_the_native_close_reads_any_element_size(native_close, dtype) -> None:
     for o, ev in zip(out, evs):
         assert torch.equal(ev.values, o if ev.positions is None else o.reshape(-1)[ev.positions])
     assert evs[2].positions is None and evs[3].positions is not None  # 27 x 35: all of it; an expanded view: sampled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                                   torch.uint8, torch.bool, torch.complex64])
+def test_the_native_close_projects_every_element_as_the_host_does(native_close, dtype) -> None:
+    """The native close's projections (every element, weights from the seed it drew) equal the
+    host's `projection` of the same output, for each layout: the parent checks them against the
+    reference's as it checks the GPU close kernel's."""
+    timer = DeviceTimer(torch.device("cpu"), flush_l2=False, native_close=native_close)
+    x = (torch.randn(300, 170) * 7).to(dtype) if dtype is not torch.complex64 else torch.randn(300, 170, dtype=dtype)
+    evs: list[timing.Evidence] = []
+    out, _ = timer.call(lambda a: (a, a.t(), a[::3, 1::2], a[:5, :5]), [x],
+                        after=lambda o: evs.extend(timer.read_at_end(t) for t in o))
+    seeds = {ev.cpu_seed() for ev in evs}
+    assert len(seeds) == 1 and 0 not in seeds  # one secret seed per call, drawn by the close
+    for j, (o, ev) in enumerate(zip(out, evs)):
+        assert ev.projections is not None
+        assert torch.allclose(ev.projections, projection(o, ev.cpu_seed(), j)[:PROJECTIONS], rtol=1e-12, atol=1e-9)
+
+
+def test_samples_rewritten_after_the_close_leave_the_projections_of_what_was_there(native_close) -> None:
+    """A4 of red team 3: the call returns zeros and something of the candidate's (a native thread,
+    a fault handler) writes the right values at the drawn positions after the close read them:
+    the samples then match, but the projections the close made of the whole output do not."""
+    timer = DeviceTimer(torch.device("cpu"), flush_l2=False, native_close=native_close)
+    x, bias = torch.randn(512, 256), torch.randn(256)
+    want = _gelu(x, bias, 0.5)
+    evs: list[timing.Evidence] = []
+    out, _ = timer.call(lambda a: torch.zeros_like(a), [x], after=lambda o: evs.append(timer.read_at_end(o)))
+    ev = evs[0]
+    assert ev.positions is not None and ev.projections is not None
+    ev.values.copy_(want.reshape(-1)[ev.positions])  # the forged samples: exactly the reference's
+    assert torch.equal(ev.values, want.reshape(-1)[ev.positions])
+    why = projection_mismatch(ev.projections, projection(want, ev.cpu_seed(), 0), want.numel(), TOL, False)
+    assert why is not None and "not computed in full" in why
+    honest: list[timing.Evidence] = []
+    timer.call(lambda a: _gelu(a, bias, 0.5), [x], after=lambda o: honest.append(timer.read_at_end(o)))
+    h = honest[0]
+    assert projection_mismatch(h.projections, projection(want, h.cpu_seed(), 0), want.numel(), TOL, False) is None
+
+
+def test_the_cpu_evidence_leaves_inside_the_interval(native_close) -> None:
+    """The evidence is sent after the close and before the clock stops: whatever rewrites it
+    before it leaves runs inside the call's interval, and is timed."""
+    order: list[str] = []
+    timer = DeviceTimer(torch.device("cpu"), flush_l2=False, native_close=native_close)
+    timer._perf = lambda: order.append("clock") or 0.0  # type: ignore[method-assign]
+    timer.call(lambda a: a + 1, [torch.zeros(5000)], after=lambda o: (order.append("after"), timer.read_at_end(o)),
+               send=lambda: order.append("send"))
+    assert order == ["clock", "after", "send", "clock"]
 
 
 class _ComputeAtRandint(TorchDispatchMode):

@@ -282,8 +282,9 @@ async def timed_loop_ran(run: TimedRun) -> Finding | None:
 async def timed_outputs_match(run: TimedRun) -> Finding | None:
     """Refuses timed calls whose outputs were wrong: samples of calls drawn by the parent
     (`CallFeed.recheck_sample`) are compared with a reference-only worker's outputs for the same
-    seeds and parameters, and on the GPU the close kernel's projections of each whole output
-    with the reference's. A candidate correct in verify may compute less once timed."""
+    seeds and parameters, and the close's projections of each whole output (the close kernel's
+    on a GPU, the native close's on the CPU target) with the reference's. A candidate correct in
+    verify may compute less once timed."""
     why = await _recheck(run)
     return Refusal(why[0], why[1], why[1]) if why else None
 
@@ -295,12 +296,12 @@ async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
     if not picks:
         return ErrorKind.TAMPER, "no timed call could be re-checked"
     k = len(picks)
-    seeds = projection_seeds(o.tensors, picks)  # GPU: the weights the close kernel used in each picked call
-    if run.cuda and None in seeds:
+    seeds = projection_seeds(o.tensors, picks)  # the weights the close used in each picked call
+    if None in seeds:
         return ErrorKind.TAMPER, f"timed call {picks[seeds.index(None)][0]} came without its projections"
     ref = await run.reference(trial_seeds=[s for _, s in picks], trial_scales=[1.0] * k,
                               trial_orders=["reference_first"] * k,
-                              projection_seeds=[s or 0 for s in seeds] if run.cuda else [])
+                              projection_seeds=[s or 0 for s in seeds])
     try:
         failure = outcome_failure(ref, "reference")
         if failure:
@@ -312,7 +313,7 @@ async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
         if isinstance(pairs, str):
             return ErrorKind.OUTPUT_FORMAT, wrong + pairs
         cmp = await in_comparer(compare_outputs, pairs, task.effective_tolerance)
-        if cmp.kind is None and run.cuda:
+        if cmp.kind is None:
             why = await in_comparer(projected_mismatch, o.tensors, ref.tensors, picks, task.effective_tolerance)
             if why:
                 return ErrorKind.MISMATCH, wrong + why

@@ -9,7 +9,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cerrno>
 #include <cstring>
@@ -17,6 +19,8 @@
 #include <mutex>
 #include <string>
 #include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 #include <unordered_map>
 #include <utility>
@@ -224,20 +228,35 @@ uint64_t opwatch_callbacks_registered() {
   return static_cast<uint64_t>(h) - own.fetch_add(1) - 1;
 }
 
+}  // extern "C"
+
 // The CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): one call,
-// inside the call's interval, with no ATen op, no Python and no callback of anyone's in it. For
-// each of `n` outputs it reads every page of a contiguous output (a byte per 4 KB, and its last
-// byte) or every element of a strided one, so that pages a fault handler fills on first read are
-// filled here; then it draws `count` positions in [0, numel) from getrandom() (kept in this
-// function's memory until the values are read: nothing else sees them first) and copies the
-// element at each (all elements in row-major order, and no positions, if count == numel) into
-// `values` (count * elem_size bytes) and the positions into `positions` (int64), buffers the
-// harness allocated. Sizes and strides in elements; dtype-agnostic (elements are elem_size bytes).
-// Returns 0, or -1 if getrandom failed.
+// inside the call's interval, with no ATen op, no Python and no callback of anyone's in it. It
+// draws a seed with getrandom() (kept in this function's memory and in each output's `seed`, for
+// the parent), then for each of `n` outputs:
+//   1. `count` positions in [0, numel) drawn from the seed's stream, and the element at each
+//      copied into `values` (count * elem_size bytes; all elements in row-major order, and no
+//      positions, if count == numel), the positions into `positions` (int64);
+//   2. then every element, read once, in an order drawn from the seed (chunks of the output in a
+//      random rotation and stride), and projected as the GPU's close kernel projects
+//      (`cudagym.sandbox.timing.projection`): 4 sums of +-1 weights from a hash of (seed, index,
+//      component) times each real component, in fp64, into `proj` (if `kind` is not 0).
+// The samples are taken first: an output still being written when the close starts is caught at
+// 2048 random places before any projection is read. A contiguous output's projection pass reads
+// through process_vm_readv on this process (a page the candidate protected fails the read, -2,
+// instead of reaching a fault handler of its; where the kernel refuses the syscall, ENOSYS or
+// EPERM under a seccomp filter, plain reads); the samples and a strided output's pass read
+// plainly (a syscall per element costs ~1 us). Pages filled lazily are filled, and timed, here. `*phase_ns` gets the projection pass's
+// duration (CLOCK_MONOTONIC), which the timer leaves out of the call up to its calibrated cap.
+// Sizes and strides in elements. Returns 0; -1 if getrandom failed; -2 if an output could not be
+// read (unmapped or protected memory).
 struct CpuClose {
   uint64_t src, values, positions;
   int64_t numel, count, elem_size, ndim;
   int64_t sizes[64], strides[64];
+  uint64_t proj;       // 4 doubles (0: no projection)
+  int64_t kind, index;  // `PROJECTED_KINDS` (0: none); the output's place among the call's outputs
+  uint64_t seed;       // written by the close: the call's seed of positions and weights
 };
 
 static int64_t offset_of(const CpuClose& o, uint64_t flat) {
@@ -264,51 +283,185 @@ static bool random_bytes(void* buf, size_t n) {
   return true;
 }
 
-int cudagym_cpu_close(CpuClose* outs, int64_t n) {
-  volatile unsigned char sink = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const CpuClose& o = outs[k];
-    if (o.numel <= 0) continue;
-    const volatile unsigned char* src = reinterpret_cast<const volatile unsigned char*>(o.src);
-    bool contiguous = o.ndim == 1 && o.strides[0] == 1;
-    if (contiguous) {
-      uint64_t bytes = static_cast<uint64_t>(o.numel) * static_cast<uint64_t>(o.elem_size);
-      for (uint64_t b = 0; b < bytes; b += 4096) sink ^= src[b];
-      sink ^= src[bytes - 1];
+static inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+  return x;
+}
+
+// process_vm_readv on this process, or plain reads where the kernel refuses the syscall
+static int vm_mode = 0;  // 0: untried, 1: process_vm_readv, 2: plain reads
+
+static bool read_remote(const struct iovec* local, const struct iovec* remote, size_t n, size_t bytes) {
+  if (vm_mode != 2) {
+    ssize_t got = process_vm_readv(getpid(), local, n, remote, n, 0);
+    if (got == static_cast<ssize_t>(bytes)) { vm_mode = 1; return true; }
+    if (got < 0 && (errno == ENOSYS || errno == EPERM) && vm_mode == 0) {
+      vm_mode = 2;
     } else {
-      int64_t idx[64] = {0};
-      int64_t off = 0;
-      for (int64_t i = 0; i < o.numel; ++i) {
-        sink ^= src[off * o.elem_size];
-        for (int64_t d = o.ndim - 1; d >= 0; --d) {  // the next element in row-major order
-          if (++idx[d] < o.sizes[d]) { off += o.strides[d]; break; }
-          off -= (o.sizes[d] - 1) * o.strides[d];
-          idx[d] = 0;
-        }
-      }
+      return false;  // EFAULT, or a short read: memory the process cannot read
     }
   }
-  for (int64_t k = 0; k < n; ++k) {
-    const CpuClose& o = outs[k];
+  for (size_t k = 0; k < n; ++k) {
+    const volatile unsigned char* s = static_cast<const volatile unsigned char*>(remote[k].iov_base);
+    auto* d = static_cast<unsigned char*>(local[k].iov_base);
+    for (size_t b = 0; b < remote[k].iov_len; ++b) d[b] = s[b];
+  }
+  return true;
+}
+
+static double half_value(uint16_t h) {
+  int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  double v = exp == 0 ? std::ldexp(static_cast<double>(man), -24)
+           : exp == 31 ? (man ? std::nan("") : HUGE_VAL)
+           : std::ldexp(static_cast<double>(man | 0x400), exp - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+// One real component (`component` in the GPU close's source): kinds 1 f32, 2 f64, 3 f16, 4 bf16,
+// 5 u8/bool, 6 i8, 7 i16, 8 i32, 9 i64
+template <int KIND>
+static inline double component(const unsigned char* p) {
+  if constexpr (KIND == 1) { float v; std::memcpy(&v, p, 4); return v; }
+  if constexpr (KIND == 2) { double v; std::memcpy(&v, p, 8); return v; }
+  if constexpr (KIND == 3) { uint16_t v; std::memcpy(&v, p, 2); return half_value(v); }
+  if constexpr (KIND == 4) { uint16_t v; std::memcpy(&v, p, 2); uint32_t u = static_cast<uint32_t>(v) << 16;
+                             float f; std::memcpy(&f, &u, 4); return f; }
+  if constexpr (KIND == 5) return static_cast<double>(*p);
+  if constexpr (KIND == 6) return static_cast<double>(static_cast<signed char>(*p));
+  if constexpr (KIND == 7) { int16_t v; std::memcpy(&v, p, 2); return v; }
+  if constexpr (KIND == 8) { int32_t v; std::memcpy(&v, p, 4); return v; }
+  if constexpr (KIND == 9) { int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
+  return 0.0;
+}
+
+struct Sums { double a[4] = {0, 0, 0, 0}; };
+
+// components [first, first + m) of an output, read into `buf`, added to `acc`
+static inline double flipped(double x, uint32_t bit) {  // x, or -x if bit is 1 (no branch: the bits are random)
+  uint64_t u;
+  std::memcpy(&u, &x, 8);
+  u ^= static_cast<uint64_t>(bit) << 63;
+  std::memcpy(&x, &u, 8);
+  return x;
+}
+
+// components [first, first + m) of an output, read into `buf`, added to `acc`
+template <int KIND, int SIZE>
+static void project_chunk(const unsigned char* buf, uint64_t first, uint64_t m, uint32_t s0, uint32_t s1,
+                          Sums& acc) {
+  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  for (uint64_t j = 0; j < m; ++j) {
+    const uint64_t i = first + j;
+    const double x = component<KIND>(buf + j * SIZE);
+    uint32_t h = mix32(static_cast<uint32_t>(i) ^ s0);
+    if (i >> 32) h = mix32(h ^ static_cast<uint32_t>(i >> 32) ^ s1);
+    a0 += flipped(x, h & 1u);
+    a1 += flipped(x, (h >> 1) & 1u);
+    a2 += flipped(x, (h >> 2) & 1u);
+    a3 += flipped(x, (h >> 3) & 1u);
+  }
+  acc.a[0] += a0; acc.a[1] += a1; acc.a[2] += a2; acc.a[3] += a3;
+}
+
+static void project(int64_t kind, const unsigned char* buf, uint64_t first, uint64_t m, uint32_t s0, uint32_t s1,
+                    Sums& acc) {
+  switch (kind) {
+  case 1: case 11: project_chunk<1, 4>(buf, first, m, s0, s1, acc); break;
+  case 2: case 12: project_chunk<2, 8>(buf, first, m, s0, s1, acc); break;
+  case 3: case 10: project_chunk<3, 2>(buf, first, m, s0, s1, acc); break;
+  case 4: project_chunk<4, 2>(buf, first, m, s0, s1, acc); break;
+  case 5: project_chunk<5, 1>(buf, first, m, s0, s1, acc); break;
+  case 6: project_chunk<6, 1>(buf, first, m, s0, s1, acc); break;
+  case 7: project_chunk<7, 2>(buf, first, m, s0, s1, acc); break;
+  case 8: project_chunk<8, 4>(buf, first, m, s0, s1, acc); break;
+  case 9: project_chunk<9, 8>(buf, first, m, s0, s1, acc); break;
+  default: break;
+  }
+}
+
+constexpr uint64_t kChunk = 1 << 16;  // bytes per read of the projection pass
+constexpr uint64_t kStridedChunk = 4096;  // elements per step of a strided output's pass
+
+static uint64_t gcd64(uint64_t a, uint64_t b) { while (b) { uint64_t t = a % b; a = b; b = t; } return a; }
+
+// Every element of `o`, read once in an order drawn from `stream`, projected into `acc` (kind 0:
+// read only). Returns false if a read failed.
+static bool project_all(const CpuClose& o, uint64_t stream, uint32_t s0, uint32_t s1, Sums& acc,
+                        std::vector<unsigned char>& buf) {
+  const uint64_t es = static_cast<uint64_t>(o.elem_size), numel = static_cast<uint64_t>(o.numel);
+  const uint64_t parts = (o.kind >= 10 && o.kind <= 12) ? 2 : 1;  // complex: two components an element
+  const bool contiguous = o.ndim == 1 && o.strides[0] == 1;
+  const uint64_t per = contiguous ? std::max<uint64_t>(kChunk / es, 1) : kStridedChunk;  // elements per step
+  const uint64_t chunks = (numel + per - 1) / per;
+  buf.resize(per * es);
+  // chunk j is read at step (a * j + b) mod chunks, a coprime with chunks
+  uint64_t a = chunks > 1 ? 1 + mix64(stream) % (chunks - 1) : 1, b = chunks ? mix64(stream + 1) % chunks : 0;
+  while (chunks > 1 && gcd64(a, chunks) != 1) a = a % (chunks - 1) + 1;
+  struct iovec remote[1], local[1];
+  for (uint64_t step = 0; step < chunks; ++step) {
+    const uint64_t c = (a * step + b) % chunks, lo = c * per, m = std::min(per, numel - lo);
+    if (contiguous) {
+      remote[0] = {reinterpret_cast<void*>(o.src + lo * es), m * es};
+      local[0] = {buf.data(), m * es};
+      if (!read_remote(local, remote, 1, m * es)) return false;
+    } else {  // element by element (a syscall's iovec per element costs ~1 us)
+      const volatile unsigned char* src = reinterpret_cast<const volatile unsigned char*>(o.src);
+      for (uint64_t j = 0; j < m; ++j) {
+        const volatile unsigned char* e = src + offset_of(o, lo + j) * static_cast<int64_t>(es);
+        for (uint64_t b = 0; b < es; ++b) buf[j * es + b] = e[b];
+      }
+    }
+    if (o.kind != 0) project(o.kind, buf.data(), lo * parts, m * parts, s0, s1, acc);
+  }
+  return true;
+}
+
+static int64_t now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000ll + ts.tv_nsec;
+}
+
+extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* phase_ns) {
+  uint64_t seed = 0;
+  if (!random_bytes(&seed, sizeof seed)) return -1;
+  for (int64_t k = 0; k < n; ++k) {  // 1. the samples
+    CpuClose& o = outs[k];
+    o.seed = seed;
     if (o.numel <= 0 || o.count <= 0) continue;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(o.src);
     auto* values = reinterpret_cast<unsigned char*>(o.values);
     auto* positions = reinterpret_cast<int64_t*>(o.positions);
     const bool everything = o.count >= o.numel;
-    uint64_t draws[256];
+    uint64_t stream = mix64(seed ^ mix64(static_cast<uint64_t>(o.index) + 0x5151));
     for (int64_t i = 0; i < o.count; ++i) {
       uint64_t flat = static_cast<uint64_t>(i);
       if (!everything) {
-        if (i % 256 == 0 && !random_bytes(draws, sizeof draws)) return -1;
-        flat = draws[i % 256] % static_cast<uint64_t>(o.numel);
+        flat = mix64(stream += 0x9e3779b97f4a7c15ull) % static_cast<uint64_t>(o.numel);
         if (positions) positions[i] = static_cast<int64_t>(flat);
       }
       std::memcpy(values + i * o.elem_size, src + offset_of(o, flat) * o.elem_size, static_cast<size_t>(o.elem_size));
     }
-    std::memset(draws, 0, sizeof draws);
   }
-  (void)sink;
+  const int64_t t0 = now_ns();
+  std::vector<unsigned char> buf;
+  for (int64_t k = 0; k < n; ++k) {  // 2. every element, projected
+    const CpuClose& o = outs[k];
+    if (o.numel <= 0) continue;
+    const uint32_t idx = static_cast<uint32_t>(o.index);
+    const uint32_t s0 = static_cast<uint32_t>(seed) ^ mix32(2 * idx + 1);
+    const uint32_t s1 = static_cast<uint32_t>(seed >> 32) ^ mix32(2 * idx + 2);
+    Sums acc;
+    if (!project_all(o, mix64(seed ^ (0xc105e + static_cast<uint64_t>(k))), s0, s1, acc, buf)) return -2;
+    if (o.proj && o.kind != 0) std::memcpy(reinterpret_cast<void*>(o.proj), acc.a, sizeof acc.a);
+  }
+  if (phase_ns) *phase_ns = now_ns() - t0;
+  seed = 0;
   return 0;
 }
-
-}  // extern "C"

@@ -84,28 +84,34 @@ three passes of work). The interval
 holds the call, then the *CPU close*: `after` (the harness's: it checks the outputs and registers
 each with `read_at_end`, which allocates its evidence buffers), then one call into the harness's
 own native library (`cudagym_cpu_close` in opwatch.cpp, compiled by the parent, bound by ctypes
-before any candidate code loads) that reads every page of every output (every element of a
-strided one), draws the sample positions with getrandom() and gathers the values there into
-those buffers. The clock stops when it returns. Why in one native call, inside the interval:
-before, the positions were drawn after the clock stopped with `torch.randint` and the values
-gathered with ATen ops, in the candidate's process; a RecordFunction callback or a Python profile
-hook the candidate left behind ran there, and either did the whole call's work untimed (+3 with
-nothing computed inside the call) or computed only the 2048 positions it read from randint's
-output. Now (1) no code but the harness's native code runs between the draw and the read: no
-Python (a ctypes call releases the GIL and makes no profile event), no ATen op, so no callback,
-dispatcher kernel or hook of anyone's sees a position before its value is taken; (2) anything a
-hook does after the call returns and before the close runs inside the interval, and is timed;
-(3) pages a fault handler fills on first read are filled, and timed, in the close. After it the
-harness sends the evidence's raw bytes (`Evidence.raw`) with no ATen op, and a Python profile,
-trace or monitoring hook found right after the call (`foreign_hooks`) is `TimerTamperedError`. Left:
-a native thread of the candidate's that rewrites the evidence buffers between the close and the
-pipe write (it must find them and know the positions: they are in the buffer only after the
-close), and native code that edits the interpreter's or torch's state directly. A red team did
-the first (2026-11-26): a SIGSEGV handler the close's read of a protected page ran found the
-close's entries, and a native thread holding the GIL wrote the right values at the drawn
-positions of an output of zeros: +3. What closes it (not built yet): projections of every output
-element, as the GPU's close kernel makes, checked by the parent on the CPU too, and a close that
-reads with process_vm_readv (no fault reaches a handler of the candidate's).
+before any candidate code loads) that draws a seed with getrandom(), gathers the values at
+positions drawn from it, then reads every element of every output (in chunks, in an order drawn
+from the seed; a contiguous output through process_vm_readv, so a page the candidate protected
+fails the close, TAMPER, instead of reaching a fault handler of its) and projects it as the GPU's
+close kernel does (`projection`); then the evidence is sent on the pipe as raw bytes, and only
+then does the clock stop. What is left out of the interval is what the GPU's leaves out: the
+overhead of a call that does nothing (its output read as a call's is) and the close's own
+projection pass (timed by the close), at most what the timing job's calibration measured for
+outputs of that size (`DeviceTimer.calibrate`, before any candidate code loads:
+`CPU_CALIBRATION`). Why in one native call, inside the interval, and the send too:
+- before, the positions were drawn after the clock stopped with `torch.randint` and the values
+  gathered with ATen ops, in the candidate's process; a RecordFunction callback or a Python
+  profile hook the candidate left behind ran there, and either did the whole call's work untimed
+  (+3 with nothing computed inside the call) or computed only the 2048 positions it read from
+  randint's output. Now no code but the harness's native code runs between the draw and the
+  read: no Python (a ctypes call makes no profile event), no ATen op;
+- then a red team (2026-11-26) returned zeros and had a native thread, holding the GIL after the
+  close, write the right values at the drawn positions of the evidence buffers before Python
+  sent them (+3). Now the projections of the whole output, made inside the close, are checked by
+  the parent on the CPU as on a GPU: samples rewritten afterwards leave projections of zeros
+  (MISMATCH), and rewriting those too needs the whole output computed, which, since the evidence
+  leaves inside the interval, is timed;
+- anything a hook does after the call returns and before the close runs inside the interval,
+  and pages a fault handler fills on first read are filled, and timed, in the close.
+A Python profile, trace or monitoring hook found right after the call (`foreign_hooks`) is
+`TimerTamperedError`. Left: native code that edits the interpreter's or torch's state directly
+(the harness's clock, its pipe): the candidate's native code shares the worker's process. Cost
+(2 shared cores, fp32): ~4 ns per element projected, left out of the time up to its calibration.
 
 Evidence (what the parent re-checks, `cudagym.rewards.compare`): each output's samples, their
 positions and (GPU) its projections are sent on the pipe before the worker asks for the next
@@ -129,14 +135,16 @@ pins against rebinding), `gate` (the gate kernels' CUDA source and their loading
 from cudagym.sandbox.timing.evidence import MAX_CPU_DIMS, Evidence
 from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAMPLED_DIMS, MAX_SAMPLED_OUTPUTS,
                                          PROJECTED_KINDS, Gate, gate_kernels, gate_source)
-from cudagym.sandbox.timing.timer import (CALIBRATION_CALLS, CALIBRATION_ELEMENTS, LARGE_CALIBRATION_CALLS,
+from cudagym.sandbox.timing.timer import (CALIBRATION_CALLS, CALIBRATION_ELEMENTS, CPU_CALIBRATION,
+                                          LARGE_CALIBRATION_CALLS,
                                           LARGE_CALIBRATION_ELEMENTS, MAX_OVERHEAD_NS, PLACEMENT_BYTES, PROJECTIONS,
                                           PROTOCOL_VERSION, READ_SLACK_NS, READ_SLACK_REL, SAMPLE_SIZE,
                                           STRIDED_CALIBRATION_ELEMENTS, TAIL_ALLOWANCE_MS, Calibration, DeviceTimer,
                                           TimerTamperedError, call_ms, drive_calls, foreign_hooks, harness_calibration,
                                           projection, refill_, touch_pages, use_native_close)
 
-__all__ = ["CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CLOSE_TIMEOUT_NS", "GATE_THREADS", "LARGE_CALIBRATION_CALLS",
+__all__ = ["CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CPU_CALIBRATION",
+           "CLOSE_TIMEOUT_NS", "GATE_THREADS", "LARGE_CALIBRATION_CALLS",
            "LARGE_CALIBRATION_ELEMENTS", "MAX_CPU_DIMS", "MAX_OVERHEAD_NS", "MAX_SAMPLED_DIMS", "MAX_SAMPLED_OUTPUTS",
            "PLACEMENT_BYTES",
            "PROJECTED_KINDS", "PROJECTIONS", "PROTOCOL_VERSION", "READ_SLACK_NS", "READ_SLACK_REL", "SAMPLE_SIZE",

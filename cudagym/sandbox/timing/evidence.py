@@ -16,12 +16,14 @@ MAX_CPU_DIMS = 64  # dimensions of a strided output the CPU close reads (more: m
 
 
 class CpuClose(ctypes.Structure):
-    """One output of the CPU close (`cpu_close` in opwatch.cpp; sizes and strides in elements)."""
+    """One output of the CPU close (`cpu_close` in opwatch.cpp; sizes and strides in elements;
+    `proj`: 4 doubles, `kind`: `PROJECTED_KINDS`, 0 for none; `seed`: written by the close)."""
 
     _fields_ = [("src", ctypes.c_uint64), ("values", ctypes.c_uint64), ("positions", ctypes.c_uint64),
                 ("numel", ctypes.c_int64), ("count", ctypes.c_int64), ("elem_size", ctypes.c_int64),
                 ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_CPU_DIMS),
-                ("strides", ctypes.c_int64 * MAX_CPU_DIMS)]
+                ("strides", ctypes.c_int64 * MAX_CPU_DIMS), ("proj", ctypes.c_uint64), ("kind", ctypes.c_int64),
+                ("index", ctypes.c_int64), ("seed", ctypes.c_uint64)]
 
 
 class Evidence(NamedTuple):
@@ -29,11 +31,15 @@ class Evidence(NamedTuple):
 
     values: torch.Tensor  # the sampled values (all of them, in the output's shape, if positions is None)
     positions: torch.Tensor | None  # their flat (row-major) positions
-    projections: torch.Tensor | None  # GPU: `PROJECTIONS` float64 sums (`projection`); None on the CPU target
+    projections: torch.Tensor | None  # `PROJECTIONS` float64 sums (`projection`) of the whole output
     seed: int  # the call's secret seed of the positions and weights, drawn after the call returned
-    # CPU target: the raw bytes of values and positions (the buffers the close fills), to send
-    # without an ATen op between the close and the pipe
-    raw: tuple[memoryview, memoryview | None] | None = None
+    # CPU target: the raw bytes of values, positions and projections (the buffers the close fills),
+    # to send without an ATen op between the close and the pipe, and the close's entry (its `seed`)
+    raw: tuple[memoryview, memoryview | None, memoryview | None, CpuClose] | None = None
+
+    def cpu_seed(self) -> int:
+        """The seed the CPU close drew for this output's call (0 before the close)."""
+        return int(self.raw[3].seed) if self.raw is not None else self.seed
 
 
 class Reading:
@@ -49,26 +55,37 @@ class Reading:
         # the CPU close's outputs: its native entries (`CpuClose`) and each one's tensor and evidence
         self.cpu: list[tuple[CpuClose, tuple[torch.Tensor, Evidence | None]]] = []
 
-    def add_cpu(self, t: torch.Tensor, count: int) -> Evidence:
-        """Register CPU output `t` for the close (`DeviceTimer.call`): its pages are read, then
-        `count` values at positions drawn by the close (all values, in `t`'s shape, and no
-        positions, if `t` has no more than `count` elements) are gathered into buffers allocated
-        here, before the close; the evidence holds them (filled once `call` returns) and their raw
-        bytes (sent without an ATen op: nothing hooked into torch runs between close and send)."""
+    def add_cpu(self, t: torch.Tensor, count: int, kind: int) -> Evidence:
+        """Register CPU output `t` for the close (`DeviceTimer.call`): `count` values at
+        positions drawn by the close (all values, in `t`'s shape, and no positions, if `t` has no
+        more than `count` elements), then every element read and (`kind`: `PROJECTED_KINDS`, 0:
+        none) projected, into buffers allocated here, before the close; the evidence holds them
+        (filled once the close returned) and their raw bytes (sent without an ATen op: nothing
+        hooked into torch runs between close and send)."""
         if t.dim() > MAX_CPU_DIMS and not t.is_contiguous():
             t = t.contiguous()
         numel = t.numel()
         n = numel if numel <= count else count
         values = torch.empty(n, dtype=t.dtype)
         positions = None if n == numel else torch.empty(n, dtype=torch.int64)
+        # kind 0 (a dtype the native close does not project): projected by `DeviceTimer._close_cpu`
+        projections = torch.zeros(4, dtype=torch.float64) if count else None
         shape, strides = ((numel,), (1,)) if t.is_contiguous() else (tuple(t.shape), tuple(t.stride()))
         entry = CpuClose(src=t.data_ptr() if numel else 0, values=values.data_ptr(),
                           positions=0 if positions is None else positions.data_ptr(), numel=numel,
-                          count=n if count else 0, elem_size=t.element_size(), ndim=len(shape))
+                          count=n if count else 0, elem_size=t.element_size(), ndim=len(shape),
+                          proj=0 if projections is None else projections.data_ptr(), kind=kind if count else 0,
+                          index=self.outputs)
+        self.outputs += 1
+        if t.is_contiguous():
+            self.dense += max(numel, numel * t.element_size() // 4)
+        else:
+            self.strided += numel
         for d, (size, stride) in enumerate(zip(shape, strides)):
             entry.sizes[d], entry.strides[d] = size, stride
         raw = (values.view(torch.uint8).numpy().data if n else memoryview(b""),
-               None if positions is None else positions.view(torch.uint8).numpy().data)
-        ev = Evidence(values.view(t.shape) if positions is None else values, positions, None, 0, raw)
+               None if positions is None else positions.view(torch.uint8).numpy().data,
+               None if projections is None else projections.view(torch.uint8).numpy().data, entry)
+        ev = Evidence(values.view(t.shape) if positions is None else values, positions, projections, 0, raw)
         self.cpu.append((entry, (t, ev if count else None)))  # t: alive until the close has read it
         return ev

@@ -41,6 +41,9 @@ CALIBRATION_ELEMENTS = 1 << 18  # the fp32 output those calls' close reads (and 
 LARGE_CALIBRATION_CALLS = 10
 LARGE_CALIBRATION_ELEMENTS = 1 << 24
 STRIDED_CALIBRATION_ELEMENTS = 1 << 22
+# the CPU target's calibration (its close projects at ns, not ps, per element): calls, then the
+# elements of the small, large and strided outputs, and the calls of each of the larger two
+CPU_CALIBRATION = (30, 1 << 16, 1 << 21, 1 << 16, 3)
 READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projections' share of it plus this
 # Sizes of the allocation held across each GPU call in turn (`drive_calls`), so that what a call
 # allocates (its output) lands at other addresses from one call to the next: a one-op call of a few
@@ -158,22 +161,23 @@ class Calibration(NamedTuple):
     # max(elements, bytes / 4)) and not (ps)
     read_ps_per_element: float = 0.0
     read_ps_per_strided_element: float = 0.0
+    base_elements: int = CALIBRATION_ELEMENTS  # the output of the calls that measured `read_cap_ns`
 
     @classmethod
     def measured(cls, overhead_ns: float, read_ns: float, per_element_ps: float = 0.0,
-                 per_strided_element_ps: float = 0.0) -> Calibration:
+                 per_strided_element_ps: float = 0.0, base_elements: int = CALIBRATION_ELEMENTS) -> Calibration:
         """From a calibration's medians: the overhead, at most `MAX_OVERHEAD_NS`; the read
         phase, plus `READ_SLACK_NS`, as the cap; the cap's growth per projected element, plus
         `READ_SLACK_REL`."""
         return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS,
                    max(float(per_element_ps), 0.0) * (1 + READ_SLACK_REL),
-                   max(float(per_strided_element_ps), 0.0) * (1 + READ_SLACK_REL))
+                   max(float(per_strided_element_ps), 0.0) * (1 + READ_SLACK_REL), base_elements)
 
     def left_out_ns(self, read_ns: int, dense: int = 0, strided: int = 0) -> int:
         """What is left out of a call whose close took `read_ns` to read its outputs and to
         project `dense` contiguous elements (max(elements, bytes / 4) of each) and `strided`
         others."""
-        grown = (self.read_ps_per_element * max(dense - CALIBRATION_ELEMENTS, 0)
+        grown = (self.read_ps_per_element * max(dense - self.base_elements, 0)
                  + self.read_ps_per_strided_element * strided)
         return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns + int(grown / 1000))
 
@@ -218,6 +222,7 @@ class DeviceTimer:
         # the host's time from the open kernel's launch to the close kernel's (the CPU target: the
         # call's): past `window_ms`, the call's time holds host work (diagnostic, last call only)
         self.host_ms: float | None = None
+        self._cpu_phase_ns = 0  # the CPU close's projection pass in the last call
         self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
         # while `call`'s `after` runs: what the close kernel will read, and the tensors it reads
         self._reading: Reading | None = None
@@ -243,7 +248,7 @@ class DeviceTimer:
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
              after: Callable[[Any], object] | None = None, copies: torch.Tensor | None = None,
-             refill: Callable[[], object] | None = None) -> tuple[Any, float]:
+             refill: Callable[[], object] | None = None, send: Callable[[], object] | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         once the call has returned, to register its outputs with `read_at_end`, inside the
         interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
@@ -251,9 +256,11 @@ class DeviceTimer:
         `copies` (`copy_plan`; GPU): what the open gate copies at the window's end, before the
         start event. `refill()` (CPU): gives the call's input buffers their values after the
         cache flush, right before the interval opens, as the open gate does on a GPU, so that
-        no thread of the candidate's can work on them while the flush runs. CPU: raises
-        `TimerTamperedError` after the interval if a Python hook that is not the harness's was
-        active when the call returned."""
+        no thread of the candidate's can work on them while the flush runs. `send()` (CPU):
+        sends the evidence `after` registered, after the close and still inside the interval, so
+        that whatever rewrites it before it leaves is timed. CPU: raises `TimerTamperedError`
+        after the interval if a Python hook that is not the harness's was active when the call
+        returned."""
         if not self.cuda:
             # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
             # then one native call that reads every page, draws the positions and gathers the
@@ -273,13 +280,20 @@ class DeviceTimer:
                 else:
                     for t in out if isinstance(out, (list, tuple)) else (out,):
                         if type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided:
-                            reading.add_cpu(t, 0)  # read every page, sample none
+                            reading.add_cpu(t, 0, 0)  # read every page, sample none
             finally:
                 self._reading = None
-            failed = self._close_cpu(reading)
-            ms = self.host_ms = (self._perf() - t0) * 1e3
+            failed, phase_ns = self._close_cpu(reading)
+            if send is not None and not failed:
+                send()
+            elapsed_ms = self.host_ms = (self._perf() - t0) * 1e3
+            self._cpu_phase_ns = phase_ns
+            if failed == -2:
+                raise TimerTamperedError("the timer's CPU close could not read an output's memory (unmapped or "
+                                         "protected when the call returned)")
             if failed:
                 raise RuntimeError("the timer's CPU close failed (getrandom)")
+            ms = max(elapsed_ms - self.calibration.left_out_ns(phase_ns, reading.dense, reading.strided) / 1e6, 0.0)
             if hooks:
                 raise TimerTamperedError(f"a Python hook the harness did not set was active after the call: {hooks}")
             return out, ms
@@ -329,7 +343,10 @@ class DeviceTimer:
 
     @property
     def read_phase_ns(self) -> int:
-        """The last call's read phase: the close gate's last block's exit less its last arrival (ns; GPU)."""
+        """The last call's read phase: the close gate's last block's exit less its last arrival
+        (ns; GPU); the native close's projection pass (CPU)."""
+        if not self.cuda:
+            return self._cpu_phase_ns
         _, _, last, leave = self.stamps_ns
         return leave - last  # (`Calibration.left_out_ns` bounds it)
 
@@ -353,7 +370,7 @@ class DeviceTimer:
         call, read at once with torch."""
         reading = self._reading
         if reading is not None and not self.cuda:
-            return reading.add_cpu(t, count)
+            return reading.add_cpu(t, count, PROJECTED_KINDS.get(t.dtype, 0))
         t = t.detach()
         everything = t.numel() <= count
         seed = reading.samples.seed if reading is not None else _randbits(64)
@@ -391,15 +408,26 @@ class DeviceTimer:
         reading.kept.append(t)  # alive until the close kernel has read it
         return Evidence(values.view(t.shape) if everything else values, positions, projections, seed)
 
-    def _close_cpu(self, reading: Reading) -> int:
+    def _close_cpu(self, reading: Reading) -> tuple[int, int]:
         """The CPU close of `reading`'s outputs: the harness's native `cpu_close` where the timer
         has it (every worker's timer), else the same steps in torch (tests and tools only: its
-        draw and reads are ATen ops, which a candidate's RecordFunction callback sees)."""
+        draw and reads are ATen ops, which a candidate's RecordFunction callback sees). Returns
+        the close's code (0; -1: no random bytes; -2: an output's memory could not be read) and
+        its projection pass's duration (ns)."""
         entries = reading.cpu
         if self._native_close is not None:
             array = (CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
-            return int(self._native_close(ctypes.addressof(array), len(entries)))
+            phase = ctypes.c_int64(0)
+            code = int(self._native_close(ctypes.addressof(array), len(entries), ctypes.byref(phase)))
+            for k, (entry, (t, ev)) in enumerate(entries):
+                entry.seed = array[k].seed
+                if code == 0 and ev is not None and ev.projections is not None and entry.kind == 0:
+                    ev.projections.copy_(projection(t, entry.seed, int(entry.index))[:PROJECTIONS])
+            return code, int(phase.value)
+        seed = _randbits(64)
+        t0 = time.perf_counter_ns()
         for entry, (t, ev) in entries:
+            entry.seed = seed
             touch_pages(t)
             if ev is None or entry.count == 0:
                 continue
@@ -407,10 +435,12 @@ class DeviceTimer:
             if ev.positions is None:
                 ev.values.copy_(t)
             else:
-                gen = torch.Generator().manual_seed(_randbits(62))
+                gen = torch.Generator().manual_seed(seed & (2**62 - 1))
                 ev.positions.copy_(torch.randint(t.numel(), (entry.count,), generator=gen))
                 ev.values.copy_(flat[ev.positions])
-        return 0
+            if ev.projections is not None:
+                ev.projections.copy_(projection(t, seed, int(entry.index))[:PROJECTIONS])
+        return 0, time.perf_counter_ns() - t0
 
     def _launch_close(self, samples: Samples, stream: torch.cuda.Stream) -> None:
         """The close kernel on `stream` (launched here: torch's kernel handles pass no structs
@@ -433,11 +463,15 @@ class DeviceTimer:
         `LARGE_CALIBRATION_CALLS` such calls with a contiguous output of `LARGE_CALIBRATION_ELEMENTS`
         and as many with a transposed one of `STRIDED_CALIBRATION_ELEMENTS`: the read phase's
         growth per element projected (plus `READ_SLACK_REL`) raises that cap for a call with
-        larger outputs. Run it before any candidate code loads. The CPU target has none."""
-        if not self.cuda:
-            self.calibration = Calibration(0, 0)
-            return self.calibration
-        output = torch.zeros(CALIBRATION_ELEMENTS, device=self.device)  # read at each call's end as a call's output is
+        larger outputs. Run it before any candidate code loads. On the CPU target the read phase
+        is the native close's projection pass, measured with fewer and smaller calls
+        (`CPU_CALIBRATION`: a timing job calibrates its own timer)."""
+        base, large, strided_n, large_calls = ((CALIBRATION_ELEMENTS, LARGE_CALIBRATION_ELEMENTS,
+                                                STRIDED_CALIBRATION_ELEMENTS, LARGE_CALIBRATION_CALLS)
+                                               if self.cuda else CPU_CALIBRATION[1:])
+        if calls is None:
+            calls = CALIBRATION_CALLS if self.cuda else CPU_CALIBRATION[0]
+        output = torch.zeros(base, device=self.device)  # read at each call's end as a call's output is
 
         def read(_: Any) -> None:
             self.read_at_end(output)
@@ -446,7 +480,7 @@ class DeviceTimer:
         for _ in range(5):
             self.call(lambda: None, [], read)
         timed = []
-        for _ in range(CALIBRATION_CALLS if calls is None else calls):
+        for _ in range(calls):
             ms = self.call(lambda: None, [], read)[1]
             phase_ns = self.read_phase_ns
             timed.append((ms * 1e6 - phase_ns, phase_ns, self.host_ms or 0.0))
@@ -456,18 +490,18 @@ class DeviceTimer:
 
         def read_phase(t: torch.Tensor) -> float:
             phases = []
-            for _ in range(LARGE_CALIBRATION_CALLS):
+            for _ in range(large_calls):
                 self.call(lambda: None, [], lambda _: self.read_at_end(t))
                 phases.append(self.read_phase_ns)
             return statistics.median(phases)
 
-        dense = read_phase(torch.zeros(LARGE_CALIBRATION_ELEMENTS, device=self.device))
-        side = int(STRIDED_CALIBRATION_ELEMENTS ** 0.5)
+        dense = read_phase(torch.zeros(large, device=self.device))
+        side = int(strided_n ** 0.5)
         strided = read_phase(torch.zeros(side, side, device=self.device).t())
         self.calibration = Calibration.measured(
             statistics.median(t[0] for t in on_time), read_ns,
-            (dense - read_ns) * 1000 / (LARGE_CALIBRATION_ELEMENTS - CALIBRATION_ELEMENTS),
-            (strided - read_ns) * 1000 / (side * side))
+            (dense - read_ns) * 1000 / (large - base), (strided - read_ns) * 1000 / (side * side),
+            base)
         return self.calibration
 
     def close_timeouts(self) -> int:
@@ -510,6 +544,7 @@ def drive_calls(
     timer: DeviceTimer,
     after: Callable[[int, Any], dict[str, Any]] | None = None,
     probe: Callable[..., Any] | None = None,
+    send: Callable[[], object] | None = None,
 ) -> int:
     """Make the calls the parent asks for; returns how many were made.
 
@@ -525,7 +560,8 @@ def drive_calls(
     `PLACEMENT_BYTES[(i // k) % 8]` is held across call i, so that the call's own allocations
     land elsewhere from one round of input sets to the next. `after(i, out)` runs once call
     i has returned (`DeviceTimer.call`'s `after`: it reads outputs with `read_at_end`) and returns
-    what to report about it. The garbage collector is paused so that a collection does not land
+    what to report about it; on the CPU target `send()` sends what it read from inside the
+    interval (`DeviceTimer.call`'s `send`). The garbage collector is paused so that a collection does not land
     inside a call.
     """
     k = len(input_sets)
@@ -560,7 +596,8 @@ def drive_calls(
                                   device=timer.device)
                       if timer.cuda else None)
             out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k],
-                                 refill=None if timer.cuda else functools.partial(refill_, targets, fresh))
+                                 refill=None if timer.cuda else functools.partial(refill_, targets, fresh),
+                                 send=None if timer.cuda else send)
             del spacer
             report = {"ms": ms, "host_ms": timer.host_ms, **seen}
             i += 1

@@ -18,8 +18,8 @@ import torch
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS
-from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, DeviceTimer, Evidence, TimerTamperedError, drive_calls,
-                                    foreign_hooks, harness_calibration)
+from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
+                                    drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
 from cudagym.sandbox.worker.integrity import (check_tamper, kernel_watch, kernels_alive, op_watch, watch_alive,
                                               watch_changes)
@@ -48,8 +48,10 @@ def job_timer(p: Problem, job: Job, state: WorkerState) -> DeviceTimer:
     cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
     shorter than it then read 0. Without the flush the output the close reads is hot, as a
     call's is."""
-    calibration = harness_calibration.__wrapped__() if p.device.type == "cuda" else None
     native = op_watch(state).cpu_close if p.device.type == "cpu" else None
+    calibration = (harness_calibration.__wrapped__() if p.device.type == "cuda"
+                   else DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0),
+                                    native_close=native).calibrate())
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
                         calibration=calibration, native_close=native)
     if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
@@ -113,14 +115,17 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.extend((o.shape, timer.read_at_end(o, SAMPLE_SIZE)) for o in as_outputs(out, who, p.device))
         return {}
 
-    def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
-        # the evidence of the call goes on the pipe before the candidate's code runs again; the
-        # CPU close's as raw bytes (`Evidence.raw`): no ATen op, so no RecordFunction callback or
+    def send_evidence() -> None:
+        # the evidence of the call goes on the pipe before the candidate's code runs again (on the
+        # CPU target, from inside the call's interval: `DeviceTimer.call`'s `send`); the CPU
+        # close's as raw bytes (`Evidence.raw`): no ATen op, so no RecordFunction callback or
         # kernel of anyone's, runs between the close and the pipe
         for j, (shape, ev) in enumerate(pending):
             if ev.raw is not None:
+                seed = ev.cpu_seed()
                 for what, t, raw, extra in (("sample", ev.values, ev.raw[0], {"full_shape": list(shape)}),
-                                            ("positions", ev.positions, ev.raw[1], {})):
+                                            ("positions", ev.positions, ev.raw[1], {}),
+                                            ("projection", ev.projections, ev.raw[2], {"seed": seed})):
                     if t is not None and raw is not None:  # raw is None exactly when t is
                         ch.send({"type": "tensor", "role": what, "trial": made[0] - 1, "index": j,
                                  "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), **extra}, raw)
@@ -131,6 +136,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             if ev.projections is not None:
                 ch.send_tensor("projection", made[0] - 1, j, ev.projections[:PROJECTIONS], pipe=True, seed=ev.seed)
         pending.clear()
+
+    def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
+        send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
         if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():  # noqa: SLF001 - mode stacks
@@ -179,16 +187,16 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     with torch.no_grad():
         try:
-            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed)
+            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed, send=send_evidence)
         except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
         except Exception:
             untouched()  # a harness the candidate patched, which then raised, is tamper
             raise
     ph.mark(f"{role}_timed_loop")
+    ph.extra["harness_overhead_ns"] = calibration.overhead_ns
+    ph.extra["read_cap_ns"] = calibration.read_cap_ns
     if timer.cuda:
-        ph.extra["harness_overhead_ns"] = calibration.overhead_ns
-        ph.extra["read_cap_ns"] = calibration.read_cap_ns
         ph.extra[f"{role}_close_timeouts"] = timer.close_timeouts() - timeouts
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     untouched()
