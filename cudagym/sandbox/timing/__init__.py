@@ -114,8 +114,10 @@ A Python profile, trace or monitoring hook found right after the call (`foreign_
 (2 shared cores, fp32): ~4 ns per element projected, left out of the time up to its calibration.
 
 Evidence (what the parent re-checks, `cudagym.rewards.compare`): each output's samples, their
-positions and (GPU) its projections are sent on the pipe before the worker asks for the next
-call, so nothing the candidate runs later (its next call, a finalizer, a kernel writing the
+positions and its projections are sent on the pipe before the worker asks for the next call (on
+a GPU, copied to the host's pageable memory on the call's stream right after the close kernel,
+so no kernel launched after the call's last event can rewrite them; on the CPU target, sent from
+inside the interval), so nothing the candidate runs later (its next call, a finalizer, a kernel writing the
 worker's page-locked result memory) can change them. The projections make a sample rewritten
 before that (by code running beside the harness) worthless without the whole output: the
 weights are drawn after the call returned, so an honest output's projections differ from the

@@ -52,6 +52,10 @@ class Reading:
         self.outputs = 0  # outputs read so far (each one's index in the weights' hash)
         self.dense = 0  # what the close kernel projects: contiguous elements (max(elements, bytes / 4) per output)
         self.strided = 0  # and others
+        # GPU: what is copied to host memory right after the close kernel, on its stream (device
+        # address, host address, bytes), and the host copy of `projections`
+        self.to_host: list[tuple[int, int, int]] = []
+        self.host_projections: torch.Tensor | None = None
         # the CPU close's outputs: its native entries (`CpuClose`) and each one's tensor and evidence
         self.cpu: list[tuple[CpuClose, tuple[torch.Tensor, Evidence | None]]] = []
 

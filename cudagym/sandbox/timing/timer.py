@@ -211,6 +211,8 @@ class DeviceTimer:
             # the gate kernels' %globaltimer stamps of the last call (ns; see the source)
             self._stamps = torch.zeros(4, dtype=torch.int64, device=device)
             self._libcuda = cuda_driver()
+            # bound once: the timer's callables are checked for rebinding after each loop
+            self._launch, self._to_host = self._libcuda.cuLaunchKernel, self._libcuda.cuMemcpyDtoHAsync_v2
             self._window_ns = int(launch_window_us * 1e3)
             if calibration is None:
                 calibration = harness_calibration()
@@ -316,6 +318,8 @@ class DeviceTimer:
         marks[0].record(stream)
         out = fn(*args)
         reading = Reading(_randbits(64), projections)  # the seed is drawn after the call returned
+        if projections is not None:
+            reading.host_projections = torch.zeros(MAX_SAMPLED_OUTPUTS, PROJECTIONS, dtype=torch.float64)
         with torch.cuda.stream(stream):  # the call may have left another stream current
             if after is not None:
                 self._reading = reading
@@ -326,6 +330,7 @@ class DeviceTimer:
             self._launch_close(reading.samples, stream)
             self.host_ms = (self._perf() - opened) * 1e3
             marks[1].record(stream)
+            self._evidence_to_host(reading, stream)
         self._sync()
         reading.kept.clear()
         marks[2].record(stream)
@@ -394,6 +399,13 @@ class DeviceTimer:
         positions = None if everything else torch.empty(n, dtype=torch.int64, device=t.device)
         shape, strides = ([t.numel()], [1]) if t.is_contiguous() else (list(t.shape), list(t.stride()))
         projections = reading.projections[samples.n]
+        # the evidence is the host copies (`_evidence_to_host`), filled once `call` returns
+        host_values = torch.empty(n, dtype=t.dtype)
+        host_positions = None if positions is None else torch.empty(n, dtype=torch.int64)
+        reading.to_host += [(values.data_ptr(), host_values.data_ptr(), values.nbytes)]
+        if positions is not None and host_positions is not None:
+            reading.to_host += [(positions.data_ptr(), host_positions.data_ptr(), positions.nbytes)]
+        host_projections = reading.host_projections[samples.n] if reading.host_projections is not None else projections
         s = samples.out[samples.n]
         s.src, s.values, s.positions = t.data_ptr(), values.data_ptr(), 0 if positions is None else positions.data_ptr()
         s.proj, s.kind, s.index = projections.data_ptr(), kind, index
@@ -405,8 +417,9 @@ class DeviceTimer:
             reading.dense += max(t.numel(), t.numel() * t.element_size() // 4)
         else:
             reading.strided += t.numel()
-        reading.kept.append(t)  # alive until the close kernel has read it
-        return Evidence(values.view(t.shape) if everything else values, positions, projections, seed)
+        reading.kept += [t, values] + ([positions] if positions is not None else [])  # alive until copied
+        return Evidence(host_values.view(t.shape) if everything else host_values, host_positions, host_projections,
+                        seed)
 
     def _close_cpu(self, reading: Reading) -> tuple[int, int]:
         """The CPU close of `reading`'s outputs: the harness's native `cpu_close` where the timer
@@ -442,13 +455,29 @@ class DeviceTimer:
                 ev.projections.copy_(projection(t, seed, int(entry.index))[:PROJECTIONS])
         return 0, time.perf_counter_ns() - t0
 
+    def _evidence_to_host(self, reading: Reading, stream: torch.cuda.Stream) -> None:
+        """Copy what the close kernel read (samples, positions, projections) to the host's
+        pageable memory, on the call's stream right after the close kernel and its end event:
+        no kernel can write it there (a candidate's kernel that would rewrite the device copy
+        must first compute the whole output to match the projections, and the copy follows the
+        close at once; one that holds the copy up holds the device-wide synchronize, and so the
+        last event, which then times the call)."""
+        if reading.samples.n and reading.host_projections is not None and reading.projections is not None:
+            reading.to_host.append((reading.projections.data_ptr(), reading.host_projections.data_ptr(),
+                                    reading.projections.nbytes))
+        for dev, host, nbytes in reading.to_host:
+            err = self._to_host(ctypes.c_void_p(host), ctypes.c_uint64(dev), ctypes.c_size_t(nbytes),
+                                stream._as_parameter_)
+            if err:
+                raise RuntimeError(f"the timer's evidence copy failed: CUDA driver error {err}")
+
     def _launch_close(self, samples: Samples, stream: torch.cuda.Stream) -> None:
         """The close kernel on `stream` (launched here: torch's kernel handles pass no structs
         by value)."""
         params = (ctypes.c_void_p(self._gate.data_ptr()), ctypes.c_uint(self._blocks), ctypes.c_uint(CLOSE_TIMEOUT_NS),
                   ctypes.c_void_p(self._stamps.data_ptr()), samples)
         pointers = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params))
-        err = self._libcuda.cuLaunchKernel(self._close.func, self._blocks, 1, 1, GATE_THREADS, 1, 1, 0,
+        err = self._launch(self._close.func, self._blocks, 1, 1, GATE_THREADS, 1, 1, 0,
                                            stream._as_parameter_, pointers, None)
         if err:
             raise RuntimeError(f"the timer's close kernel failed to launch: CUDA driver error {err}")
