@@ -3,8 +3,15 @@ on the parent's clock, and every report that does not add up named."""
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
+import statistics
+from collections.abc import Iterator
+
 import pytest
 
+from cudagym.core.stats import median_ci, median_ci_ranks
 from cudagym.sandbox.feed import PROBE_EVERY, CallFeed, TrialFeed
 from cudagym.sandbox.protocol import TimingConfig
 
@@ -140,3 +147,102 @@ def test_rechecks_are_drawn_where_an_input_buffer_comes_back() -> None:
         picks = feed.recheck_sample("candidate", 6)
         assert len(picks) == 6 and all(i >= cfg.input_sets for i, _ in picks)
     assert len(feed.recheck_sample("candidate", 1000)) == len(feed.timed("candidate"))  # too few: from all
+
+
+# -- how long a timed loop runs (`TimingConfig.stop`) -------------------------------------------
+PRECISION = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=20, max_calls=400, target_ms=300.0,
+                         min_timed_ms=50.0, precision_rel=0.005)
+
+
+def drive_series(feed: CallFeed, role: str, times_ms: Iterator[float], wall_ms: float) -> int:
+    """Play a worker whose model calls report the next value of `times_ms` and take `wall_ms` of
+    the parent's clock each (probes 0.3 ms); the number of timed model calls the feed let it make."""
+    now, i, report = 0.0, 0, {}
+    while True:
+        answer = feed({"what": "call", "role": role, "index": i, "ops": {}, **report}, now)
+        assert "refused" not in answer, answer
+        if answer.get("stop"):
+            return len(feed.timed(role))
+        now += (0.3 if answer["probe"] else wall_ms) / 1e3
+        report = {"ms": 0.001 if answer["probe"] else next(times_ms)}
+        i += 1
+
+
+def lognormal(median_ms: float, sigma: float, seed: int) -> Iterator[float]:
+    """Call times around `median_ms` with a relative spread of about `sigma` (right-skewed, as calls are)."""
+    rng = random.Random(seed)
+    while True:
+        yield median_ms * math.exp(rng.gauss(0.0, sigma))
+
+
+def test_the_median_interval_is_the_sign_tests() -> None:
+    assert median_ci_ranks(5) is None  # 2 / 2^5 > 5%: no interval from 5 calls
+    assert median_ci_ranks(6) == (0, 5)
+    assert median_ci_ranks(20) == (5, 14)  # 1 - 2 P(B <= 5) = 95.9%; rank 7 would give 88.5%
+    lo, hi = median_ci_ranks(2000)  # type: ignore[misc]
+    assert 950 <= lo < 1000 < hi <= 1050 and lo + hi == 1999  # symmetric, ~ n/2 -+ 1.96 sqrt(n) / 2
+
+
+def test_the_median_interval_covers_the_median_at_least_as_often_as_asked() -> None:
+    """Skewed samples (lognormal, true median 1): the interval of 30 calls holds it in >= 94% of
+    2000 draws (the exact coverage at n = 30 is 95.7%)."""
+    rng = random.Random(1)
+    held = 0
+    for _ in range(2000):
+        ci = median_ci(sorted(math.exp(rng.gauss(0.0, 0.5)) for _ in range(30)))
+        assert ci is not None
+        held += ci[0] <= 1.0 <= ci[1]
+    assert held / 2000 >= 0.94
+
+
+def test_a_steady_kernel_stops_at_the_floors() -> None:
+    """0.2% spread per call: the median is known within 0.5% from the first calls, so the loop
+    ends at its floors (20 calls; 50 ms of the clock: 32 calls of 1.5 ms beside their probes of
+    0.3 ms, one every 4th call), not at the fixed rule's 300 ms (200 calls)."""
+    feed = CallFeed(PRECISION, ("candidate",))
+    n = drive_series(feed, "candidate", lognormal(0.06, 0.002, seed=2), wall_ms=1.5)
+    assert feed.stopped_by("candidate") == "precision"
+    assert n == math.ceil(50.0 / (1.5 + 0.3 / 3))
+    fixed = CallFeed(PRECISION.model_copy(update={"stop": "fixed"}), ("candidate",))
+    assert drive_series(fixed, "candidate", lognormal(0.06, 0.002, seed=2), wall_ms=1.5) == 200
+    assert fixed.stopped_by("candidate") == "length"
+
+
+def test_a_fast_kernel_is_measured_over_the_floors_whatever_its_spread() -> None:
+    """A 2 us kernel whose calls all read the same (0 spread) at 0.4 ms of clock each: the time
+    floor, not the call floor, decides (50 ms: 100 calls beside their probes)."""
+    feed = CallFeed(PRECISION, ("candidate",))
+    n = drive_series(feed, "candidate", iter(lambda: 0.002, None), wall_ms=0.4)
+    assert feed.stopped_by("candidate") == "precision"
+    assert 50.0 / (0.4 + 0.3 / 3) <= n <= 50.0 / (0.4 + 0.3 / 3) + 1  # the calls until the clock passed 50 ms
+
+
+def test_a_noisy_kernel_runs_to_the_fixed_length() -> None:
+    """10% spread per call: 0.5% would need ~1000 calls; the loop ends at the fixed rule's length."""
+    feed = CallFeed(PRECISION, ("candidate",))
+    n = drive_series(feed, "candidate", lognormal(0.008, 0.10, seed=3), wall_ms=1.2)
+    assert feed.stopped_by("candidate") == "length" and n == 250
+
+
+def test_two_levels_of_time_do_not_read_as_precise() -> None:
+    """Calls alternating between 1.0 and 1.2 ms (two placements, say): the median's interval
+    spans both, so the loop runs its whole length rather than stopping on either level."""
+    feed = CallFeed(PRECISION, ("candidate",))
+    levels = itertools.cycle([1.0, 1.2])
+    assert drive_series(feed, "candidate", levels, wall_ms=2.5) == 120
+    assert feed.stopped_by("candidate") == "length"
+
+
+def test_stopping_early_keeps_the_medians_spread_within_the_rule() -> None:
+    """The rule's promise, checked on 300 simulated loops of a skewed 1.5% per-call spread: the
+    medians of loops that stopped as soon as their interval was within 0.5% (sd ~0.26%) vary by
+    a CV under 0.3% (the sampling share of the spread targets, CV < 1% / < 3%, stays small), and
+    sit where the true median is, in loops of a third of the fixed length (231 calls) or so."""
+    medians, lengths = [], []
+    for seed in range(300):
+        feed = CallFeed(PRECISION, ("candidate",))
+        lengths.append(drive_series(feed, "candidate", lognormal(0.05, 0.015, seed=100 + seed), wall_ms=1.3))
+        medians.append(statistics.median(feed.times_ms("candidate")))
+    assert statistics.pstdev(medians) / statistics.fmean(medians) < 0.003
+    assert abs(statistics.fmean(medians) / 0.05 - 1) < 0.001
+    assert min(lengths) >= 20 and statistics.median(lengths) < 100 and max(lengths) <= 231

@@ -598,7 +598,8 @@ def test_15_honest_through_the_first_timed_calls_only(eval_cache: Path, build_ws
     24 calls in the process (more than a verify job makes), then returns zeros: most timed calls,
     and so the median, are the cheap wrong ones. Re-checks drawn from the first 20 timed calls
     would all pass; drawn from all of them, 5 re-checks miss with probability C(22,5)/C(100,5)."""
-    timing = TimingConfig(warmup_calls=2, warmup_ms=0, min_calls=20, max_calls=100, target_ms=1e9, flush_l2=False)
+    timing = TimingConfig(warmup_calls=2, warmup_ms=0, min_calls=20, max_calls=100, target_ms=1e9, flush_l2=False,
+                          stop="fixed")  # all 100 (the precision rule may stop at a steady stretch of correct calls)
     init_extra = """\
     self._calls = 0
     """

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from cudagym.core import stats
+
 AuditMode = Literal["strict", "permissive"]
 
 
@@ -45,6 +47,9 @@ class TimingStats(BaseModel):
     iqr_ms: float
     cv: float  # stdev / mean of the calls
     p10_ms: float | None = None  # 10th percentile
+    # the median's distribution-free 95% confidence interval: its farther end from the median,
+    # relative to it (`cudagym.core.stats`); None for fewer than 6 calls
+    median_ci_rel: float | None = None
 
     @classmethod
     def from_samples(cls, samples_ms: list[float]) -> TimingStats:
@@ -57,15 +62,17 @@ class TimingStats(BaseModel):
         q1, q3 = (statistics.quantiles(s, n=4)[0], statistics.quantiles(s, n=4)[2]) if n >= 2 else (s[0], s[0])
         mean = statistics.fmean(s)
         sd = statistics.pstdev(s) if n > 1 else 0.0
+        median = statistics.median(s)
         return cls(
             n=n,
-            median_ms=statistics.median(s),
+            median_ms=median,
             mean_ms=mean,
             min_ms=s[0],
             max_ms=s[-1],
             iqr_ms=q3 - q1,
             cv=(sd / mean) if mean > 0 else 0.0,
             p10_ms=statistics.quantiles(s, n=10)[0] if n >= 2 else s[0],
+            median_ci_rel=stats.median_ci_rel(s, median),
         )
 
 

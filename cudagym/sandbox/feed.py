@@ -14,6 +14,18 @@ Secrets reach the candidate's process one step at a time, and the parent keeps t
 A request out of order, a repeated one, or a report that does not add up is a *violation*: the
 request is refused (the worker reports tampering) and the violation is kept for the verdict.
 
+How long a role's timed loop runs (`TimingConfig.stop`): "fixed" plans `target_ms` of the
+parent's clock at the warm-up's pace once warm-up ends; "precision" takes that length as a
+ceiling and stops sooner, at the first request where the timed calls' median is known closely
+enough: its distribution-free confidence interval (`cudagym.core.stats`) within
+`precision_rel` of it, after at least `min_calls` timed calls and `min_timed_ms` of the clock
+(floors: a 2 us kernel is still measured over as many calls, and over as much time, as the
+floors say, whatever its spread). The rule reads the times the worker reported, which the
+candidate's process could forge; what it could gain is a shorter loop, no shorter than the
+floors, whose times are held to the same checks (the parent's clock, `clock_gap_ms`; the
+re-checked outputs, drawn from the calls made): a loop cut at a consistent stretch of calls has
+that stretch's median, which the calls really took.
+
 The parent's clock bounds the worker's reported times (`CallFeed.clock_gap_ms`): the interval
 between the requests for calls i and i+1 holds call i entirely (the worker synchronizes the
 device before asking again), plus the loop's own overhead. Every `PROBE_EVERY`-th call of a
@@ -34,6 +46,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from cudagym.core.stats import median_ci_rel
 from cudagym.sandbox.protocol import TimingConfig
 
 PROBE_EVERY = 4  # every 4th call of a loop is a probe (not a call of the model)
@@ -83,8 +96,9 @@ class _Role:
 
     calls: list[Call] = field(default_factory=list)
     timed_from: int | None = None  # index (among all calls) of the first call after warm-up
-    timed_n: int = 0  # model calls after warm-up
+    timed_n: int = 0  # model calls after warm-up, at most (the fixed rule's length; the ceiling of "precision")
     stopped: bool = False
+    stopped_by: str | None = None  # "length": timed_n calls were made; "precision": the median was known closely
     ops: dict[str, int] = field(default_factory=dict)  # cumulative op counts, as last reported
     gaps: random.Random | None = None  # server mode: the role's idle gaps
 
@@ -96,8 +110,10 @@ class CallFeed:
     a baseline that could not be measured, but none may come back or come early). Each role's model calls: warm-up until
     `cfg.warmup_calls` calls and `cfg.warmup_ms` of the parent's clock have passed, then
     `cfg.target_ms` over the warm-up's median wall time per call (second half), within
-    [`cfg.min_calls`, `cfg.max_calls`], fixed before the first timed call. Probes are
-    interleaved throughout (see the module's text) and are neither warm-up nor timed calls.
+    [`cfg.min_calls`, `cfg.max_calls`], fixed before the first timed call; with
+    `cfg.stop == "precision"` that many at most, ending once the median is known within
+    `cfg.precision_rel` (see the module's text). Probes are interleaved throughout (see the
+    module's text) and are neither warm-up nor timed calls.
     """
 
     def __init__(self, cfg: TimingConfig, roles: tuple[str, ...]) -> None:
@@ -162,10 +178,10 @@ class CallFeed:
         return None
 
     def _plan_next(self, role: _Role, now_s: float) -> bool:
-        """Fix the timed calls once warm-up is over; True when the role is done."""
-        model = [c for c in role.calls if not c.probe]
+        """Plan the timed calls (how many at most) once warm-up is over; True when the role is done."""
+        cfg = self.cfg
         if role.timed_from is None:
-            cfg = self.cfg
+            model = [c for c in role.calls if not c.probe]
             elapsed_ms = (now_s - role.calls[0].asked_s) * 1e3 if role.calls else 0.0
             if len(model) < max(cfg.warmup_calls, 1) or (elapsed_ms < cfg.warmup_ms and len(model) < cfg.max_calls):
                 return False
@@ -173,7 +189,24 @@ class CallFeed:
             per_call = statistics.median(walls) if walls else 1.0
             role.timed_from = len(role.calls)
             role.timed_n = max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.target_ms / max(per_call, 1e-6))))
-        return sum(not c.probe for c in role.calls[role.timed_from:]) >= role.timed_n
+        timed = [c for c in role.calls[role.timed_from:] if not c.probe]
+        if len(timed) >= role.timed_n:
+            role.stopped_by = "length"
+        elif cfg.stop == "precision" and self._precise(timed, now_s):
+            role.stopped_by = "precision"
+        return role.stopped_by is not None
+
+    def _precise(self, timed: list[Call], now_s: float) -> bool:
+        """Whether the timed calls so far (every one reported) pass the floors and their median's
+        confidence interval lies within `precision_rel` of it."""
+        cfg = self.cfg
+        if len(timed) < max(cfg.min_calls, 1) or (now_s - timed[0].asked_s) * 1e3 < cfg.min_timed_ms:
+            return False
+        times = sorted(c.ms for c in timed if c.ms is not None)
+        if len(times) < len(timed):
+            return False
+        rel = median_ci_rel(times, statistics.median(times), cfg.precision_confidence)
+        return rel is not None and rel <= cfg.precision_rel
 
     # -- results -----------------------------------------------------------------------------
     def timed(self, role: str, probes: bool = False) -> list[Call]:
@@ -186,6 +219,13 @@ class CallFeed:
 
     def times_ms(self, role: str) -> list[float]:
         return [c.ms for c in self.timed(role) if c.ms is not None]
+
+    def stopped_by(self, role: str) -> str | None:
+        """Why the role's timed loop ended: "length" (the planned number of calls, the fixed
+        rule's or the ceiling of "precision") or "precision" (its median known closely enough);
+        None before it ended."""
+        r = self._roles.get(role)
+        return r.stopped_by if r is not None and r.stopped else None
 
     def late_launches(self, role: str) -> tuple[int, float | None]:
         """How many of the role's timed calls took the host longer than the launch window to

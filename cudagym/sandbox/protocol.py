@@ -7,6 +7,8 @@ every layer that configures an evaluation imports them, and none of those needs 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, field_validator
 
 
@@ -30,6 +32,17 @@ class TimingConfig(BaseModel):
     min_calls: int = 20
     max_calls: int = 500
     target_ms: float = 300.0  # wall-clock budget of the timed calls (sets their number after warm-up)
+    # How long a timed loop runs after its warm-up (`cudagym.sandbox.feed.CallFeed`). "fixed":
+    # target_ms of the parent's clock at the warm-up's pace, within [min_calls, max_calls].
+    # "precision": that length at most, and it ends sooner once the median's distribution-free
+    # confidence interval (at precision_confidence) lies within precision_rel of the median, with
+    # at least min_calls timed calls over min_timed_ms of the parent's clock. 0.5% at 95% leaves
+    # a median's own sampling error at most ~0.26% (sd), under the spread targets of separate
+    # jobs (CV < 1% from 50 us, < 3% below; docs/timing.md)
+    stop: Literal["fixed", "precision"] = "precision"
+    precision_rel: float = Field(default=0.005, gt=0.0)
+    precision_confidence: float = Field(default=0.95, gt=0.5, lt=1.0)
+    min_timed_ms: float = Field(default=100.0, ge=0.0)
     # rotating input buffers, refilled with fresh values before every call: up to input_sets of
     # them within input_set_bytes and max_calls / 8 (at least 4). A one-op call of a few
     # microseconds reads a few percent more or less with where its buffers lie; 16 sets instead of
