@@ -160,6 +160,13 @@ class ProfileResult(BaseModel):
     reasons: list[str] = Field(default_factory=list)
     seconds: float = 0.0
     breakdown: dict[str, float] = Field(default_factory=dict)  # where the seconds went
+    # what the timing measured (`cudagym.rewards.reuse.evidence_key`), on an accepted profile: a
+    # submit of the same episode with the same key reuses it
+    evidence: str | None = None
+    reused: bool = False  # this is an earlier profile's timing, reused by a submit (its reasons say which)
+    # the op counts and kernel records each timing job's calls reported (offline, then server
+    # mode's), kept (not dumped) so that a reuse audits them against the submit's own verify
+    timed_ops: list[dict[str, int]] = Field(default_factory=list, exclude=True)
 
 
 class Verdict(BaseModel):
@@ -178,6 +185,7 @@ class Verdict(BaseModel):
     library_ms: dict[str, float] = Field(default_factory=dict)  # library baselines' medians (GEMM tasks)
     speedup_vs_library: dict[str, float] = Field(default_factory=dict)
     server: ServerTiming | None = None  # server-mode times beside these (when asked for); not rewarded
+    timing_reused: bool = False  # the times are an earlier profile's of the same evidence (`ProfileResult.reused`)
     reasons: list[str] = Field(default_factory=list)
     error: str | None = None
     error_kind: ErrorKind | None = None
@@ -203,6 +211,7 @@ class Verdict(BaseModel):
             "speedup_vs_compile": self.speedup_vs_compile,
             "library_ms": self.library_ms,
             "speedup_vs_library": self.speedup_vs_library,
+            "timing_reused": self.timing_reused,
             "reasons": self.reasons,
             "error": self.error,
             "error_kind": self.error_kind.value if self.error_kind else None,

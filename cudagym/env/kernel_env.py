@@ -379,7 +379,7 @@ class KernelEnv(gym.Env[str, Any]):
     async def _final_verdict(self) -> Verdict:
         assert self._ctx is not None  # noqa: S101 - called only inside an episode
         try:
-            return await self.evaluator.aevaluate(self._ctx.task, self._ctx.workspace)
+            return await self.evaluator.aevaluate(self._ctx.task, self._ctx.workspace, profiled=self._ctx.profiles)
         except Exception as e:  # noqa: BLE001 - a harness failure is not the agent's to see or pay for
             return Verdict(reward=0.0, milestone="failed", compiled=False, correct=False,
                            reasons=[f"internal error while scoring: {type(e).__name__}"],

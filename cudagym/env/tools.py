@@ -27,6 +27,7 @@ from cudagym.env.format import (
 from cudagym.env.variants import BookLimits, MeasuredFiles, snapshot_files
 from cudagym.errors import CudagymError, WorkspaceError
 from cudagym.core.verdict import CompileResult, Verdict
+from cudagym.rewards.reuse import ProfileMemo
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Task
 
@@ -115,6 +116,7 @@ class ToolContext:
     max_output_chars: int = 6000
     counters: dict[str, dict[str, float]] = field(default_factory=dict)
     book_limits: BookLimits | None = None  # what profile and submit read of the files they measure
+    profiles: ProfileMemo = field(default_factory=ProfileMemo)  # the episode's profiles a submit may reuse
 
 
 ToolFn = Callable[[ToolContext, Any], Awaitable[ToolResult]]
@@ -212,6 +214,7 @@ def _changed_note(ctx: ToolContext, measured: MeasuredFiles) -> str:
 async def _profile(ctx: ToolContext, a: ProfileArgs) -> ToolResult:
     measured = snapshot_files(ctx.workspace, ctx.book_limits)  # before the jobs: they run the candidate's code
     res = await ctx.evaluator.aprofile(ctx.task, ctx.workspace, ncu=a.ncu)
+    ctx.profiles.record(res)
     return ToolResult(name="profile", ok=res.ok,
                       text=format_profile(res, ctx.max_output_chars) + _changed_note(ctx, measured),
                       error=None if res.ok else (res.error_kind.value if res.error_kind else "profile failed"),
@@ -220,7 +223,7 @@ async def _profile(ctx: ToolContext, a: ProfileArgs) -> ToolResult:
 
 async def _submit(ctx: ToolContext, a: SubmitArgs) -> ToolResult:
     measured = snapshot_files(ctx.workspace, ctx.book_limits)
-    verdict: Verdict = await ctx.evaluator.aevaluate(ctx.task, ctx.workspace)
+    verdict: Verdict = await ctx.evaluator.aevaluate(ctx.task, ctx.workspace, profiled=ctx.profiles)
     return ToolResult(name="submit", ok=True, text=format_verdict(verdict, ctx.max_output_chars),
                       data={"verdict": verdict.summary()}, verdict=verdict, terminal=True, measured=measured)
 

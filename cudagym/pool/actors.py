@@ -24,7 +24,9 @@ from typing import Any
 
 from cudagym.pool.snapshot import WorkspaceSnapshot
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
+from cudagym.rewards.reuse import ProfileMemo
 from cudagym.core.verdict import CompileResult, ProfileResult, VerifyResult
+from cudagym.sandbox.schedule import LeaseHold
 from cudagym.tasks.model import Target, Task
 
 
@@ -54,11 +56,17 @@ class EvaluatorActor:
         with snapshot.materialized(self.scratch, task) as ws:
             return await self.evaluator.aprofile(task, ws, ncu)
 
-    async def judge(self, task: Task, snapshot: WorkspaceSnapshot) -> tuple[VerifyResult, ProfileResult | None]:
-        """verify, then profile if correct: the device half of `submit`, in one call."""
+    async def judge(self, task: Task, snapshot: WorkspaceSnapshot,
+                    profiled: ProfileMemo | None = None) -> tuple[VerifyResult, ProfileResult | None]:
+        """verify, then the timing if correct (the episode's profile of the same evidence, else a
+        profile job): the device half of `submit`, in one call (`Evaluator.ajudge`)."""
         with snapshot.materialized(self.scratch, task) as ws:
-            v = await self.evaluator.averify(task, ws)
-            return v, (await self.evaluator.aprofile(task, ws) if v.ok else None)
+            return await self.evaluator.ajudge(task, ws, profiled)
+
+    def lease_holds(self) -> list[LeaseHold]:
+        """The GPU leases its evaluator's sandbox held (`JobScheduler.holds`; `time.perf_counter`
+        of this actor's process, CLOCK_MONOTONIC, comparable with other processes of its node)."""
+        return list(getattr(self.evaluator.sandbox, "lease_holds", []))
 
     def __del__(self) -> None:
         ev = getattr(self, "evaluator", None)

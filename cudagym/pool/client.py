@@ -55,6 +55,7 @@ from cudagym.pool.actors import EvaluatorActor
 from cudagym.pool.snapshot import WorkspaceSnapshot
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.rewards.milestone import milestone_verdict
+from cudagym.rewards.reuse import ProfileMemo
 from cudagym.core.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
 from cudagym.sandbox.bridge import run_sync
 from cudagym.sandbox.gpu import gpu_count
@@ -354,12 +355,14 @@ class EvalPool:
             return ProfileResult(ok=False, error_kind=ErrorKind.CRASH, error=r.message, reasons=[r.message])
         return r
 
-    async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:
-        """compile (a compile actor) → verify + profile (one device actor) → milestone reward."""
+    async def aevaluate(self, task: Task, workspace: Workspace, profiled: ProfileMemo | None = None) -> Verdict:
+        """compile (a compile actor) → verify + profile, or the episode's profile of the same
+        evidence (`profiled`; one device actor) → milestone reward."""
         c = await self.acompile(task, workspace)
         if not c.ok:
             return milestone_verdict(c, None, None, self.config.evaluator.reward)
-        r = await self._call(("device",), "judge", self._what("submit", task), task, WorkspaceSnapshot.of(workspace))
+        r = await self._call(("device",), "judge", self._what("submit", task), task, WorkspaceSnapshot.of(workspace),
+                             profiled)
         v, p = (_lost_verify(r), None) if isinstance(r, _Lost) else r
         return milestone_verdict(c, v, p, self.config.evaluator.reward)
 

@@ -5,6 +5,8 @@ Two implementations: `cudagym.rewards.evaluator.Evaluator` (one process, this ho
 `Evaluator` (`KernelEnv(evaluator=...)`, `cudagym.agent.runner.arun(..., evaluator=...)`) takes
 either. The async forms are safe to run concurrently; the sync forms call them (and refuse to
 run inside an event loop). Failures of the candidate come back inside the results, never raised.
+`profiled` (an episode's `ProfileMemo`) lets a submit reuse the timing of a profile of the same
+evidence (`cudagym.rewards.reuse`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from cudagym.core.verdict import CompileResult, ProfileResult, Verdict, VerifyResult
+from cudagym.rewards.reuse import ProfileMemo
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.model import Target, Task
 
@@ -27,7 +30,7 @@ class EvaluatorAPI(Protocol):
 
     async def aprofile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult: ...
 
-    async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict: ...
+    async def aevaluate(self, task: Task, workspace: Workspace, profiled: ProfileMemo | None = None) -> Verdict: ...
 
     def compile(self, task: Task, workspace: Workspace) -> CompileResult: ...
 
@@ -35,6 +38,6 @@ class EvaluatorAPI(Protocol):
 
     def profile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult: ...
 
-    def evaluate(self, task: Task, workspace: Workspace) -> Verdict: ...
+    def evaluate(self, task: Task, workspace: Workspace, profiled: ProfileMemo | None = None) -> Verdict: ...
 
     def close(self) -> None: ...

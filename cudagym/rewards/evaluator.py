@@ -19,8 +19,10 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+import cudagym
 from cudagym.core.audit import forbidden_ops
 from cudagym.core.verdict import (
     AuditMode, AuditResult, CompileResult, ErrorKind, ProfileResult, ServerTiming, TimingStats, Verdict, VerifyResult,
@@ -28,6 +30,7 @@ from cudagym.core.verdict import (
 from cudagym.rewards.checks import FORBIDDEN_IMPORTS, Audit, TimedRun, apply_checks, outcome_failure, release_later
 from cudagym.rewards.compare import Comparison, compare_outcome
 from cudagym.rewards.milestone import RewardConfig, milestone_verdict
+from cudagym.rewards.reuse import REUSED, ProfileMemo, evidence_key
 from cudagym.sandbox.base import Sandbox
 from cudagym.sandbox.backends import open_sandbox
 from cudagym.sandbox.baselines import BaselineCache
@@ -39,6 +42,7 @@ from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileE
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 from cudagym.sandbox.ncu import ncu_job_limits
 from cudagym.sandbox.protocol import LimitsConfig, TimingConfig, VerifyConfig
+from cudagym.sandbox.timing import PROTOCOL_VERSION
 from cudagym.sandbox.toolchain import Toolchain, ToolchainConfig
 from cudagym.sandbox.worker.wire import Job, JobKind, JobOutcome
 from cudagym.sandbox.workspace import Workspace
@@ -84,6 +88,10 @@ class EvaluatorConfig(BaseModel):
                                   "drawn from LOW,HIGH ms (e.g. 1,10), reported beside the offline time; the reward "
                                   "stays offline.")
     server_calls: int = 100
+    # a submit takes the timing of an accepted profile of its episode that measured the same evidence
+    # (`cudagym.rewards.reuse`) instead of timing it again; verify runs again either way
+    reuse_profiles: bool = Field(default=True, description="Let a submit reuse its episode's profile of the same "
+                                                           "build, files, task and settings (verify still runs).")
 
     @model_validator(mode="before")
     @classmethod
@@ -433,6 +441,7 @@ class Evaluator:
         build), permissive mode also holds the timed calls to the foreign work its trials did."""
         t0 = time.perf_counter()
         task = task.for_target(self._target)
+        files = workspace.source_digest()  # before any job runs the candidate's code (the evidence's files)
         built = await self.toolchain.abuild(workspace, self._target)
         if not built.ok:
             return ProfileResult(ok=False, error_kind=ErrorKind.COMPILE, error="\n".join(built.errors))
@@ -451,9 +460,46 @@ class Evaluator:
                                          speedup_vs_eager=s.speedup_vs_eager, speedup_vs_compile=s.speedup_vs_compile,
                                          library=s.library, speedup_vs_library=s.speedup_vs_library)
             result.breakdown["server_s"] = s.seconds
+            result.timed_ops = [*result.timed_ops, *s.timed_ops]
         if ncu and self._target == Target.CUDA:
             result = result.model_copy(update={"ncu": await self._ancu(task, workspace, built.artifact_dir)})
-        return result.model_copy(update={"seconds": time.perf_counter() - t0})
+        key = self.evidence(task, files, built) if result.ok else None
+        return result.model_copy(update={"seconds": time.perf_counter() - t0, "evidence": key})
+
+    def evidence(self, task: Task, files: str, built: CompileResult) -> str:
+        """The evidence key of a profile of `task` (`cudagym.rewards.reuse`): the build, the
+        source files' digest (`files`, taken before any job ran), the task, the device and the
+        settings that decide a profile."""
+        settings = self.config.model_dump_json(exclude={"reward", "cache_dir"})
+        return evidence_key(build=Path(built.artifact_dir).name if built.artifact_dir else None, files=files,
+                            task=task.model_dump_json(exclude={"path"}),
+                            device=f"{self._target.value}:{self.device_name}", settings=settings,
+                            protocol=f"{PROTOCOL_VERSION}|cudagym {cudagym.__version__}|torch {torch.__version__}")
+
+    async def _reused_profile(self, task: Task, workspace: Workspace, files: str, verified: VerifyResult,
+                              profiled: ProfileMemo) -> ProfileResult | None:
+        """The timing of an accepted profile of this episode (`profiled`) with the same evidence as
+        a submit of `workspace` (its files' digest `files`, verified as `verified`), checked again
+        where the submit's verify decides (the parameters path, permissive mode's foreign work per
+        call); None where none applies (then the submit times it)."""
+        t0 = time.perf_counter()
+        built = await self.toolchain.abuild(workspace, self._target)  # verify's build: from the cache
+        if not built.ok:
+            return None
+        prior = profiled.lookup(self.evidence(task, files, built))
+        if prior is None or prior.params_path != verified.params_path:
+            return None
+        for ops in prior.timed_ops:
+            why = self.audit.timed_calls(ops, built.artifact_dir, verified)
+            if why:
+                return ProfileResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
+                                     params_path=prior.params_path, seconds=time.perf_counter() - t0)
+        note = (f"{REUSED}the profile of this episode that timed this same build under the same settings "
+                f"(evidence {prior.evidence[:12] if prior.evidence else '-'}) stands for this submit; "
+                "verify ran again")
+        return prior.model_copy(update={"reused": True, "ncu": None, "reasons": [*prior.reasons, note],
+                                        "seconds": time.perf_counter() - t0,
+                                        "breakdown": {"reuse_check_s": time.perf_counter() - t0}})
 
     async def _ancu(self, task: Task, workspace: Workspace, artifact_dir: str | None) -> dict[str, Any]:
         """Nsight Compute's metrics of the candidate's calls: an `ncu` job (`cudagym.sandbox.ncu`)
@@ -526,7 +572,7 @@ class Evaluator:
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             harness_overhead_ns=run.diagnostics.get("harness_overhead_ns"), close_timeouts=run.close_timeouts,
-            clock_gap_ms=run.clock_gap_ms, params_path=params,
+            clock_gap_ms=run.clock_gap_ms, params_path=params, timed_ops=[feed.ops("candidate")],
         )
         if self._target == Target.CUDA:
             result.late_launches, result.host_ms = run.late_launches
@@ -539,12 +585,23 @@ class Evaluator:
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 
     # -- the whole pipeline -----------------------------------------------------------------
-    async def aevaluate(self, task: Task, workspace: Workspace) -> Verdict:
-        """compile → verify → profile → milestone reward (what `submit` does)."""
+    async def aevaluate(self, task: Task, workspace: Workspace, profiled: ProfileMemo | None = None) -> Verdict:
+        """compile → verify → profile → milestone reward (what `submit` does). `profiled`: the
+        episode's profiles, whose timing the submit takes where one measured the same evidence
+        (`cudagym.rewards.reuse`)."""
         before = workspace.source_digest()
         c = await self.acompile(task, workspace)
         if not c.ok:
             return milestone_verdict(c, None, None, self.config.reward)
+        v, p = await self.ajudge(task, workspace, profiled, before)
+        return milestone_verdict(c, v, p, self.config.reward)
+
+    async def ajudge(self, task: Task, workspace: Workspace, profiled: ProfileMemo | None = None,
+                     before: str | None = None) -> tuple[VerifyResult, ProfileResult | None]:
+        """The device half of a submit, once compiled: verify, then (if correct) the timing: the
+        episode's profile of the same evidence (`profiled`, `reuse_profiles`), else a profile job.
+        `before`: the source files' digest before the submit ran any of the candidate's code."""
+        before = before or workspace.source_digest()
         v = await self.averify(task, workspace)
         # verify ran the candidate's code with its workspace writable: a solution that rewrote itself
         # there would have its profile build and time other code than the code verified
@@ -552,11 +609,17 @@ class Evaluator:
             why = "the solution's code rewrote its own source files while it was verified"
             v = v.model_copy(update={"ok": False, "error_kind": ErrorKind.TAMPER, "error": why,
                                      "reasons": [*v.reasons, why]})
-        p = await self.aprofile(task, workspace, measured=v) if v.ok else None
-        if p is not None and p.ok and workspace.source_digest() != before:
-            why = "the solution's code rewrote its own source files while it was profiled"
-            p = p.model_copy(update={"ok": False, "error_kind": ErrorKind.TAMPER, "error": why, "reasons": [why]})
-        return milestone_verdict(c, v, p, self.config.reward)
+        if not v.ok:
+            return v, None
+        p = None
+        if profiled is not None and self.config.reuse_profiles:
+            p = await self._reused_profile(task.for_target(self._target), workspace, before, v, profiled)
+        if p is None:
+            p = await self.aprofile(task, workspace, measured=v)
+            if p.ok and workspace.source_digest() != before:
+                why = "the solution's code rewrote its own source files while it was profiled"
+                p = p.model_copy(update={"ok": False, "error_kind": ErrorKind.TAMPER, "error": why, "reasons": [why]})
+        return v, p
 
     # -- sync forms ---------------------------------------------------------------------------
     def _sync(self, coro: Any) -> Any:
@@ -571,8 +634,8 @@ class Evaluator:
     def profile(self, task: Task, workspace: Workspace, ncu: bool = False) -> ProfileResult:
         return self._sync(self.aprofile(task, workspace, ncu))
 
-    def evaluate(self, task: Task, workspace: Workspace) -> Verdict:
-        return self._sync(self.aevaluate(task, workspace))
+    def evaluate(self, task: Task, workspace: Workspace, profiled: ProfileMemo | None = None) -> Verdict:
+        return self._sync(self.aevaluate(task, workspace, profiled))
 
     def close(self) -> None:
         self.sandbox.close()

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from cudagym.core.verdict import CompileResult, ErrorKind, ProfileResult, Verdict, VerifyResult
+from cudagym.rewards.reuse import REUSED
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 
 BaselineName = Literal["eager", "compiled", "cublaslt", "cublaslt_tuned"]
@@ -103,7 +104,10 @@ def milestone_verdict(
         speedup_vs_eager=p.speedup_vs_eager,
         speedup_vs_compile=p.speedup_vs_compile,
         server=p.server,
+        timing_reused=p.reused,
     )
+    if p.reused:
+        reasons.extend(r for r in p.reasons if r.startswith(REUSED))
     timing.update(library_ms={n: s.median_ms for n, s in p.library.items()}, speedup_vs_library=p.speedup_vs_library)
     fmt = lambda s: "n/a" if s is None else f"{s:.3f}x"  # noqa: E731
     beats = []
