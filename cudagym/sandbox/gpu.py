@@ -37,6 +37,13 @@ def gpu_names() -> tuple[str, ...]:
     return tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
 
 
+def gpu_capabilities() -> tuple[tuple[int, int], ...]:
+    """Compute capabilities (major, minor) of the visible NVIDIA GPUs, in CUDA order; () without any."""
+    found = _nvml(lambda nv, idx: [tuple(nv.nvmlDeviceGetCudaComputeCapability(nv.nvmlDeviceGetHandleByIndex(i)))
+                                   for i in idx]) or []
+    return tuple((int(c[0]), int(c[1])) for c in found)
+
+
 @lru_cache(maxsize=None)
 def gpu_local_cpus(index: int) -> tuple[int, ...]:
     """The CPUs nearest visible GPU `index` (its NUMA node, from NVML), within this process's

@@ -45,12 +45,15 @@ positions and the read of its values.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
 from cudagym.errors import ToolchainError
 from cudagym.sandbox.native import CXX, build_shared
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("opwatch.cpp")
 
@@ -89,12 +92,13 @@ def build_library(cache_dir: Path, source: Path = SOURCE, cxx: str = CXX) -> Pat
     The library is plain C++ against ATen/c10, linked to torch's `libc10`/`libtorch_cpu` with
     an rpath. The key hashes torch's version and library directory, the compiler's identity,
     the flags and the source (`build_shared`). Where CUDA's headers are, the kernel watcher
-    (`cudagym.sandbox.origin`) is built beside it, so that a sandbox that builds this before
-    its workers start has both.
+    (`cudagym.sandbox.origin`) is built beside it, and where GPUs are visible, the timer's gate
+    kernels' images for their architectures (`cudagym.sandbox.timing.gate.store_gate_images`),
+    so that a sandbox that builds this before its workers start has all three.
     """
     compile_flags, link_flags, torch_id = _build_flags()
     built = build_shared(cache_dir, source, compile_flags, link_flags, torch_id, cxx)
-    if source == SOURCE:  # the harness's other watcher, beside it, where CUDA's headers are
+    if source == SOURCE:  # the harness's other native pieces, beside it, where CUDA is
         from cudagym.sandbox.origin import build_library as build_origin, cuda_include_dirs
 
         try:
@@ -103,7 +107,24 @@ def build_library(cache_dir: Path, source: Path = SOURCE, cxx: str = CXX) -> Pat
             pass  # no CUDA here: no GPU worker will look for it
         else:
             build_origin(cache_dir)
+        _store_gate_images(cache_dir)
     return built
+
+
+def _store_gate_images(cache_dir: Path) -> None:
+    """The gate kernels' images for the visible GPUs (none without GPUs); where NVRTC cannot make
+    them here, each worker compiles its own, as before (slower, as correct)."""
+    from cudagym.sandbox.gpu import gpu_capabilities
+
+    capabilities = gpu_capabilities()
+    if not capabilities:
+        return
+    from cudagym.sandbox.timing.gate import store_gate_images
+
+    try:
+        store_gate_images(cache_dir, capabilities)
+    except (OSError, RuntimeError) as e:
+        log.warning("the timer's gate kernels could not be compiled ahead (%s); each GPU worker compiles them", e)
 
 
 class OpWatch:

@@ -2,13 +2,32 @@
 mirrors of the close kernel's arguments, and their compilation (NVRTC) and loading, once per
 process. These run when a `DeviceTimer` is built, before any candidate code loads; what runs
 during a timed call is in `timer`.
+
+The compiled image (a cubin) is made once, not in every worker: NVRTC needs no CUDA context, so
+the sandbox's parent compiles it, before any worker starts, for each visible GPU's architecture
+(from NVML), into the harness's own build directory beside the op watcher's library
+(`store_gate_images`, called by `opwatch.build_library`); a worker loads the image whose name
+matches its GPU (`gate_kernels`, in its prewarm) and compiles only where none does. Its name is
+the hash of the source (as `gate_source` makes it for the GPU's resident blocks per SM), the
+architecture, NVRTC's version and torch's (whose NVRTC options compile it). A candidate cannot
+substitute the image: it is written by the parent alone, under a temporary name renamed into
+place and made read-only, in a directory no worker may write (Landlock confines a worker's writes,
+truncations, unlinks and renames to its workspace and scratch, whatever a file's mode, which a
+worker that keeps root's uid may change; the docker backend mounts the directory read-only), and
+a worker reads it in its prewarm, before it reads its job, so no candidate code has run in that
+process yet; a later job cannot reach an earlier worker. This is the trust the
+op watcher's library beside it already has, which every worker executes natively.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -274,16 +293,98 @@ class Gate(NamedTuple):
     holds_every_sm: bool  # False: a GPU where the blocks cannot fill every SM's thread slots
 
 
+# The threads an SM keeps resident, by compute capability, where not 2048: what the parent
+# compiles the source for without a CUDA context (`store_gate_images`). A GPU that says otherwise
+# finds no image of its name and its worker compiles its own.
+THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536, (12, 1): 1536}
+GATE_IMAGE_DIR = "gate"  # under the harness's build directory (CUDAGYM_OPWATCH_DIR)
+
+
+def blocks_per_sm(threads_per_sm: int) -> int:
+    """Gate blocks an SM keeps resident when it keeps `threads_per_sm` threads."""
+    return max(1, threads_per_sm // GATE_THREADS)
+
+
+def nvrtc_version() -> str:
+    """NVRTC's version ("13.0"), as torch loads it."""
+    from torch.cuda._utils import _get_gpu_rtc_library
+
+    major, minor = ctypes.c_int(0), ctypes.c_int(0)
+    _get_gpu_rtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def gate_image_name(capability: tuple[int, int], per_sm: int, nvrtc: str) -> str:
+    """The file name of the gate kernels' image for GPUs of `capability` that keep `per_sm` gate
+    blocks resident, compiled by NVRTC `nvrtc` (see the module's text)."""
+    key = hashlib.sha256("\0".join([gate_source(per_sm), f"sm_{capability[0]}{capability[1]}", nvrtc,
+                                     torch.__version__]).encode()).hexdigest()[:32]
+    return f"gate-sm{capability[0]}{capability[1]}-{key}.cubin"
+
+
+def compile_gate(capability: tuple[int, int], per_sm: int) -> bytes:
+    """The gate kernels' image for `capability`, as torch's NVRTC helper makes it (a cubin; no
+    CUDA context needed)."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    image, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open",
+                              compute_capability=f"{capability[0]}{capability[1]}")
+    return image
+
+
+def store_gate_images(root: Path, capabilities: Iterable[tuple[int, int]]) -> list[Path]:
+    """The gate kernels' images for GPUs of `capabilities` under `root/gate/`, compiled where
+    absent (written under a temporary name, renamed into place, read-only); by the sandbox's
+    parent, before its workers start. Raises what NVRTC raises (no NVRTC, a failed compile)."""
+    directory = Path(root) / GATE_IMAGE_DIR
+    nvrtc = nvrtc_version()
+    paths = []
+    for cc in dict.fromkeys(capabilities):
+        per_sm = blocks_per_sm(THREADS_PER_SM.get(cc, 2048))
+        path = directory / gate_image_name(cc, per_sm, nvrtc)
+        if not path.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            staging = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                staging.write_bytes(compile_gate(cc, per_sm))
+                staging.chmod(0o444)
+                os.replace(staging, path)
+            finally:
+                staging.unlink(missing_ok=True)
+        paths.append(path)
+    return paths
+
+
+def stored_gate_image(root: Path | None, capability: tuple[int, int], per_sm: int) -> bytes | None:
+    """The image the parent stored for this GPU (`store_gate_images`), or None."""
+    if root is None:
+        return None
+    try:
+        return (Path(root) / GATE_IMAGE_DIR / gate_image_name(capability, per_sm, nvrtc_version())).read_bytes()
+    except OSError:
+        return None
+
+
 @functools.cache
 def gate_kernels(index: int) -> Gate:
-    """Compile (NVRTC) and load the gate kernels for GPU `index` (once per process)."""
-    from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
+    """Load the gate kernels for GPU `index` (once per process): the image the parent stored for
+    its architecture under the harness's build directory (CUDAGYM_OPWATCH_DIR), else compiled
+    here (NVRTC). Called by the worker's prewarm, before any candidate code."""
+    from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library
 
     props = torch.cuda.get_device_properties(index)
-    per_sm = max(1, props.max_threads_per_multi_processor // GATE_THREADS)
+    capability = (props.major, props.minor)
+    per_sm = blocks_per_sm(props.max_threads_per_multi_processor)
+    root = os.environ.get("CUDAGYM_OPWATCH_DIR")
+    names = ["cudagym_gate_open", "cudagym_gate_close"]
     with torch.cuda.device(index):
-        ptx, _ = _nvrtc_compile(gate_source(per_sm), "cudagym_gate_open")
-        kernels = _cuda_load_module(ptx, ["cudagym_gate_open", "cudagym_gate_close"])
+        stored = stored_gate_image(Path(root) if root else None, capability, per_sm)
+        try:
+            kernels = _cuda_load_module(stored, names) if stored is not None else None
+        except RuntimeError:  # an image the driver refuses (another driver than the parent's NVRTC targets)
+            kernels = None
+        if kernels is None:
+            kernels = _cuda_load_module(compile_gate(capability, per_sm), names)
         if not isinstance(kernels, dict):  # torch returns the module itself only when no names are given
             raise RuntimeError(f"torch loaded the gate module without its kernels ({type(kernels).__name__})")
         resident = ctypes.c_int(0)
