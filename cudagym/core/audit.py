@@ -56,18 +56,24 @@ def op_counts(counts: Mapping[str, int]) -> dict[str, int]:
 _TORCH_COPY_FILL = re.compile(r"FillFunctor|direct_copy_kernel_cuda|copy_device_to_device|CatArrayBatchedCopy_contig"
                               r"|float8_copy_kernel_cuda|copy_kernel_cuda|_copy_kernel\b")
 _TORCH_LIBRARY = re.compile(r"^libtorch(_cuda|_cpu)?[._]")
+_MEMORY_IMAGE = "<memory:"  # "<memory:DIGEST>": a module image loaded from memory (`cudagym.sandbox.origin`)
 
 
 @dataclass(frozen=True)
 class Origins:
-    """Which origin files are the candidate's: its build artifacts and its cached extensions
-    (trusted build outputs no candidate job can write), and the libraries its objects call that
-    strict mode allows (cuBLAS, cuDNN: `cudagym.sandbox.origin.import_audit`)."""
+    """Which origins are the candidate's: files under its build artifacts and its cached
+    extensions (trusted build outputs no candidate job can write); in-memory images by digest
+    (`own_images`: permissive mode's JIT kernels compiled from the candidate's own source,
+    `cudagym.sandbox.jit.own_jit_images`; strict mode passes none); and the libraries its objects
+    call that strict mode allows (cuBLAS, cuDNN: `cudagym.sandbox.origin.import_audit`)."""
 
     own_roots: tuple[str, ...]
     libraries: frozenset[str] = frozenset()
+    own_images: frozenset[str] = frozenset()
 
     def is_own(self, origin: str) -> bool:
+        if origin.startswith(_MEMORY_IMAGE) and origin.endswith(">"):
+            return origin[len(_MEMORY_IMAGE):-1] in self.own_images
         if not origin.startswith("/"):
             return False
         path = os.path.realpath(origin)

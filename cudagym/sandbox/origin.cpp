@@ -8,8 +8,10 @@
 // load time from the image's address (dladdr), never from the kernel's name, so a candidate
 // cannot pass torch's kernel off as its own by naming its own kernel like it.
 //   - module and library loads (cuModuleLoad*, cuLibraryLoad*: cudart's lazy loading of every
-//     registered fatbin goes through them) map CUmodule / CUlibrary -> the file the image lies in
-//     ("<memory>" for an image in no file: NVRTC, Triton; the path for a file loaded by name);
+//     registered fatbin goes through them) map CUmodule / CUlibrary -> the file the image lies in,
+//     if it lies in that file's read-only bytes and was never written (`image_origin`); else
+//     "<memory:DIGEST>" (NVRTC, Triton, a copy in a library's writable data), "<memory>" where the
+//     image's extent cannot be read; the path for a file loaded by name;
 //   - runtime launches by host stub (cudaLaunchKernel*) are named by the module of the function
 //     the stub launched, never by the stub's own file (a stub of the candidate's can be registered,
 //     with __cudaRegisterFunction, for a kernel of torch's fatbin): the function is the one the
@@ -26,10 +28,13 @@
 #include <cuda.h>
 #include <cupti.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <link.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -89,6 +94,203 @@ uint32_t origin_of_address(const void* p) {
   Dl_info info;
   if (p && dladdr(p, &info) && info.dli_fname && info.dli_fname[0]) return intern(info.dli_fname);
   return intern("<memory>");
+}
+
+// --- in-memory images: digest, and whether a file really holds them -------------------------
+// A module image lying in a file's read-only, file-backed bytes is named by that file; anything
+// else is "<memory:DIGEST>" (DIGEST: the first 128 bits of the SHA-256 of the image's bytes, the
+// extent read from its header), which `cudagym.sandbox.jit` can match against a JIT cache's files.
+// "In a file" is checked three ways, since a candidate can copy a foreign image into its own
+// library's memory: the address lies in a PT_LOAD segment of a loaded object (dl_iterate_phdr),
+// within the segment's file bytes (not its .bss), in a segment without PF_W (nvcc's .nv_fatbin
+// lies in a read-only one: its writable .data/.bss are where a copy would go), and no page of the
+// image was ever written (a page written after mprotect is anonymous in /proc/self/pagemap).
+
+struct Sha256 {
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  unsigned char block[64];
+  size_t used = 0;
+  uint64_t bytes = 0;
+
+  static uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+  void compress(const unsigned char* p) {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+        0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+        0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+        0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i)
+      w[i] = uint32_t(p[4 * i]) << 24 | uint32_t(p[4 * i + 1]) << 16 | uint32_t(p[4 * i + 2]) << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      hh = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += hh;
+  }
+
+  void update(const unsigned char* p, size_t n) {
+    bytes += n;
+    if (used) {
+      size_t take = std::min(n, sizeof block - used);
+      std::memcpy(block + used, p, take);
+      used += take; p += take; n -= take;
+      if (used < sizeof block) return;
+      compress(block);
+      used = 0;
+    }
+    for (; n >= 64; p += 64, n -= 64) compress(p);
+    std::memcpy(block, p, n);
+    used = n;
+  }
+
+  std::string hex(size_t nbytes) {  // the first `nbytes` of the digest, in hex
+    const uint64_t bits = bytes * 8;
+    const unsigned char one = 0x80, zero = 0;
+    update(&one, 1);
+    while (used != 56) update(&zero, 1);
+    unsigned char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(bits >> (56 - 8 * i));
+    update(len, 8);
+    static const char digits[] = "0123456789abcdef";
+    std::string out;
+    for (size_t i = 0; i < nbytes && i < 32; ++i) {
+      unsigned char byte = static_cast<unsigned char>(h[i / 4] >> (24 - 8 * (i % 4)));
+      out += digits[byte >> 4];
+      out += digits[byte & 15];
+    }
+    return out;
+  }
+};
+
+constexpr uint32_t kFatbinMagic = 0xBA55ED50u;         // a fatbin's header
+constexpr uint32_t kFatbinWrapperMagic = 0x466243B1u;  // nvcc's __fatBinC_Wrapper_t, pointing at one
+constexpr uint64_t kMaxImage = uint64_t(1) << 32;
+
+struct Image {
+  const unsigned char* data = nullptr;
+  uint64_t size = 0;  // 0: not known
+};
+
+template <typename T>
+T read_at(const unsigned char* p, uint64_t off) {
+  T v;
+  std::memcpy(&v, p + off, sizeof v);
+  return v;
+}
+
+// An ELF image's extent: the furthest of its header, header tables, sections and segments.
+uint64_t elf_extent(const unsigned char* p) {
+  if (p[4] != 2) return 0;  // ELFCLASS64 only (every CUDA cubin)
+  const uint64_t phoff = read_at<uint64_t>(p, 0x20), shoff = read_at<uint64_t>(p, 0x28);
+  const uint16_t phentsize = read_at<uint16_t>(p, 0x36), phnum = read_at<uint16_t>(p, 0x38);
+  const uint16_t shentsize = read_at<uint16_t>(p, 0x3a), shnum = read_at<uint16_t>(p, 0x3c);
+  if ((phnum && phentsize < 0x38) || (shnum && shentsize < 0x40) || phoff > kMaxImage || shoff > kMaxImage) return 0;
+  uint64_t end = std::max<uint64_t>({0x40, phoff + uint64_t(phnum) * phentsize, shoff + uint64_t(shnum) * shentsize});
+  for (uint16_t i = 0; i < shnum; ++i) {
+    const uint64_t s = shoff + uint64_t(i) * shentsize;
+    if (read_at<uint32_t>(p, s + 4) != 8 /* SHT_NOBITS */)
+      end = std::max(end, read_at<uint64_t>(p, s + 0x18) + read_at<uint64_t>(p, s + 0x20));
+  }
+  for (uint16_t i = 0; i < phnum; ++i) {
+    const uint64_t s = phoff + uint64_t(i) * phentsize;
+    end = std::max(end, read_at<uint64_t>(p, s + 8) + read_at<uint64_t>(p, s + 0x20));
+  }
+  return end <= kMaxImage ? end : 0;
+}
+
+// The bytes a load call was given: a fatbin wrapper is followed to its fatbin; the extent is read
+// from the image's header (ELF, fatbin), else it is NUL-terminated text (PTX).
+Image resolve_image(const void* image) {
+  Image im;
+  const auto* p = static_cast<const unsigned char*>(image);
+  if (!p) return im;
+  if (read_at<uint32_t>(p, 0) == kFatbinWrapperMagic) {
+    p = read_at<const unsigned char*>(p, 8);
+    if (!p) return im;
+  }
+  im.data = p;
+  if (std::memcmp(p, "\x7f" "ELF", 4) == 0) {
+    im.size = elf_extent(p);
+  } else if (read_at<uint32_t>(p, 0) == kFatbinMagic) {
+    const uint64_t size = uint64_t(read_at<uint16_t>(p, 6)) + read_at<uint64_t>(p, 8);
+    im.size = size <= kMaxImage ? size : 0;
+  } else {
+    im.size = strnlen(reinterpret_cast<const char*>(p), size_t(kMaxImage)) + 1;
+  }
+  return im;
+}
+
+struct SegmentQuery {
+  uintptr_t begin, end;
+  bool found = false, file_backed = false;
+};
+
+int find_segment(struct dl_phdr_info* info, size_t, void* arg) {
+  auto* q = static_cast<SegmentQuery*>(arg);
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD) continue;
+    const uintptr_t start = info->dlpi_addr + ph.p_vaddr;
+    if (q->begin < start || q->begin >= start + ph.p_memsz) continue;
+    q->found = true;
+    q->file_backed = q->end <= start + ph.p_filesz && !(ph.p_flags & PF_W);
+    return 1;
+  }
+  return 0;
+}
+
+// Whether no page of [begin, end) was ever written in this process: each is untouched or still
+// the file's page (/proc/self/pagemap: bit 63 present, 62 swapped, 61 file page). Where the
+// kernel offers no pagemap at all the check is skipped (the segment check stands alone); any
+// other failure to read it (no descriptor left, say) counts as written.
+bool pages_unwritten(uintptr_t begin, uintptr_t end) {
+  const long page = sysconf(_SC_PAGESIZE);
+  int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT || errno == EACCES || errno == EPERM;
+  bool clean = true;
+  uint64_t entries[512];
+  for (uintptr_t first = begin / page, last = (end - 1) / page; clean && first <= last;) {
+    const size_t n = std::min<uintptr_t>(512, last - first + 1);
+    const ssize_t got = pread(fd, entries, n * sizeof(uint64_t), off_t(first * sizeof(uint64_t)));
+    if (got != ssize_t(n * sizeof(uint64_t))) { clean = false; break; }
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t e = entries[i];
+      if ((e >> 62) & 1 || (((e >> 63) & 1) && !((e >> 61) & 1))) { clean = false; break; }
+    }
+    first += n;
+  }
+  close(fd);
+  return clean;
+}
+
+// The origin of a module image given to a load call (computed before the lock is taken: dladdr
+// and dl_iterate_phdr take the loader's locks).
+std::string image_origin(const void* image) {
+  const Image im = resolve_image(image);
+  if (!im.data || !im.size) return "<memory>";
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(im.data), end = begin + im.size;
+  Dl_info info;
+  if (dladdr(im.data, &info) && info.dli_fname && info.dli_fname[0]) {
+    SegmentQuery q{begin, end};
+    dl_iterate_phdr(find_segment, &q);
+    if (q.found && q.file_backed && pages_unwritten(begin, end)) return info.dli_fname;
+  }
+  Sha256 sha;
+  sha.update(im.data, im.size);
+  return "<memory:" + sha.hex(16) + ">";
 }
 
 std::unordered_map<CUmodule, uint32_t> module_origin;
@@ -646,16 +848,18 @@ void CUPTIAPI on_callback(void*, CUpti_CallbackDomain domain, CUpti_CallbackId c
       if (enter) return;  // the first two fields of each: CUmodule* and the image
       const auto* p = static_cast<const cuModuleLoadData_params*>(cb->functionParams);
       if (!p->module || !*p->module) return;
+      const std::string origin = image_origin(p->image);
       std::lock_guard<std::mutex> lock(mu);
-      module_origin[*p->module] = origin_of_address(p->image);
+      module_origin[*p->module] = intern(origin);
       return;
     }
     case CUPTI_DRIVER_TRACE_CBID_cuLibraryLoadData: {
       if (enter) return;
       const auto* p = static_cast<const cuLibraryLoadData_params*>(cb->functionParams);
       if (!p->library || !*p->library) return;
+      const std::string origin = image_origin(p->code);
       std::lock_guard<std::mutex> lock(mu);
-      library_origin[*p->library] = origin_of_address(p->code);
+      library_origin[*p->library] = intern(origin);
       return;
     }
     case CUPTI_DRIVER_TRACE_CBID_cuLibraryLoadFromFile: {
@@ -856,6 +1060,18 @@ uint64_t origin_probe_end() { probing = false; return probe_hits.load(); }
 int origin_alive() {
   if (!installed.load()) return 1;
   return enabled_everywhere() ? 0 : 2;
+}
+
+// The origin a module or library load of `image` would record now (`image_origin`), into buf as
+// far as cap allows; returns its length. Needs no install: tests call it without a GPU.
+size_t origin_image_origin(const void* image, char* buf, size_t cap) {
+  const std::string text = image_origin(image);
+  if (cap > 0) {
+    size_t n = text.size() < cap - 1 ? text.size() : cap - 1;
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
 }
 
 // Diagnostics: how many modules and libraries have a known origin, and executable graphs read.

@@ -10,8 +10,16 @@ image's address when the module or library is loaded), never the kernel's name, 
 cannot pass torch's kernel off as its own by naming its own kernel like it; nor the launching host
 stub's file: a launch by stub is named by the module of the function it launched, so a kernel of
 torch's fatbin registered under a stub of the candidate's library counts as torch's; a CUDA graph's
-kernel nodes are read when it is instantiated and recorded at each replay. Callbacks run on the
-host at launch, not on the device, so kernels run exactly as untraced (CUPTI's *activity*
+kernel nodes are read when it is instantiated and recorded at each replay. An image counts as a
+file's only where it lies in that file's read-only, never-written bytes (a PT_LOAD segment without
+PF_W, and no page of it written: /proc/self/pagemap), where nvcc puts every fatbin: a copy in a
+library's .bss or .data, or bytes written over its fatbin after an mprotect, are not the library's.
+Any other image is "<memory:DIGEST>" (`image_digest`: SHA-256 of its bytes, their extent from its
+header), so an image loaded from memory can be matched to a JIT cache's file after the job:
+permissive mode counts the candidate's own Triton kernels that way (`cudagym.sandbox.jit`); strict
+mode counts no image loaded from memory. The check costs a loader walk and a pagemap read per
+module load (fatbins are not read); only images loaded from memory are hashed. Callbacks run on
+the host at launch, not on the device, so kernels run exactly as untraced (CUPTI's *activity*
 tracing, which the profiler uses, slowed some kernels 5-12%); the harness arms it in every call
 of every phase (verify trials, warm-up, timed calls) alike. Records go to the parent with each
 request; the rules (`cudagym.core.audit`) are applied there. Cost (H100, `benchmarks/probe_origin.py`):
@@ -20,8 +28,9 @@ pays ~0.7 us per launch while disarmed and ~1.7 us while armed, inside the launc
 
 What it does not see: kernels launched by device-side graph launch or dynamic parallelism (the
 parent kernel is recorded), work a kernel does not announce (a persistent kernel of the
-candidate's fed by host writes is its own anyway), and an image the candidate copied into its own
-build (bytes it embeds count as its own). A candidate can disable a callback in its process;
+candidate's fed by host writes is its own anyway), an image the candidate embedded in its own
+build (bytes compiled into its library count as its own), and another file mapped with MAP_FIXED
+over a library's fatbin, or its bytes restored between the driver's read and the watcher's check. A candidate can disable a callback in its process;
 `check_alive` notices a disabled callback and a probe launch that was not seen.
 
 **Imports (both targets, in the parent, before anything runs).** `import_audit` reads the
@@ -40,8 +49,10 @@ anything that enters the dispatcher.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
+import struct
 import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
@@ -108,12 +119,63 @@ def cupti_path() -> str:
     return str(candidates[0]) if candidates else "libcupti.so"
 
 
+# -- in-memory images (named by digest) ---------------------------------------------------------
+# origin.cpp names a module image that lies in no file's read-only, unwritten bytes
+# "<memory:DIGEST>": the first 128 bits of the SHA-256 of its bytes, their extent read from its
+# header as `image_extent` reads it (the two must agree: tests compare them).
+MEMORY_ORIGIN = "<memory:{digest}>"
+_MEMORY = re.compile(r"^<memory:([0-9a-f]{32})>$")
+_FATBIN_MAGIC = 0xBA55ED50
+
+
+def image_extent(image: bytes) -> int | None:
+    """The length of the module image at the start of `image`: an ELF's furthest header table,
+    section or segment; a fatbin's header size plus its size; else NUL-terminated text (PTX).
+    None where the header claims more than `image` holds."""
+    if image[:4] == b"\x7fELF":
+        if len(image) < 0x40 or image[4] != 2:
+            return None
+        phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+        end = max(0x40, phoff + phnum * phentsize, shoff + shnum * shentsize)
+        if end > len(image):
+            return None
+        for i in range(shnum):
+            sh_type, = struct.unpack_from("<I", image, shoff + i * shentsize + 4)
+            offset, size = struct.unpack_from("<QQ", image, shoff + i * shentsize + 0x18)
+            if sh_type != 8:  # SHT_NOBITS holds no bytes
+                end = max(end, offset + size)
+        for i in range(phnum):
+            offset, = struct.unpack_from("<Q", image, phoff + i * phentsize + 8)
+            filesz, = struct.unpack_from("<Q", image, phoff + i * phentsize + 0x20)
+            end = max(end, offset + filesz)
+    elif len(image) >= 16 and struct.unpack_from("<I", image)[0] == _FATBIN_MAGIC:
+        header, size = struct.unpack_from("<HQ", image, 6)
+        end = header + size
+    else:
+        nul = image.find(b"\0")
+        end = nul + 1 if nul >= 0 else len(image) + 1
+    return end if end <= len(image) else None
+
+
+def image_digest(image: bytes) -> str | None:
+    """The digest origin.cpp gives the same image loaded from memory (None: no readable extent)."""
+    end = image_extent(image)
+    return hashlib.sha256(image[:end]).hexdigest()[:32] if end else None
+
+
+def memory_digest(origin: str) -> str | None:
+    """The image digest of a "<memory:DIGEST>" origin; None for any other origin."""
+    m = _MEMORY.match(origin)
+    return m.group(1) if m else None
+
+
 class KernelRecord(NamedTuple):
     """Kernels of one name and origin launched while armed."""
 
     via: str  # "launch" (a kernel launch), "graph" (a kernel node of a replayed graph), "host" (a graph's host node)
     name: str  # as CUPTI or the driver names it (mangled)
-    origin: str  # the file its module was loaded from; "<memory>" or "<unknown ...>" otherwise
+    origin: str  # the file its module was loaded from; "<memory:DIGEST>", "<memory>" or "<unknown ...>" otherwise
     launches: int
     threads: int  # sum over launches of grid x block
     time_ns: int = 0  # GPU time, in timing mode only (`KernelWatch.timed`)

@@ -134,6 +134,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
     result memory), the ready frame, then one job; never returns."""
     import torch
 
+    from cudagym.sandbox.jit import jit_cache_env, workspace_scratch
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
     from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback
     from cudagym.sandbox.worker.jobs import JOBS
@@ -160,15 +161,13 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
         if scratch:
             os.makedirs(scratch, exist_ok=True)
             os.chdir(scratch)
-            tmp = os.path.join(scratch, ".build", "tmp") if job.workspace else os.path.join(scratch, "tmp")
+            tmp = str(workspace_scratch(scratch)) if job.workspace else os.path.join(scratch, "tmp")
             os.makedirs(tmp, exist_ok=True)
             os.environ["TMPDIR"] = tmp
             tempfile.tempdir = tmp  # gettempdir() may have been cached before
-            # JIT caches (torch.compile, Triton, CuPy) inside what the job may write: HOME is read-only
-            jit = scratch if job.kind == "baseline" else tmp
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(jit, "inductor")
-            os.environ["TRITON_CACHE_DIR"] = os.path.join(jit, "triton")
-            os.environ["CUPY_CACHE_DIR"] = os.path.join(jit, "cupy")
+            # JIT caches (torch.compile, Triton, CuPy) inside what the job may write: HOME is read-only.
+            # A workspace job's are where the parent reads them after the job (`cudagym.sandbox.jit`).
+            os.environ.update(jit_cache_env(scratch if job.kind == "baseline" else tmp))
         landlocked = restrict_writes(_writable(job))
         apply_rlimits(max_file_mb=job.limits.max_file_mb,
                       memory_mb=job.limits.memory_mb if job.device == "cpu" else None)
