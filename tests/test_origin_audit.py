@@ -8,6 +8,7 @@ CPU tests run in CI; GPU tests (`-m gpu`) need a GPU and build their CUDA source
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -471,6 +472,23 @@ def test_gpu_honest_solution_passes_strict_with_every_kernel_its_own(tmp_path, g
     kernels = records_from_counts(v.verify_result.audit.ops_seen)
     assert kernels and all("scale_bias_gelu_kernel" in k.name for k in kernels), kernels
     assert all(k.origin.endswith("libkernels.so") for k in kernels), kernels
+
+
+@pytest.mark.gpu
+def test_gpu_torch_images_are_still_named_by_their_file(tmp_path, gpu_ev) -> None:
+    """Images nvcc put in a library's read-only bytes keep their file's name (the watcher names
+    anything else by digest): torch's fill kernel before the own kernel is torch's allowed copy
+    and fill, from libtorch_cuda.so, and the own kernel is libkernels.so's."""
+    model = OWN_MODEL.replace("out = torch.empty_like(x)", "out = torch.zeros_like(x)")
+    assert model != OWN_MODEL
+    task, ws = gpu_ws(tmp_path / "ws", model, {"kernels/scale_bias_gelu.cu": OWN_CU})
+    v = gpu_ev.evaluate(task, ws)
+    assert v.reward >= 1, v.summary()
+    kernels = records_from_counts(v.verify_result.audit.ops_seen)
+    fills = [k for k in kernels if "FillFunctor" in k.name]
+    assert fills and all(os.path.basename(k.origin).startswith("libtorch_cuda") for k in fills), kernels
+    own = [k for k in kernels if "scale_bias_gelu_kernel" in k.name]
+    assert own and all(k.origin.endswith("libkernels.so") for k in own), kernels
 
 
 @pytest.mark.gpu
