@@ -30,8 +30,9 @@ What it does not see: kernels launched by device-side graph launch or dynamic pa
 parent kernel is recorded), work a kernel does not announce (a persistent kernel of the
 candidate's fed by host writes is its own anyway), an image the candidate embedded in its own
 build (bytes compiled into its library count as its own), and another file mapped with MAP_FIXED
-over a library's fatbin, or its bytes restored between the driver's read and the watcher's check. A candidate can disable a callback in its process;
-`check_alive` notices a disabled callback and a probe launch that was not seen.
+over a library's fatbin, or its bytes restored between the driver's read and the watcher's check.
+A candidate can disable a callback in its process; `check_alive` notices a disabled callback and a
+probe launch that was not seen.
 
 **Imports (both targets, in the parent, before anything runs).** `import_audit` reads the
 undefined dynamic symbols of the candidate's built objects (`nm -D`): torch's compute entry
