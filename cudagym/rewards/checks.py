@@ -29,6 +29,7 @@ from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
 from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
 from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.feed import CallFeed
+from cudagym.sandbox.jit import own_jit_images
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
 from cudagym.sandbox.protocol import TimingConfig
 from cudagym.tasks.model import Target, Task
@@ -100,11 +101,17 @@ class Audit:
                  and Path(p).is_file()]
         return import_audit(candidate_objects(([Path(artifact_dir)] if artifact_dir else []) + extra))
 
-    def origins(self, artifact_dir: str | None, imports: ImportAudit) -> Origins:
+    def origins(self, artifact_dir: str | None, imports: ImportAudit, workspace: str | None = None) -> Origins:
+        """The candidate's origins. In permissive mode on the GPU, with the job's `workspace`, also
+        its own Triton kernels' images, read from the job's Triton cache once the job is over
+        (`cudagym.sandbox.jit`); strict mode counts no image loaded from memory."""
+        images = (own_jit_images(Path(workspace)) if workspace and self.config.mode == "permissive"
+                  and self.target == Target.CUDA else frozenset())
         return Origins(own_roots=tuple(r for r in (artifact_dir, str(self.config.cache_dir / "build" / "inline")) if r),
-                       libraries=frozenset(imports.libraries))
+                       libraries=frozenset(imports.libraries), own_images=images)
 
-    def kernels(self, final: dict[str, Any], artifact_dir: str | None) -> tuple[list[str], list[str], float | None]:
+    def kernels(self, final: dict[str, Any], artifact_dir: str | None,
+                workspace: str | None = None) -> tuple[list[str], list[str], float | None]:
         """Verify's kernel-origin and import rules (GPU: every kernel of every trial by origin;
         both targets: the imports of the extensions it loaded): (forbidden, reasons, GPU share)."""
         imports = self.imports(artifact_dir, list(final.get("own_objects") or []))
@@ -118,7 +125,7 @@ class Audit:
         if final.get("kernels") is None:
             why = final.get("kernel_watch_error") or "no kernel records came back"
             return forbidden + ["<kernel watcher>"], reasons + [f"the kernel-origin audit could not run: {why}"], None
-        origins = self.origins(artifact_dir, imports)
+        origins = self.origins(artifact_dir, imports, workspace)
         records = records_from_counts(final.get("kernels") or {})
         share = None
         if self.config.mode == "strict":
@@ -134,7 +141,7 @@ class Audit:
         return forbidden, reasons, share
 
     def timed_calls(self, timed_ops: dict[str, int], artifact_dir: str | None,
-                    measured: VerifyResult | None) -> str | None:
+                    measured: VerifyResult | None, workspace: str | None = None) -> str | None:
         """The audit of the timed loop's calls (warm-up included), from the counts and kernel
         records they reported: strict, the op rule and (GPU) the kernel-origin rule, as in
         verify; permissive, with `measured`, no foreign work per call beyond the verify trials'
@@ -159,7 +166,7 @@ class Audit:
         calls = int(timed_ops.get(MODEL_CALLS_KEY, 0))
         seen = measured.audit.ops_seen
         if self.target == Target.CUDA:
-            origins = self.origins(artifact_dir, self.imports(artifact_dir, []))
+            origins = self.origins(artifact_dir, self.imports(artifact_dir, []), workspace)
             before, after = foreign_work(records_from_counts(seen), origins), foreign_work(records, origins)
         else:
             before = {k: float(v) for k, v in op_counts(seen).items() if forbidden_ops({k: v})}
@@ -208,6 +215,7 @@ class TimedRun:
     reference: Callable[..., Awaitable[JobOutcome]]
     floor_ms: float = 0.0
     roofline_slack: float = 0.5
+    workspace: str | None = None  # the job's workspace (its Triton cache: `Audit.origins`)
 
     @property
     def cuda(self) -> bool:
@@ -331,7 +339,7 @@ async def timed_calls_audited(run: TimedRun) -> Finding | None:
     strict, the op rule and the kernel-origin rule; permissive, foreign work per call beyond what
     verify's trials did, unmeasured by their own-kernel share): a candidate may behave
     differently once timed."""
-    why = run.audit.timed_calls(run.feed.ops("candidate"), run.artifact_dir, run.measured)
+    why = run.audit.timed_calls(run.feed.ops("candidate"), run.artifact_dir, run.measured, run.workspace)
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 
 

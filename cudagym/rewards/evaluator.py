@@ -303,7 +303,8 @@ class Evaluator:
         if failure:
             result = self._verify_failure(outcome, *failure)
         else:
-            result = self._verify_result(outcome, await compare_outcome(outcome, task), built.artifact_dir)
+            result = self._verify_result(outcome, await compare_outcome(outcome, task), built.artifact_dir,
+                                         str(workspace.root))
         release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
@@ -326,14 +327,15 @@ class Evaluator:
         return VerifyResult(ok=False, error_kind=kind, error=msg, audit=audit,
                             reasons=[msg.splitlines()[0] if msg else kind.value])
 
-    def _verify_result(self, o: JobOutcome, cmp: Comparison, artifact_dir: str | None = None) -> VerifyResult:
+    def _verify_result(self, o: JobOutcome, cmp: Comparison, artifact_dir: str | None = None,
+                       workspace: str | None = None) -> VerifyResult:
         final = o.final or {}
         ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
         forbidden = forbidden_ops(ops)  # our own copy of the rule, not the worker's verdict
         audit_reasons: list[str] = []
         share = final.get("own_kernel_share")
         try:
-            kernel_forbidden, kernel_reasons, gpu_share = self.audit.kernels(final, artifact_dir)
+            kernel_forbidden, kernel_reasons, gpu_share = self.audit.kernels(final, artifact_dir, workspace)
         except Exception as e:  # noqa: BLE001 - an object that cannot be read fails the audit, named
             kernel_forbidden, kernel_reasons, gpu_share = ["<imports>"], [f"the import audit failed: {e}"], None
         ops.update({str(k): int(v) for k, v in (final.get("kernels") or {}).items()})  # measured, for the profile
@@ -540,7 +542,7 @@ class Evaluator:
             return self.sandbox.run(self._job("reference", task, None, init_seed=init_seed, **plan), self.device)
 
         run = TimedRun(task, o, feed, timing, built.artifact_dir, measured, self.audit, reference, floor_ms,
-                       self.config.roofline_slack)
+                       self.config.roofline_slack, workspace=str(workspace.root))
         done_s: dict[str, float] = {}
         refusal, notes = await apply_checks(run, done_s=done_s)  # `checks.PROFILE_CHECKS`, in order
         release_later(o)
