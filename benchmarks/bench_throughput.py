@@ -557,12 +557,20 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
     """The candidate's timing jobs of a row (its profile calls, and its submits that were not
     reused), from their results: timed-loop calls (p50, p95), the median's confidence interval
     (`TimingStats.median_ci_rel`, p50), and the worker's phases, p50 s: `load` (the timer's
-    calibration and the candidate's load), the timed loop, the whole worker; submits, and how
-    many reused their episode's profile."""
+    calibration and the candidate's load), the timed loop, the whole job from its ready worker to
+    its result (`worker`), and the part of that outside the worker's own phases (the parent's
+    device checks before and after, the job line, the result); submits, and how many reused their
+    episode's profile."""
     jobs = [c for c in calls if c["kind"] in ("profile", "submit") and c.get("timed_calls")]
 
     def phase(key: str) -> list[float]:
         return [c["breakdown"][key] for c in jobs if key in (c.get("breakdown") or {})]
+
+    def outside(c: dict[str, Any]) -> float | None:  # the job's seconds not in the worker's own phases
+        b = c.get("breakdown") or {}
+        own = [v for k, v in b.items() if k.startswith("candidate.") and not k.startswith(
+            ("candidate.startup_", "candidate.wait_")) and k != "candidate.worker_s"]
+        return b["candidate.worker_s"] - sum(own) if "candidate.worker_s" in b and own else None
 
     submits = [c for c in calls if c["kind"] == "submit"]
     n = [float(c["timed_calls"]) for c in jobs]
@@ -573,6 +581,7 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
             "timed_loop_p50_s": percentile(phase("candidate.candidate_timed_loop_s"), 50),
             "timed_loop_p95_s": percentile(phase("candidate.candidate_timed_loop_s"), 95),
             "worker_p50_s": percentile(phase("candidate.worker_s"), 50),
+            "outside_phases_p50_s": percentile([x for c in jobs if (x := outside(c)) is not None], 50),
             "submits": len(submits), "submits_reused": sum(bool(c.get("timing_reused")) for c in submits)}
 
 
@@ -596,7 +605,7 @@ def timing_job_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="the candidate's timing jobs per row: timed-loop calls, the median's 95% interval (relative "
                     "half-width), the worker's phases (seconds, p50), submits that reused their episode's profile")
     cols = ("jobs", "timed_calls_p50", "timed_calls_p95", "median_ci_rel_p50", "load_p50_s", "timed_loop_p50_s",
-            "timed_loop_p95_s", "worker_p50_s", "submits", "submits_reused")
+            "timed_loop_p95_s", "worker_p50_s", "outside_phases_p50_s", "submits", "submits_reused")
     for c in ("row", *cols):
         t.add_column(c.replace("_", " "), overflow="fold")
     for r in rows:
