@@ -13,7 +13,7 @@ import pytest
 
 from cudagym.core.stats import median_ci, median_ci_ranks
 from cudagym.sandbox.feed import PROBE_EVERY, CallFeed, TrialFeed
-from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.protocol import MAX_OVERHEAD_NS, Calibration, TimingConfig, call_ms_from
 
 CFG = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=4, max_calls=6, target_ms=1e6)
 
@@ -93,6 +93,29 @@ def test_reports_that_do_not_add_up_are_violations() -> None:
     assert "refused" in feed({"what": "call", "role": "candidate", "index": 5, "ms": 1.0}, 0.0)
     assert "refused" in feed({"what": "call", "role": "candidate", "index": 1, "ms": float("nan")}, 0.0)
     assert len(feed.violations) == 3
+
+
+def test_the_parent_times_each_call_with_the_calibration_it_got_before_the_candidate_loaded() -> None:
+    """Red team 4 (b4, b5): a candidate that rewrites the worker's calibration in place (its
+    overhead, its read cap) changed the times the worker computed. The parent now computes each
+    call's time from the call's raw measurements and the calibration the worker sent before any
+    candidate code loaded; the worker's own `ms` is not read, and a second calibration is refused."""
+    feed = CallFeed(CFG, ("candidate",))
+    cal = Calibration.measured(4_000, 10_000)
+    assert feed({"what": "calibration", "calibration": cal._asdict()}, 0.0) == {}
+    assert "seed" in feed({"what": "call", "role": "candidate", "index": 0, "ops": {}}, 0.0)
+    raw = {"span_ms": 1.0, "read_ns": 10**9, "dense": 0, "strided": 0}  # a read phase far past the cap
+    assert "seed" in feed({"what": "call", "role": "candidate", "index": 1, "ops": {}, "ms": 0.001, **raw}, 0.002)
+    want = call_ms_from(cal, 1.0, 10**9, 0, 0)
+    assert feed._roles["candidate"].calls[0].ms == pytest.approx(want) and want == pytest.approx(1.0 - 0.016)
+    assert "refused" in feed({"what": "calibration", "calibration": {**cal._asdict(), "overhead_ns": 10**9}}, 0.003)
+    assert "after the first" in feed.violations[-1]
+    assert "refused" in feed({"what": "call", "role": "candidate", "index": 2, "ops": {}, "ms": 1.0}, 0.004)
+    assert "invalid measurements" in feed.violations[-1]  # raw measurements are required once calibrated
+    fresh = CallFeed(CFG, ("candidate",))
+    assert fresh({"what": "calibration", "calibration": {**cal._asdict(), "overhead_ns": 10**9}}, 0.0) == {}
+    assert fresh.calibration is not None and fresh.calibration.overhead_ns == MAX_OVERHEAD_NS  # capped here too
+    assert "refused" in CallFeed(CFG, ("candidate",))({"what": "calibration", "calibration": {"overhead_ns": -1}}, 0.0)
 
 
 SERVER = CFG.model_copy(update={"idle_ms": (2.0, 9.0), "idle_seed": 7})

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cudagym.core.stats import median_ci_rel
-from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.protocol import MAX_OVERHEAD_NS, Calibration, TimingConfig, call_ms_from
 
 PROBE_EVERY = 4  # every 4th call of a loop is a probe (not a call of the model)
 
@@ -121,9 +121,13 @@ class CallFeed:
         self.roles = roles
         self._roles: dict[str, _Role] = {}
         self.violations: list[str] = []
+        # the worker's timer calibration, sent before any candidate code loaded (`calibrated`)
+        self.calibration: Calibration | None = None
 
     # -- answering ---------------------------------------------------------------------------
     def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+        if request.get("what") == "calibration":
+            return self._calibrated(request)
         role_name, index = request.get("role"), request.get("index")
         if request.get("what") != "call" or role_name not in self.roles:
             return _violation(self.violations, f"an unexpected request {request.get('what')!r} "
@@ -153,11 +157,33 @@ class CallFeed:
         role.calls.append(Call(seed=seed, asked_s=arrived_s, probe=probe, idle_ms=idle_ms))
         return {"seed": seed, "probe": probe, **({"idle_ms": idle_ms} if idle_ms else {})}
 
+    def _calibrated(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Take the worker's timer calibration (`Calibration`), once, before any call: the worker
+        measures it before any candidate code loads, and each call's time is computed here from
+        it and the call's raw measurements (`call_ms_from`), so that a candidate that rewrites the
+        worker's copy later changes nothing. Its overhead is capped at `MAX_OVERHEAD_NS` here too."""
+        if self.calibration is not None or self._roles:
+            return _violation(self.violations, "a timer calibration was sent after the first one or after calls began")
+        fields = request.get("calibration")
+        try:
+            if not isinstance(fields, dict) or not all(_finite(v) and v >= 0 for v in fields.values()):
+                raise ValueError(fields)
+            cal = Calibration(**fields)
+        except (TypeError, ValueError):
+            return _violation(self.violations, f"a malformed timer calibration: {fields!r}")
+        self.calibration = cal._replace(overhead_ns=min(int(cal.overhead_ns), MAX_OVERHEAD_NS))
+        return {}
+
     def _take_report(self, role: _Role, request: dict[str, Any], arrived_s: float) -> str | None:
         """Record the previous call's report and the role's op counts; a reason if they do not add up."""
         if role.calls:
             prev = role.calls[-1]
             ms = request.get("ms")
+            if self.calibration is not None:  # the call's time from its raw measurements (`_calibrated`)
+                raw: list[Any] = [request.get(k) for k in ("span_ms", "read_ns", "dense", "strided")]
+                if not all(_finite(v) and v >= 0 for v in raw):
+                    return f"call {len(role.calls) - 1} reported invalid measurements {raw!r}"
+                ms = call_ms_from(self.calibration, float(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]))
             if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) or ms < 0:
                 return f"call {len(role.calls) - 1} reported an invalid time {ms!r}"
             prev.ms = float(ms)
@@ -269,3 +295,8 @@ class CallFeed:
         model = reused if len(reused) >= k else model
         picked = secrets.SystemRandom().sample(model, min(k, len(model)))
         return sorted((i, r.calls[i].seed) for i in picked)
+
+
+def _finite(v: Any) -> bool:
+    """Whether `v` is a finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -232,22 +232,22 @@ uint64_t opwatch_callbacks_registered() {
 
 // The CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): one call,
 // inside the call's interval, with no ATen op, no Python and no callback of anyone's in it. It
-// draws a seed with getrandom() (kept in this function's memory and in each output's `seed`, for
-// the parent), then for each of `n` outputs:
-//   1. `count` positions in [0, numel) drawn from the seed's stream, and the element at each
-//      copied into `values` (count * elem_size bytes; all elements in row-major order, and no
-//      positions, if count == numel), the positions into `positions` (int64);
-//   2. then every element, read once, in an order drawn from the seed (chunks of the output in a
-//      random rotation and stride), and projected as the GPU's close kernel projects
-//      (`cudagym.sandbox.timing.projection`): 4 sums of +-1 weights from a hash of (seed, index,
-//      component) times each real component, in fp64, into `proj` (if `kind` is not 0).
-// The samples are taken first: an output still being written when the close starts is caught at
-// 2048 random places before any projection is read. A contiguous output's projection pass reads
-// through process_vm_readv on this process (a page the candidate protected fails the read, -2,
-// instead of reaching a fault handler of its; where the kernel refuses the syscall, ENOSYS or
-// EPERM under a seccomp filter, plain reads); the samples and a strided output's pass read
-// plainly (a syscall per element costs ~1 us). Pages filled lazily are filled, and timed, here. `*phase_ns` gets the projection pass's
-// duration (CLOCK_MONOTONIC), which the timer leaves out of the call up to its calibrated cap.
+// draws a seed with getrandom(), then for each of `n` outputs makes one pass over every element,
+// read once, in chunks, in an order drawn from the seed (a random rotation and stride of the
+// chunks): each chunk is projected as the GPU's close kernel projects
+// (`cudagym.sandbox.timing.projection`: 4 sums of +-1 weights from a hash of (seed, index,
+// component) times each real component, in fp64) into `proj` (if `kind` is not 0), and the values
+// at `count` positions drawn from the seed that lie in it are copied from the same read into
+// `values` (count * elem_size bytes; all elements in row-major order, and no positions, if count ==
+// numel). The positions (int64, into `positions`) and the seed (into each output's `seed`, for
+// the parent) are written only after every pass: nothing of the candidate's can learn them, or
+// the chunks' order, from the harness's memory while the outputs are read, so work racing the
+// pass cannot keep ahead of it. A contiguous output is read through process_vm_readv on this
+// process: a page the candidate protected fails the read (-2) instead of reaching a fault
+// handler of its (where the kernel refuses the syscall, ENOSYS or EPERM under a seccomp filter,
+// plain reads); the harness makes its outputs contiguous before the close (strided reads, plain,
+// are left for tools and tests). `*phase_ns` gets the whole pass's duration (CLOCK_MONOTONIC),
+// which the parent leaves out of the call up to the job's calibration (`Calibration`).
 // Sizes and strides in elements. Returns 0; -1 if getrandom failed; -2 if an output could not be
 // read (unmapped or protected memory).
 struct CpuClose {
@@ -392,13 +392,19 @@ static uint64_t gcd64(uint64_t a, uint64_t b) { while (b) { uint64_t t = a % b; 
 
 // Every element of `o`, read once in an order drawn from `stream`, projected into `acc` (kind 0:
 // read only). Returns false if a read failed.
-static bool project_all(const CpuClose& o, uint64_t stream, uint32_t s0, uint32_t s1, Sums& acc,
-                        std::vector<unsigned char>& buf) {
+// One pass over every element of `o`, read once, in an order drawn from `stream`: each chunk is
+// projected into `acc` (kind 0: read only) and the sampled elements that lie in it (`picks`:
+// (flat position, sample index), sorted) are copied from the same read into `values`. Returns
+// false if a read failed.
+static bool read_all(const CpuClose& o, uint64_t stream, uint32_t s0, uint32_t s1, Sums& acc,
+                     const std::vector<std::pair<uint64_t, uint64_t>>& picks, bool everything,
+                     std::vector<unsigned char>& buf) {
   const uint64_t es = static_cast<uint64_t>(o.elem_size), numel = static_cast<uint64_t>(o.numel);
   const uint64_t parts = (o.kind >= 10 && o.kind <= 12) ? 2 : 1;  // complex: two components an element
   const bool contiguous = o.ndim == 1 && o.strides[0] == 1;
   const uint64_t per = contiguous ? std::max<uint64_t>(kChunk / es, 1) : kStridedChunk;  // elements per step
   const uint64_t chunks = (numel + per - 1) / per;
+  auto* values = reinterpret_cast<unsigned char*>(o.values);
   buf.resize(per * es);
   // chunk j is read at step (a * j + b) mod chunks, a coprime with chunks
   uint64_t a = chunks > 1 ? 1 + mix64(stream) % (chunks - 1) : 1, b = chunks ? mix64(stream + 1) % chunks : 0;
@@ -410,7 +416,8 @@ static bool project_all(const CpuClose& o, uint64_t stream, uint32_t s0, uint32_
       remote[0] = {reinterpret_cast<void*>(o.src + lo * es), m * es};
       local[0] = {buf.data(), m * es};
       if (!read_remote(local, remote, 1, m * es)) return false;
-    } else {  // element by element (a syscall's iovec per element costs ~1 us)
+    } else {  // element by element (a syscall's iovec per element costs ~1 us; the harness makes
+              // its outputs contiguous first, so only tools and tests come here)
       const volatile unsigned char* src = reinterpret_cast<const volatile unsigned char*>(o.src);
       for (uint64_t j = 0; j < m; ++j) {
         const volatile unsigned char* e = src + offset_of(o, lo + j) * static_cast<int64_t>(es);
@@ -418,6 +425,14 @@ static bool project_all(const CpuClose& o, uint64_t stream, uint32_t s0, uint32_
       }
     }
     if (o.kind != 0) project(o.kind, buf.data(), lo * parts, m * parts, s0, s1, acc);
+    if (o.count <= 0) continue;
+    if (everything) {
+      std::memcpy(values + lo * es, buf.data(), m * es);
+      continue;
+    }
+    auto it = std::lower_bound(picks.begin(), picks.end(), std::make_pair(lo, uint64_t{0}));
+    for (; it != picks.end() && it->first < lo + m; ++it)
+      std::memcpy(values + it->second * es, buf.data() + (it->first - lo) * es, es);
   }
   return true;
 }
@@ -431,37 +446,38 @@ static int64_t now_ns() {
 extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* phase_ns) {
   uint64_t seed = 0;
   if (!random_bytes(&seed, sizeof seed)) return -1;
-  for (int64_t k = 0; k < n; ++k) {  // 1. the samples
-    CpuClose& o = outs[k];
-    o.seed = seed;
-    if (o.numel <= 0 || o.count <= 0) continue;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(o.src);
-    auto* values = reinterpret_cast<unsigned char*>(o.values);
-    auto* positions = reinterpret_cast<int64_t*>(o.positions);
-    const bool everything = o.count >= o.numel;
-    uint64_t stream = mix64(seed ^ mix64(static_cast<uint64_t>(o.index) + 0x5151));
-    for (int64_t i = 0; i < o.count; ++i) {
-      uint64_t flat = static_cast<uint64_t>(i);
-      if (!everything) {
-        flat = mix64(stream += 0x9e3779b97f4a7c15ull) % static_cast<uint64_t>(o.numel);
-        if (positions) positions[i] = static_cast<int64_t>(flat);
-      }
-      std::memcpy(values + i * o.elem_size, src + offset_of(o, flat) * o.elem_size, static_cast<size_t>(o.elem_size));
-    }
-  }
   const int64_t t0 = now_ns();
   std::vector<unsigned char> buf;
-  for (int64_t k = 0; k < n; ++k) {  // 2. every element, projected
-    const CpuClose& o = outs[k];
+  std::vector<std::pair<uint64_t, uint64_t>> picks;
+  int code = 0;
+  for (int64_t k = 0; k < n && code == 0; ++k) {
+    CpuClose& o = outs[k];
     if (o.numel <= 0) continue;
+    const bool everything = o.count >= o.numel;
+    picks.clear();
+    if (o.count > 0 && !everything) {  // the positions, kept here until every value is read
+      uint64_t stream = mix64(seed ^ mix64(static_cast<uint64_t>(o.index) + 0x5151));
+      for (int64_t i = 0; i < o.count; ++i)
+        picks.emplace_back(mix64(stream += 0x9e3779b97f4a7c15ull) % static_cast<uint64_t>(o.numel),
+                           static_cast<uint64_t>(i));
+      std::sort(picks.begin(), picks.end());
+    }
     const uint32_t idx = static_cast<uint32_t>(o.index);
     const uint32_t s0 = static_cast<uint32_t>(seed) ^ mix32(2 * idx + 1);
     const uint32_t s1 = static_cast<uint32_t>(seed >> 32) ^ mix32(2 * idx + 2);
     Sums acc;
-    if (!project_all(o, mix64(seed ^ (0xc105e + static_cast<uint64_t>(k))), s0, s1, acc, buf)) return -2;
+    if (!read_all(o, mix64(seed ^ (0xc105e + static_cast<uint64_t>(k))), s0, s1, acc, picks, everything, buf)) {
+      code = -2;
+      break;
+    }
     if (o.proj && o.kind != 0) std::memcpy(reinterpret_cast<void*>(o.proj), acc.a, sizeof acc.a);
+    auto* positions = reinterpret_cast<int64_t*>(o.positions);
+    if (positions)
+      for (const auto& [flat, i] : picks) positions[i] = static_cast<int64_t>(flat);
   }
   if (phase_ns) *phase_ns = now_ns() - t0;
+  if (code == 0)  // published last: nothing of the candidate's could read the seed while the pass ran
+    for (int64_t k = 0; k < n; ++k) outs[k].seed = seed;
   seed = 0;
-  return 0;
+  return code;
 }

@@ -7,9 +7,60 @@ every layer that configures an evaluation imports them, and none of those needs 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field, field_validator
+
+
+# What a timer leaves out of a call (`Calibration`; the timing protocol: `cudagym.sandbox.timing`)
+CALIBRATION_ELEMENTS = 1 << 18  # the fp32 output the GPU calibration's calls' close reads (and projects)
+READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projections' share of it plus this
+MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 4.3 us)
+# A call's read phase is left out up to the calibration's plus this (H100: 9.5-11.2 us, calibration 10.6-11.5)
+READ_SLACK_NS = 2_000
+TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
+
+
+class Calibration(NamedTuple):
+    """What a timer leaves out of each call (`cudagym.sandbox.timing.DeviceTimer.calibrate`).
+
+    Measured by the timing job's worker before any candidate code loads and sent to the parent
+    then (`CallFeed`), which applies it to each call's raw interval (`call_ms_from`): a candidate
+    that rewrites the worker's copy afterwards changes nothing the parent computes."""
+
+    overhead_ns: int  # the interval of a call that launches nothing, less its read phase
+    read_cap_ns: int  # the most of a call's own read phase left out of it (0: none is)
+    # the cap's growth per element projected beyond CALIBRATION_ELEMENTS, contiguous (counted as
+    # max(elements, bytes / 4)) and not (ps)
+    read_ps_per_element: float = 0.0
+    read_ps_per_strided_element: float = 0.0
+    base_elements: int = CALIBRATION_ELEMENTS  # the output of the calls that measured `read_cap_ns`
+
+    @classmethod
+    def measured(cls, overhead_ns: float, read_ns: float, per_element_ps: float = 0.0,
+                 per_strided_element_ps: float = 0.0, base_elements: int = CALIBRATION_ELEMENTS) -> Calibration:
+        """From a calibration's medians: the overhead, at most `MAX_OVERHEAD_NS`; the read
+        phase, plus `READ_SLACK_NS`, as the cap; the cap's growth per projected element, plus
+        `READ_SLACK_REL`."""
+        return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS,
+                   max(float(per_element_ps), 0.0) * (1 + READ_SLACK_REL),
+                   max(float(per_strided_element_ps), 0.0) * (1 + READ_SLACK_REL), base_elements)
+
+    def left_out_ns(self, read_ns: int, dense: int = 0, strided: int = 0) -> int:
+        """What is left out of a call whose close took `read_ns` to read its outputs and to
+        project `dense` contiguous elements (max(elements, bytes / 4) of each) and `strided`
+        others."""
+        grown = (self.read_ps_per_element * max(dense - self.base_elements, 0)
+                 + self.read_ps_per_strided_element * strided)
+        return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns + int(grown / 1000))
+
+
+def call_ms_from(cal: Calibration, span_ms: float, read_ns: int, dense: int, strided: int) -> float:
+    """A call's time (ms) from its raw interval `span_ms` (CPU: the wall clock's; GPU: to the end
+    event, or to the last event less `TAIL_ALLOWANCE_MS` if the close kernel gave up), its close's
+    read phase `read_ns` and what it projected (`dense` contiguous elements, `strided` others),
+    less what `cal` leaves out; never negative."""
+    return max(span_ms - cal.left_out_ns(read_ns, dense, strided) / 1e6, 0.0)
 
 
 class VerifyConfig(BaseModel):

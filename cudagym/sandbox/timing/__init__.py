@@ -137,15 +137,15 @@ pins against rebinding), `gate` (the gate kernels' CUDA source and their loading
 from cudagym.sandbox.timing.evidence import MAX_CPU_DIMS, Evidence
 from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAMPLED_DIMS, MAX_SAMPLED_OUTPUTS,
                                          PROJECTED_KINDS, Gate, gate_kernels, gate_source)
-from cudagym.sandbox.timing.timer import (CALIBRATION_CALLS, CALIBRATION_ELEMENTS, CPU_CALIBRATION,
-                                          LARGE_CALIBRATION_CALLS,
-                                          LARGE_CALIBRATION_ELEMENTS, MAX_OVERHEAD_NS, PLACEMENT_BYTES, PROJECTIONS,
-                                          PROTOCOL_VERSION, READ_SLACK_NS, READ_SLACK_REL, SAMPLE_SIZE,
-                                          STRIDED_CALIBRATION_ELEMENTS, TAIL_ALLOWANCE_MS, Calibration, DeviceTimer,
-                                          TimerTamperedError, call_ms, drive_calls, foreign_hooks, harness_calibration,
-                                          projection, refill_, touch_pages, use_native_close)
+from cudagym.sandbox.protocol import (CALIBRATION_ELEMENTS, MAX_OVERHEAD_NS, READ_SLACK_NS, READ_SLACK_REL,
+                                      TAIL_ALLOWANCE_MS, Calibration, call_ms_from)
+from cudagym.sandbox.timing.timer import (CALIBRATION_CALLS, CPU_CALIBRATION, LARGE_CALIBRATION_CALLS,
+                                          LARGE_CALIBRATION_ELEMENTS, PLACEMENT_BYTES, PROJECTIONS, PROTOCOL_VERSION,
+                                          SAMPLE_SIZE, STRIDED_CALIBRATION_ELEMENTS, DeviceTimer, TimerTamperedError,
+                                          call_ms, drive_calls, foreign_hooks, harness_calibration, projection, refill_,
+                                          touch_pages, use_native_close)
 
-__all__ = ["CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CPU_CALIBRATION",
+__all__ = ["call_ms_from", "CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CPU_CALIBRATION",
            "CLOSE_TIMEOUT_NS", "GATE_THREADS", "LARGE_CALIBRATION_CALLS",
            "LARGE_CALIBRATION_ELEMENTS", "MAX_CPU_DIMS", "MAX_OVERHEAD_NS", "MAX_SAMPLED_DIMS", "MAX_SAMPLED_OUTPUTS",
            "PLACEMENT_BYTES",

@@ -66,7 +66,7 @@ class Reading:
         none) projected, into buffers allocated here, before the close; the evidence holds them
         (filled once the close returned) and their raw bytes (sent without an ATen op: nothing
         hooked into torch runs between close and send)."""
-        if t.dim() > MAX_CPU_DIMS and not t.is_contiguous():
+        if not t.is_contiguous():  # read through process_vm_readv by the close: a copy, inside the interval
             t = t.contiguous()
         numel = t.numel()
         n = numel if numel <= count else count

@@ -15,10 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from cudagym.sandbox.protocol import CALIBRATION_ELEMENTS, TAIL_ALLOWANCE_MS, Calibration, call_ms_from
 from cudagym.sandbox.timing.evidence import CpuClose, Evidence, Reading
 from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAMPLED_DIMS, MAX_SAMPLED_OUTPUTS,
                                          PROJECTED_KINDS, Samples, cuda_driver, cudart, gate_kernels)
@@ -34,7 +35,6 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 PROTOCOL_VERSION = "gated-events-12"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
-CALIBRATION_ELEMENTS = 1 << 18  # the fp32 output those calls' close reads (and projects)
 # then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed
 # one of STRIDED_CALIBRATION_ELEMENTS: the close's time per element projected (H100: 2.6 ps per
 # contiguous fp32 element, 2 bytes or 4 alike: the hash and fp64 sums, not the reads, bound it)
@@ -44,16 +44,11 @@ STRIDED_CALIBRATION_ELEMENTS = 1 << 22
 # the CPU target's calibration (its close projects at ns, not ps, per element): calls, then the
 # elements of the small, large and strided outputs, and the calls of each of the larger two
 CPU_CALIBRATION = (30, 1 << 16, 1 << 21, 1 << 16, 3)
-READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projections' share of it plus this
 # Sizes of the allocation held across each GPU call in turn (`drive_calls`), so that what a call
 # allocates (its output) lands at other addresses from one call to the next: a one-op call of a few
 # microseconds reads 0.3-0.7 us more or less from one process to the next with its placement
 # (H100, `benchmarks/probe_stamps.py`), and a job's median should not hang on one placement.
 PLACEMENT_BYTES = (0, 2**18, 2**19, 3 * 2**18, 2**20, 3 * 2**19, 5 * 2**19, 2**22)
-MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 4.3 us)
-# A call's read phase is left out up to the calibration's plus this (H100: 9.5-11.2 us, calibration 10.6-11.5)
-READ_SLACK_NS = 2_000
-TAIL_ALLOWANCE_MS = 1.0  # the host's wake-up after the device-wide synchronize, at most (step 5)
 SAMPLE_SIZE = 2048  # elements of each output of a call read at its end (`DeviceTimer.read_at_end`; all, if fewer)
 PROJECTIONS = 4  # secret +-1 projections of every output of a GPU call (`projection`)
 
@@ -152,36 +147,6 @@ def foreign_hooks() -> str:
     return ", ".join(found)
 
 
-class Calibration(NamedTuple):
-    """What a timer leaves out of each GPU call (`DeviceTimer.calibrate`)."""
-
-    overhead_ns: int  # the interval of a call that launches nothing, less its read phase
-    read_cap_ns: int  # the most of a call's own read phase left out of it (0: none is)
-    # the cap's growth per element projected beyond CALIBRATION_ELEMENTS, contiguous (counted as
-    # max(elements, bytes / 4)) and not (ps)
-    read_ps_per_element: float = 0.0
-    read_ps_per_strided_element: float = 0.0
-    base_elements: int = CALIBRATION_ELEMENTS  # the output of the calls that measured `read_cap_ns`
-
-    @classmethod
-    def measured(cls, overhead_ns: float, read_ns: float, per_element_ps: float = 0.0,
-                 per_strided_element_ps: float = 0.0, base_elements: int = CALIBRATION_ELEMENTS) -> Calibration:
-        """From a calibration's medians: the overhead, at most `MAX_OVERHEAD_NS`; the read
-        phase, plus `READ_SLACK_NS`, as the cap; the cap's growth per projected element, plus
-        `READ_SLACK_REL`."""
-        return cls(min(max(int(overhead_ns), 0), MAX_OVERHEAD_NS), max(int(read_ns), 0) + READ_SLACK_NS,
-                   max(float(per_element_ps), 0.0) * (1 + READ_SLACK_REL),
-                   max(float(per_strided_element_ps), 0.0) * (1 + READ_SLACK_REL), base_elements)
-
-    def left_out_ns(self, read_ns: int, dense: int = 0, strided: int = 0) -> int:
-        """What is left out of a call whose close took `read_ns` to read its outputs and to
-        project `dense` contiguous elements (max(elements, bytes / 4) of each) and `strided`
-        others."""
-        grown = (self.read_ps_per_element * max(dense - self.base_elements, 0)
-                 + self.read_ps_per_strided_element * strided)
-        return self.overhead_ns + min(max(read_ns, 0), self.read_cap_ns + int(grown / 1000))
-
-
 class DeviceTimer:
     """Times calls on `device` (cuda:N or cpu) under the protocol of `cudagym.sandbox.timing`.
 
@@ -225,6 +190,10 @@ class DeviceTimer:
         # call's): past `window_ms`, the call's time holds host work (diagnostic, last call only)
         self.host_ms: float | None = None
         self._cpu_phase_ns = 0  # the CPU close's projection pass in the last call
+        # the last call's raw measurements (`call_ms_from`'s arguments): its interval (ms), its
+        # close's read phase (ns) and what the close projected (contiguous and other elements);
+        # the parent applies the calibration to them (`cudagym.sandbox.feed.CallFeed`)
+        self.last_raw: tuple[float, int, int, int] = (0.0, 0, 0, 0)
         self._flush_buf = torch.zeros(flush_bytes // 8, dtype=torch.int64, device=device) if flush_l2 else None
         # while `call`'s `after` runs: what the close kernel will read, and the tensors it reads
         self._reading: Reading | None = None
@@ -295,7 +264,8 @@ class DeviceTimer:
                                          "protected when the call returned)")
             if failed:
                 raise RuntimeError("the timer's CPU close failed (getrandom)")
-            ms = max(elapsed_ms - self.calibration.left_out_ns(phase_ns, reading.dense, reading.strided) / 1e6, 0.0)
+            self.last_raw = (elapsed_ms, phase_ns, reading.dense, reading.strided)
+            ms = call_ms_from(self.calibration, *self.last_raw)
             if hooks:
                 raise TimerTamperedError(f"a Python hook the harness did not set was active after the call: {hooks}")
             return out, ms
@@ -335,9 +305,10 @@ class DeviceTimer:
         reading.kept.clear()
         marks[2].record(stream)
         marks[2].synchronize()
-        read_ns = self.read_phase_ns if self.calibration.read_cap_ns else 0
-        return out, call_ms(marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2]),
-                            self.calibration.left_out_ns(read_ns, reading.dense, reading.strided))
+        end_ms, last_ms = marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2])
+        self.last_raw = (max(end_ms, last_ms - TAIL_ALLOWANCE_MS), self.read_phase_ns, reading.dense, reading.strided)
+        read_ns = self.last_raw[1] if self.calibration.read_cap_ns else 0
+        return out, call_ms(end_ms, last_ms, self.calibration.left_out_ns(read_ns, reading.dense, reading.strided))
 
     @property
     def stamps_ns(self) -> tuple[int, int, int, int]:
@@ -631,7 +602,9 @@ def drive_calls(
                                  refill=None if timer.cuda else functools.partial(refill_, targets, fresh),
                                  send=None if timer.cuda else send)
             del spacer
-            report = {"ms": ms, "host_ms": timer.host_ms, **seen}
+            span_ms, read_ns, dense, strided = timer.last_raw
+            report = {"ms": ms, "host_ms": timer.host_ms, "span_ms": span_ms, "read_ns": read_ns, "dense": dense,
+                      "strided": strided, **seen}
             i += 1
         return i
     finally:

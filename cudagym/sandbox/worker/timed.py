@@ -41,13 +41,13 @@ def probe_fn(p: Problem) -> Any:
     return fill
 
 
-def job_timer(p: Problem, job: Job, state: WorkerState) -> DeviceTimer:
+def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel) -> DeviceTimer:
     """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
     with the spares that are still starting paused) on a separate timer without the flush
     (`harness_calibration`). Measured once per process while a spare waits, it read up to the
     cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
     shorter than it then read 0. Without the flush the output the close reads is hot, as a
-    call's is."""
+    call's is. The calibration goes to the parent before the candidate loads."""
     native = op_watch(state).cpu_close if p.device.type == "cpu" else None
     calibration = (harness_calibration.__wrapped__() if p.device.type == "cuda"
                    else DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0),
@@ -56,6 +56,8 @@ def job_timer(p: Problem, job: Job, state: WorkerState) -> DeviceTimer:
                         calibration=calibration, native_close=native)
     if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
         state.callbacks_before = state.opwatch_callbacks()
+    # the parent computes each call's time with this copy (`CallFeed`): the worker's can be rewritten later
+    ch.request("calibration", calibration=timer.calibration._asdict())
     return timer
 
 
@@ -223,7 +225,7 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     check = check_tamper  # bound before any candidate code runs
     ph = Phases(state.originals["time.perf_counter"])
     p = Problem(job, state, with_candidate=False)
-    timer = job_timer(p, job, state)
+    timer = job_timer(p, job, state, ch)
     p.load_candidate()
     ph.mark("load")
     tele0 = state.telemetry.read() if p.device.type == "cuda" else {}
@@ -242,7 +244,7 @@ def run_baseline(job: Job, ch: Channel, state: WorkerState) -> None:
     """The reference's timed loops (eager, then torch.compile), under the candidate's protocol."""
     ph = Phases(state.originals["time.perf_counter"])
     p = Problem(job, state, with_candidate=False)
-    timer = job_timer(p, job, state)
+    timer = job_timer(p, job, state, ch)
     timing_run(p, p.ref, job, ch, "eager", ph, timer, state)
     body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}
     if job.with_compile_baseline:
