@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
-from cudagym.core.verdict import ErrorKind
+from cudagym.core.verdict import ErrorKind, VerifyResult
 from cudagym.sandbox.jit import own_jit_images
 from cudagym.sandbox.origin import memory_digest, records_from_counts
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
+from cudagym.tasks.model import module_constants
 
 TASK = "ew_scale_bias_gelu"
 
@@ -53,28 +54,47 @@ TRITON = (SOLUTIONS / TASK / "triton" / "model_new.py").read_text()  # the bundl
 
 # The red team's g2, in our own code: torch.compile's generated Triton kernel, its cubin copied
 # into this workspace's own library (.bss) and loaded from there each time Triton loads one
-# (Triton's CompiledKernel is patched before inductor compiles anything); forward runs the
-# compiled function. The kernel watcher must name the copy by its bytes, never by the library.
+# (Triton's CompiledKernel is patched before inductor compiles anything). The kernel watcher must
+# name the copy by its bytes, never by the library.
+#
+# Why it compiles in __init__ and calls inductor's compiled graph directly: verify runs forward
+# under the harness's `OpRecorder`, a TorchDispatchMode, and Dynamo compiles no frame while a
+# non-infra dispatch mode is active ("non-infra torch dispatch mode present", in convert_frame;
+# a graph compiled before is not run either), so a torch.compile'd function called in forward
+# runs eagerly there: ATen's kernels, no Triton load, nothing to launder (the first GPU run failed
+# so). __init__ runs under no mode: it compiles for the task's shapes through a backend that keeps
+# inductor's compiled graph (`compile_fx`), and forward calls that graph with its inputs, which
+# launches the Triton kernel through inductor's launcher (the laundered handle), no Dynamo frame.
+#
+# Each step is recorded in `laundered.json` beside model_new.py (the workspace, also the worker's
+# cwd), so a run where the attack did not mount says where it stopped.
 LAUNDER_CU = r"""
 #include <cstddef>
 #include <cstring>
 #include <cuda_runtime.h>
 
 namespace {
-alignas(4096) char slots[8][1 << 20];  // .bss: inside this library's mapping, writable
-int used = 0;
+constexpr size_t kSlots = 16;
+constexpr size_t kSlotBytes = 1 << 20;
+alignas(4096) char slots[kSlots][kSlotBytes];  // .bss: inside this library's mapping, writable
+size_t used = 0;
+int last_error = 0;
 }  // namespace
 
 extern "C" void* load_from_bss(const void* image, size_t size, const char* name) {
-    if (used >= 8 || size > sizeof slots[0]) return nullptr;
+    if (used >= kSlots || size > kSlotBytes) { last_error = -1; return nullptr; }
     char* copy = slots[used++];
     std::memcpy(copy, image, size);
     cudaLibrary_t lib = nullptr;
-    if (cudaLibraryLoadData(&lib, copy, nullptr, nullptr, 0, nullptr, nullptr, 0) != cudaSuccess) return nullptr;
-    cudaKernel_t kernel = nullptr;
-    if (cudaLibraryGetKernel(&kernel, lib, name) != cudaSuccess) return nullptr;
+    cudaError_t err = cudaLibraryLoadData(&lib, copy, nullptr, nullptr, 0, nullptr, nullptr, 0);
+    if (err != cudaSuccess) { last_error = static_cast<int>(err); return nullptr; }
+    cudaKernel_t kernel = nullptr;  // a CUkernel: Triton's launcher takes it where a CUfunction goes
+    err = cudaLibraryGetKernel(&kernel, lib, name);
+    if (err != cudaSuccess) { last_error = static_cast<int>(err); return nullptr; }
     return reinterpret_cast<void*>(kernel);
 }
+
+extern "C" int launder_error() { return last_error; }
 """
 LAUNDERED_COMPILE = textwrap.dedent('''
     import ctypes
@@ -84,12 +104,50 @@ LAUNDERED_COMPILE = textwrap.dedent('''
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-    from cudagym.runtime import kernel_library
 
-    _lib = kernel_library()
-    _lib.load_from_bss.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
-    _lib.load_from_bss.restype = ctypes.c_void_p
-    LAUNDERED = []
+    ROWS = 0  # the task's batch (the test writes it in): inductor compiles for static shapes
+    MARKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "laundered.json")
+    REPORT = {"pid": os.getpid(), "steps": [], "laundered": [], "init_handles": 0, "forward": None}
+
+
+    def _step(name, detail="ok"):
+        REPORT["steps"].append([name, str(detail)[:800]])
+        try:
+            with open(MARKER, "w") as f:
+                json.dump(REPORT, f)
+        except OSError as e:
+            REPORT["marker_error"] = f"{type(e).__name__}: {e}"
+
+
+    try:
+        from cudagym.runtime import kernel_library
+
+        _lib = kernel_library()
+        _lib.load_from_bss.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
+        _lib.load_from_bss.restype = ctypes.c_void_p
+        _lib.launder_error.restype = ctypes.c_int
+        _step("library")
+    except Exception as e:  # noqa: BLE001 - recorded
+        _lib = None
+        _step("library", f"{type(e).__name__}: {e}")
+
+
+    def _launder(kernel):
+        """A handle to a copy of `kernel`'s cubin loaded from the library's .bss, None if not."""
+        name = getattr(kernel, "name", None)
+        image = getattr(kernel, "kernel", None)
+        if not isinstance(image, (bytes, bytearray)):
+            image = getattr(kernel, "asm", {}).get("cubin")
+        if _lib is None or not isinstance(name, str) or not isinstance(image, (bytes, bytearray)):
+            _step("launder", f"{name}: no library, name or cubin bytes (kernel is {type(image).__name__})")
+            return None
+        handle = _lib.load_from_bss(bytes(image), len(image), name.encode())
+        if not handle:
+            _step("launder", f"{name}: load_from_bss failed (error {_lib.launder_error()})")
+            return None
+        REPORT["laundered"].append(name)
+        _step("launder", name)
+        return handle
 
 
     def _launder_triton_loads():
@@ -99,40 +157,92 @@ LAUNDERED_COMPILE = textwrap.dedent('''
 
         def init_handles(self):
             original(self)
-            image = getattr(self, "kernel", None)
-            if isinstance(image, bytes) and not getattr(self, "_laundered", False):
-                handle = _lib.load_from_bss(image, len(image), self.name.encode())
-                if handle:
-                    self.function = handle
-                    self._laundered = True
-                    LAUNDERED.append(self.name)
-                    with open(os.path.join(os.getcwd(), "laundered.json"), "w") as f:
-                        json.dump(LAUNDERED, f)
+            REPORT["init_handles"] += 1
+            handle = getattr(self, "_bss_handle", None)
+            if handle is None:
+                handle = _launder(self)
+                if handle is None:
+                    return
+                self._bss_handle = handle  # a copy unpickled later reuses it (a CUkernel is per process)
+            self.function = handle  # what inductor's launcher reads once this returns
 
         CompiledKernel._init_handles = init_handles
 
 
-    def _fused(x, scale, bias):
-        return F.gelu(x * scale + bias)
+    COMPILED = []
+
+
+    def _keep_compiled(gm, example_inputs):
+        """torch.compile's backend: inductor's, keeping the compiled graph and its example inputs."""
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs)
+        COMPILED.append((compiled, list(example_inputs)))
+        return compiled
 
 
     class ModelNew(nn.Module):
         def __init__(self, features, scale):
             super().__init__()
             self.scale = scale
-            self.bias = nn.Parameter(torch.randn(features) * 0.5)
+            self.bias = nn.Parameter(torch.randn(features) * 0.5)  # as Model draws it
+            self._graph = None  # inductor's compiled graph, called directly by forward
+            self._inputs = []  # per graph input: ("x",), ("bias",) or ("const", value)
+            self._layout = None
+            try:
+                self._compile(features, scale)
+            except Exception as e:  # noqa: BLE001 - recorded; forward runs eagerly then
+                _step("compile", f"{type(e).__name__}: {e}")
+
+        def _compile(self, features, scale):
             import torch._inductor.config as inductor_config
 
+            device = "cuda" if torch.cuda.is_available() else "cpu"
             for name in ("use_static_cuda_launcher", "use_static_triton_launcher"):  # Triton loads the cubins
                 if hasattr(inductor_config, name):
                     setattr(inductor_config, name, False)
-            inductor_config.compile_threads = 1
-            _launder_triton_loads()
-            self._fn = torch.compile(_fused, dynamic=False)
+            inductor_config.compile_threads = 1  # compile in this process, where the patch is
+            if device == "cuda":
+                _launder_triton_loads()
+                _step("patch")
+            fn = torch.compile(lambda x, b: F.gelu(x * scale + b), backend=_keep_compiled, dynamic=False)
+            x = torch.zeros(ROWS, features, device=device)
+            bias = self.bias.detach().to(device)
+            with torch.no_grad():
+                fn(x, bias)  # compiles, autotunes and launches: Triton loads the kernels here
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if not COMPILED:
+                _step("compile", "no graph reached the backend")
+                return
+            graph, examples = COMPILED[-1]
+            inputs = [("x",) if e is x else ("bias",) if e is bias else ("const", e) for e in examples]
+            if not any(i[0] == "x" for i in inputs):
+                _step("compile", f"the input is not among the graph's {len(examples)} inputs")
+                return
+            self._graph, self._inputs = graph, inputs
+            self._layout = (tuple(x.shape), x.stride(), x.dtype, x.device)
+            _step("compile", f"inputs {[i[0] for i in inputs]}, {len(REPORT['laundered'])} kernels laundered, "
+                             f"{REPORT['init_handles']} Triton loads")
 
         def forward(self, x):
-            return self._fn(x, self.scale, self.bias)
+            if self._graph is not None and (tuple(x.shape), x.stride(), x.dtype, x.device) == self._layout:
+                out = self._graph(*[x if i[0] == "x" else self.bias if i[0] == "bias" else i[1] for i in self._inputs])
+                if REPORT["forward"] is None:
+                    REPORT["forward"] = "compiled"
+                    _step("forward", "inductor's compiled graph")
+                return out[0]
+            if REPORT["forward"] is None:
+                REPORT["forward"] = "eager"
+                _step("forward", f"eager: {tuple(x.shape)} {x.dtype} {x.device}, compiled for {self._layout}")
+            return F.gelu(x * self.scale + self.bias)
 ''')
+
+
+def _laundered_source() -> str:
+    """LAUNDERED_COMPILE for the task's batch, the shape inductor compiles it for."""
+    rows = module_constants(bundled_task(TASK).code)["BATCH"]
+    return LAUNDERED_COMPILE.replace("ROWS = 0 ", f"ROWS = {rows} ", 1)
 
 
 def _verify(tmp_path: Path, target: str, mode: str, source: str, kernels: dict[str, str] | None = None):
@@ -213,15 +323,24 @@ def test_inductor_kernel_copied_into_the_own_library_stays_foreign(tmp_path: Pat
     candidate's, and permissive does not count it (its digest is a cubin of inductor's source)."""
     _needs_gpu_and_triton()
     kernels = {"kernels/launder.cu": LAUNDER_CU}
-    strict = _verify(tmp_path / "s", "cuda", "strict", LAUNDERED_COMPILE, kernels)
-    laundered = tmp_path / "s" / "ws" / "laundered.json"
-    assert laundered.is_file() and json.loads(laundered.read_text()), (
-        "the attack did not mount (no kernel was loaded from the library's .bss)", strict.error, strict.reasons)
+    source = _laundered_source()
+    strict = _verify(tmp_path / "s", "cuda", "strict", source, kernels)
+    _assert_mounted(tmp_path / "s" / "ws", strict)
     assert strict.correct and strict.error_kind == ErrorKind.AUDIT, (strict.error_kind, strict.error)
     assert any("not your own" in r and "(from <memory:" in r for r in strict.reasons), strict.reasons
     records = records_from_counts(strict.audit.ops_seen)
     assert records and not any(r.origin.endswith("libkernels.so") for r in records), records
-    permissive = _verify(tmp_path / "p", "cuda", "permissive", LAUNDERED_COMPILE, kernels)
-    assert json.loads((tmp_path / "p" / "ws" / "laundered.json").read_text())
+    permissive = _verify(tmp_path / "p", "cuda", "permissive", source, kernels)
+    _assert_mounted(tmp_path / "p" / "ws", permissive)
     assert permissive.correct and permissive.error_kind == ErrorKind.AUDIT, (permissive.error_kind, permissive.error)
     assert permissive.audit.own_kernel_share is not None and permissive.audit.own_kernel_share <= 0.05, permissive.audit
+
+
+def _assert_mounted(ws: Path, v: VerifyResult) -> None:
+    """The attack mounted: a kernel was loaded from the library's .bss, and forward ran inductor's
+    graph (which launches it); else the candidate's report says which step failed."""
+    marker = ws / "laundered.json"
+    report = json.loads(marker.read_text()) if marker.is_file() else None
+    mounted = bool(report and report.get("laundered") and report.get("forward") == "compiled")
+    assert mounted, ("the attack did not mount (no kernel was loaded from the library's .bss, or forward "
+                     "did not launch it)", report, v.error_kind, v.error, v.reasons)
