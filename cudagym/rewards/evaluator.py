@@ -492,7 +492,7 @@ class Evaluator:
         if prior is None or prior.params_path != verified.params_path:
             return None
         for ops in prior.timed_ops:
-            why = self.audit.timed_calls(ops, built.artifact_dir, verified)
+            why = self.audit.timed_calls(ops, built.artifact_dir, verified, str(workspace.root))
             if why:
                 return ProfileResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
                                      params_path=prior.params_path, seconds=time.perf_counter() - t0)
