@@ -179,7 +179,7 @@ def _json_value(rng: random.Random, depth: int = 0) -> object:
     makers = [
         lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2**70, 2**70), lambda: rng.randint(-2, 8),
         lambda: rng.uniform(-1e9, 1e9),
-        lambda: rng.choice(["candidate", "reference", "float32", "uint16", "qint8", "", "0"]),
+        lambda: rng.choice(["candidate", "reference", "float32", "uint16", "qint8", "", "0", "samples", "projections"]),
         lambda: [rng.randint(0, 4) for _ in range(rng.randrange(4))],
     ]
     if depth < 2:
@@ -190,7 +190,7 @@ def _json_value(rng: random.Random, depth: int = 0) -> object:
 
 def test_random_headers_and_payloads_never_raise() -> None:
     rng = random.Random(0)
-    keys = ("type", "role", "trial", "index", "dtype", "shape")
+    keys = ("type", "role", "trial", "index", "dtype", "shape", "part", "of_shape")
     for _ in range(2000):
         frames = []
         for role in ("candidate", "reference"):

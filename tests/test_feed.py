@@ -19,17 +19,32 @@ CFG = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=4, max_calls=6, targ
 
 
 def test_trials_are_served_once_each_in_order() -> None:
-    feed = TrialFeed([11, 22], [1.0, 0.5], ["candidate_first", "reference_first"])
+    feed = TrialFeed([11, 22], [1.0, 0.5], ["candidate_first", "reference_first"], [33, 44])
     assert feed({"what": "trial", "index": 0}, 0.0) == {"seed": 11, "scale": 1.0, "order": "candidate_first"}
     assert "refused" in feed({"what": "trial", "index": 0}, 0.0)  # again: the harness would ask for trial 1
     assert feed.violations and "out of order" in feed.violations[0]
 
 
 def test_a_later_trial_is_not_served_early() -> None:
-    feed = TrialFeed([11, 22], [1.0, 1.0], ["candidate_first"] * 2)
+    feed = TrialFeed([11, 22], [1.0, 1.0], ["candidate_first"] * 2, [33, 44])
     assert "refused" in feed({"what": "trial", "index": 1}, 0.0)
     assert "refused" in feed({"what": "call", "index": 0}, 0.0)
     assert len(feed.violations) == 2
+
+
+def test_an_evidence_seed_is_served_once_and_only_for_the_trial_under_way() -> None:
+    """Before trial 0 starts, nothing (not the last trial's, by index -1); then trial 0's once;
+    never a later trial's."""
+    feed = TrialFeed([11, 22], [1.0, 1.0], ["candidate_first"] * 2, [33, 44])
+    assert "refused" in feed({"what": "evidence", "index": -1}, 0.0)
+    assert "refused" in feed({"what": "evidence", "index": 0}, 0.0)
+    feed({"what": "trial", "index": 0}, 0.0)
+    assert "refused" in feed({"what": "evidence", "index": 1}, 0.0)
+    assert feed({"what": "evidence", "index": 0}, 0.0) == {"seed": 33}
+    assert "refused" in feed({"what": "evidence", "index": 0}, 0.0)
+    feed({"what": "trial", "index": 1}, 0.0)
+    assert feed({"what": "evidence", "index": 1}, 0.0) == {"seed": 44}
+    assert len(feed.violations) == 4 and feed.evidence_served == [0, 1]
 
 
 def drive(feed: CallFeed, role: str, ms: float, wall_ms: float, t0: float = 0.0, ops: dict | None = None,

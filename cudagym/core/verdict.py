@@ -102,7 +102,10 @@ class VerifyResult(BaseModel):
     correct: bool = False
     trials: int = 0
     trials_passed: int = 0
-    max_abs_error: float | None = None
+    max_abs_error: float | None = None  # over every element compared (of a sampled output, its samples)
+    # outputs above `VerifyConfig.whole_output_mb`, checked by samples and projections rather
+    # than element by element (`cudagym.rewards.compare.SampledOutput`)
+    sampled_outputs: list[int] = Field(default_factory=list)
     audit: AuditResult | None = None
     params: str | None = None  # how ModelNew got its parameters, in words
     # which path decided: its own same-seed build, or Model's state_dict loaded on a second try

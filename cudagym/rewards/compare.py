@@ -3,6 +3,8 @@
 `compare_outputs` gives a verdict on whatever a worker sent and never raises for it: a frame it
 cannot read (a dtype outside `WIRE_DTYPES`, a malformed shape, a payload of the wrong size,
 missing or mistyped keys) fails the comparison as `output_format`, naming the frame and why.
+A verify output above `VerifyConfig.whole_output_mb` comes as evidence (`SampledOutput`: samples
+and projections, `cudagym.sandbox.worker.verify.output_evidence`) rather than whole.
 `sampled_pairs` pairs the samples of timed calls with a reference worker's outputs; the
 comparisons run on one comparer thread (`in_comparer`), off the evaluator's event loop.
 """
@@ -16,7 +18,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
 
 import torch
@@ -27,6 +29,7 @@ from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.tasks.model import Task, Tolerance
 
 _ROLES = ("candidate", "reference")
+_PARTS = ("samples", "projections")  # the frames of an output sent as evidence (`SampledOutput`)
 _MAX_DIMS = 64  # far beyond any model's output; bounds the work one header can ask for
 _MAX_SIZE = 1 << 63  # torch's sizes and strides are int64, even those of a shape with a zero in it
 _SIGNED_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,6 +44,15 @@ def _is_count(value: Any) -> TypeGuard[int]:
     return type(value) is int and value >= 0  # not bool, not float: the harness sends plain ints
 
 
+def _shape(shape: Any) -> list[int]:
+    """`shape` if it is a list of at most `_MAX_DIMS` sizes >= 0 torch can hold, else `ValueError`."""
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_count(s) for s in shape)
+            and math.prod(max(s, 1) for s in shape) < _MAX_SIZE):
+        raise ValueError(f"shape {_short(shape)} is not a list of at most {_MAX_DIMS} sizes >= 0 "
+                         "whose product fits in int64")
+    return shape
+
+
 def decode_tensor(header: dict[str, Any], payload: bytes | memoryview) -> torch.Tensor:
     """The tensor a frame's `dtype` and `shape` describe, viewing `payload` (no copy).
 
@@ -52,11 +64,7 @@ def decode_tensor(header: dict[str, Any], payload: bytes | memoryview) -> torch.
     dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise ValueError(f"dtype {_short(name)} cannot be compared (outputs may be {', '.join(WIRE_DTYPES)})")
-    shape = header.get("shape")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_count(s) for s in shape)
-            and math.prod(max(s, 1) for s in shape) < _MAX_SIZE):
-        raise ValueError(f"shape {_short(shape)} is not a list of at most {_MAX_DIMS} sizes >= 0 "
-                         "whose product fits in int64")
+    shape = _shape(header.get("shape"))
     try:
         raw = memoryview(payload).cast("B")
     except TypeError:
@@ -72,19 +80,73 @@ def decode_tensor(header: dict[str, Any], payload: bytes | memoryview) -> torch.
         return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def _read_frame(header: Any, payload: bytes | memoryview) -> tuple[str, int, int, torch.Tensor]:
-    """(role, trial, index, tensor) of one tensor frame; `ValueError` naming what is wrong."""
+@dataclass(frozen=True)
+class SampledOutput:
+    """An output sent as evidence (`cudagym.sandbox.worker.verify.output_evidence`): its shape,
+    its values at the positions drawn from the trial's evidence seed (`samples`, of its dtype)
+    and its projections with the weights of that seed (float64)."""
+
+    shape: tuple[int, ...]
+    samples: torch.Tensor
+    projections: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.samples.dtype
+
+
+def _read_frame(header: Any, payload: bytes | memoryview) -> tuple[str, int, int, str | None, torch.Tensor,
+                                                                     list[int] | None]:
+    """(role, trial, index, part, tensor, output shape) of one tensor frame: `part` None for a
+    whole output, else one of `_PARTS` (a samples frame names its output's shape, `of_shape`);
+    `ValueError` naming what is wrong."""
     if not isinstance(header, dict):
         raise ValueError(f"the header is a {type(header).__name__}, not an object")
-    role, trial, index = header.get("role"), header.get("trial"), header.get("index")
+    role, trial, index, part = header.get("role"), header.get("trial"), header.get("index"), header.get("part")
     if role not in _ROLES:
         raise ValueError(f"role {_short(role)} is neither candidate nor reference")
     if not (_is_count(trial) and _is_count(index)):
         raise ValueError(f"{role} output: trial {_short(trial)} and index {_short(index)} must be integers >= 0")
     try:
-        return role, trial, index, decode_tensor(header, payload)
+        if part is not None and part not in _PARTS:
+            raise ValueError(f"part {_short(part)} is neither samples nor projections")
+        of_shape = _shape(header.get("of_shape")) if part == "samples" else None
+        return role, trial, index, part, decode_tensor(header, payload), of_shape
     except ValueError as e:
         raise ValueError(f"trial {trial}: {role} output {index}: {e}") from None
+
+
+def _read_frames(tensors: list[tuple[dict[str, Any], bytes | memoryview]]
+                 ) -> tuple[dict[int, dict[str, dict[int, torch.Tensor | SampledOutput]]], list[str]]:
+    """The outputs of each trial by role and index (whole, or `SampledOutput` from its two
+    frames), and why frames could not be read (none: all were)."""
+    by_trial: dict[int, dict[str, dict[int, torch.Tensor | SampledOutput]]] = defaultdict(
+        lambda: {role: {} for role in _ROLES})
+    parts: dict[tuple[int, str, int], dict[str, tuple[torch.Tensor, list[int] | None]]] = defaultdict(dict)
+    unreadable: list[str] = []
+    for n, (header, payload) in enumerate(tensors):
+        try:
+            role, trial, index, part, tensor, of_shape = _read_frame(header, payload)
+        except ValueError as e:
+            unreadable.append(f"output frame {n}: {e}")
+            continue
+        known, key = parts[(trial, role, index)], part or "whole"
+        if key in known or "whole" in known or (part is None and known):
+            unreadable.append(f"output frame {n}: trial {trial}: {role} output {index} was sent twice")
+            continue
+        if part is None:
+            by_trial[trial][role][index] = tensor
+        known[key] = tensor, of_shape
+    for (trial, role, index), known in parts.items():
+        if "whole" in known:
+            continue
+        if set(known) != set(_PARTS):
+            unreadable.append(f"trial {trial}: {role} output {index}: {' and '.join(known)} without "
+                              f"{' and '.join(p for p in _PARTS if p not in known)}")
+            continue
+        (samples, shape), (sums, _) = known["samples"], known["projections"]
+        by_trial[trial][role][index] = SampledOutput(tuple(shape or ()), samples, sums)
+    return by_trial, unreadable
 
 
 @dataclass
@@ -94,6 +156,7 @@ class Comparison:
     max_abs_error: float | None
     reasons: list[str]
     kind: str | None  # None when all passed; "mismatch", "output_format", or "internal" (the comparison itself failed)
+    sampled: list[int] = field(default_factory=list)  # outputs checked by samples and projections (`SampledOutput`)
 
 
 _CHUNK = 1 << 22  # elements per step: temporaries are reused, not allocated (and faulted in) per output
@@ -144,29 +207,58 @@ def _differing_elements(c: torch.Tensor, r: torch.Tensor) -> int:
     return int((c.view(same_width) != r.view(same_width)).sum())
 
 
+def _value_mismatch(c: torch.Tensor, r: torch.Tensor, tol: Tolerance) -> tuple[float, str | None]:
+    """(max abs error, why `c` is not `r` within `tol`, or None) for two tensors of one shape
+    and dtype: integers and bool exactly, floating values by `_compare_values`, complex ones as
+    pairs of real and imaginary parts."""
+    if not (r.is_floating_point() or r.is_complex()):
+        ndiff = _differing_elements(c, r)
+        return 0.0, (f"differs from the reference at {ndiff}/{r.numel()} elements" if ndiff else None)
+    parts = "elements"
+    if r.is_complex():
+        c, r, parts = torch.view_as_real(c), torch.view_as_real(r), "real/imaginary parts"
+    err, nbad, nan_bad = _compare_values(c, r, tol)
+    if not nbad:
+        return err, None
+    return err, (f"mismatches at {nbad}/{r.numel()} {parts} (max abs error {err:.3g}; atol={tol.atol}, "
+                 f"rtol={tol.rtol}" + ("; NaN where the reference has none" if nan_bad else "") + ")")
+
+
+def _sampled_mismatch(c: SampledOutput, r: SampledOutput, tol: Tolerance) -> tuple[float, str | None, bool]:
+    """(max abs error at the samples, why `c` cannot be an output within `tol` of `r`, or None,
+    whether the evidence itself is malformed) for two outputs of one shape and dtype sent as
+    evidence: the samples as whole outputs are, the projections by `projection_mismatch`."""
+    if c.samples.shape != r.samples.shape or c.projections.dtype != torch.float64:
+        return 0.0, (f"its evidence is {tuple(c.samples.shape)} samples and {c.projections.dtype} projections, "
+                     f"expected {tuple(r.samples.shape)} and torch.float64"), True
+    err, why = _value_mismatch(c.samples, r.samples, tol)
+    if why:
+        return err, f"at {r.samples.numel()} sampled positions {why}", False
+    exact = not (r.dtype.is_floating_point or r.dtype.is_complex)
+    components = math.prod(r.shape) * (2 if r.dtype.is_complex else 1)
+    why = projection_mismatch(c.projections.reshape(-1), r.projections.reshape(-1), components, tol, exact)
+    return err, (f"mismatches by its projections: {why}" if why else None), False
+
+
+def _form(output: torch.Tensor | SampledOutput) -> str:
+    return "as evidence" if isinstance(output, SampledOutput) else "whole"
+
+
 def compare_outputs(tensors: list[tuple[dict[str, Any], bytes | memoryview]], tol: Tolerance) -> Comparison:
     """Compare candidate and reference outputs per trial: structure, shape, dtype, values.
 
     Integers and bool must match exactly; floating outputs within `tol` (see `_compare_values`);
-    complex outputs as pairs of real and imaginary parts. Any frame that cannot be read fails the
-    whole comparison as `output_format`, without comparing values.
+    complex outputs as pairs of real and imaginary parts. An output sent as evidence
+    (`SampledOutput`) is compared so at its samples, and by its projections
+    (`projection_mismatch`); the comparison's `sampled` names it. Any frame that cannot be read
+    fails the whole comparison as `output_format`, without comparing values.
     """
-    by_trial: dict[int, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: {role: {} for role in _ROLES})
-    unreadable: list[str] = []
-    for n, (header, payload) in enumerate(tensors):
-        try:
-            role, trial, index, tensor = _read_frame(header, payload)
-        except ValueError as e:
-            unreadable.append(f"output frame {n}: {e}")
-            continue
-        if index in by_trial[trial][role]:
-            unreadable.append(f"output frame {n}: trial {trial}: {role} output {index} was sent twice")
-            continue
-        by_trial[trial][role][index] = tensor
+    by_trial, unreadable = _read_frames(tensors)
     if unreadable:
         return Comparison(trials=len(by_trial), passed=0, max_abs_error=None, reasons=unreadable[:8],
                           kind="output_format")
     reasons: list[str] = []
+    sampled: set[int] = set()
     passed, worst, kind = 0, 0.0, None
     for trial in sorted(by_trial):
         cand, ref = by_trial[trial]["candidate"], by_trial[trial]["reference"]
@@ -181,29 +273,27 @@ def compare_outputs(tensors: list[tuple[dict[str, Any], bytes | memoryview]], to
                                f"expected {r.dtype} {tuple(r.shape)}")
                 kind, ok = "output_format", False
                 continue
-            if not (r.is_floating_point() or r.is_complex()):
-                ndiff = _differing_elements(c, r)
-                if ndiff:
-                    reasons.append(f"trial {trial}: output {i} differs from the reference "
-                                   f"at {ndiff}/{r.numel()} elements")
-                    kind, ok = kind or "mismatch", False
-                continue
-            parts = "elements"
-            if r.is_complex():
-                c, r, parts = torch.view_as_real(c), torch.view_as_real(r), "real/imaginary parts"
-            err, nbad, nan_bad = _compare_values(c, r, tol)
+            if isinstance(c, SampledOutput) or isinstance(r, SampledOutput):
+                if not (isinstance(c, SampledOutput) and isinstance(r, SampledOutput)):
+                    reasons.append(f"trial {trial}: output {i} was sent {_form(c)}, the reference's {_form(r)}")
+                    kind, ok = "output_format", False
+                    continue
+                sampled.add(i)
+                err, why, malformed = _sampled_mismatch(c, r, tol)
+                if malformed:
+                    kind = "output_format"
+            else:
+                err, why = _value_mismatch(c, r, tol)
             worst = max(worst, err)
-            if nbad:
-                reasons.append(f"trial {trial}: output {i} mismatches at {nbad}/{r.numel()} {parts} "
-                               f"(max abs error {err:.3g}; atol={tol.atol}, rtol={tol.rtol}"
-                               + ("; NaN where the reference has none" if nan_bad else "") + ")")
+            if why:
+                reasons.append(f"trial {trial}: output {i} {why}")
                 kind, ok = kind or "mismatch", False
         passed += ok
     if not by_trial:
         reasons.append("no outputs were compared")
         kind = "mismatch"
     return Comparison(trials=len(by_trial), passed=passed, max_abs_error=worst if by_trial else None,
-                      reasons=reasons[:8], kind=kind)
+                      reasons=reasons[:8], kind=kind, sampled=sorted(sampled))
 
 
 # An honest output's projection differs from the reference's by more than this many of its

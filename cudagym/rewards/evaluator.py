@@ -280,9 +280,10 @@ class Evaluator:
         init_seed = secrets.randbits(62) | 1
         plan: dict[str, Any] = dict(trial_seeds=[secrets.randbits(62) for _ in range(n)],
                     trial_scales=[0.5 if (self.config.verify.scaled_trial and t == n - 1) else 1.0 for t in range(n)],
-                    trial_orders=orders)
-        # the candidate's worker learns each trial's inputs only when the trial starts
-        feed = TrialFeed(plan["trial_seeds"], plan["trial_scales"], plan["trial_orders"])
+                    trial_orders=orders, evidence_seeds=[secrets.randbits(64) for _ in range(n)])
+        # the candidate's worker learns each trial's inputs only when the trial starts, and the
+        # seed of its evidence (outputs too large to send whole) once its outputs exist
+        feed = TrialFeed(plan["trial_seeds"], plan["trial_scales"], plan["trial_orders"], plan["evidence_seeds"])
         cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, trials=n,
                              params=params)
         ref_job = self._job("reference", task, None, init_seed=init_seed, **plan)
@@ -361,13 +362,19 @@ class Evaluator:
         correct = cmp.kind is None and cmp.passed == cmp.trials and cmp.trials >= self.config.verify.trials
         params = final.get("params") or None
         reasons = list(cmp.reasons) + audit_reasons + ([f"parameters: {params}"] if params else [])
+        if cmp.sampled:
+            reasons.append(f"output{'s' if len(cmp.sampled) > 1 else ''} {', '.join(map(str, cmp.sampled))} "
+                           f"(over {self.config.verify.whole_output_mb} MiB) checked by samples and projections, "
+                           "not element by element: in each trial, values at secret positions and secret +-1 "
+                           "weighted sums of every element")
         kind = None
         if not correct:
             kind = ErrorKind(cmp.kind or "mismatch")
         elif not passed:
             kind = ErrorKind.AUDIT
         return VerifyResult(ok=correct and passed, correct=correct, trials=cmp.trials, trials_passed=cmp.passed,
-                            max_abs_error=cmp.max_abs_error, audit=audit, params=params, error_kind=kind,
+                            max_abs_error=cmp.max_abs_error, sampled_outputs=cmp.sampled, audit=audit, params=params,
+                            error_kind=kind,
                             error="\n".join(reasons) or None, reasons=reasons)
 
     # -- profile ----------------------------------------------------------------------------

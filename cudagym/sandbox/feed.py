@@ -4,7 +4,9 @@ Secrets reach the candidate's process one step at a time, and the parent keeps t
 
 - `TrialFeed` (verify): trial t's input seed, scale and order are revealed when the worker asks
   for trial t, after `ModelNew` is built and trial t-1's outputs are sent; each trial once, in
-  order. Nothing about a later trial is in the worker before it starts.
+  order. Nothing about a later trial is in the worker before it starts. The seed of trial t's
+  evidence (outputs too large to send whole) is revealed once, when the worker asks for it after
+  trial t's call returned (`cudagym.sandbox.worker.verify.run_verify`).
 - `CallFeed` (profile, baseline): the parent decides every timed-loop call. The worker asks for
   call i (reporting call i-1: its time and the cumulative op counts of the candidate's calls)
   and gets the seed of call i's inputs or `stop`. Warm-up, the number of timed calls and which
@@ -71,21 +73,29 @@ def _violation(violations: list[str], why: str) -> dict[str, Any]:
 
 
 class TrialFeed:
-    """Reveals verify's trials one at a time, in order (see the module's text)."""
+    """Reveals verify's trials one at a time, in order, and each trial's evidence seed (one of
+    `evidence_seeds`) at most once, for the trial under way (see the module's text)."""
 
-    def __init__(self, seeds: list[int], scales: list[float], orders: list[str]) -> None:
-        self._plan = list(zip(seeds, scales, orders, strict=True))
+    def __init__(self, seeds: list[int], scales: list[float], orders: list[str], evidence_seeds: list[int]) -> None:
+        self._plan = list(zip(seeds, scales, orders, evidence_seeds, strict=True))
         self.served = 0
+        self.evidence_served: list[int] = []  # the trials whose evidence seed was revealed
         self.violations: list[str] = []
 
     def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
         index = request.get("index")
+        if request.get("what") == "evidence":
+            if type(index) is not int or index != self.served - 1 or index < 0 or index in self.evidence_served:
+                return _violation(self.violations, f"the evidence seed of trial {index!r} was asked for out of "
+                                  f"order ({self.served} trials served)")
+            self.evidence_served.append(index)
+            return {"seed": self._plan[index][3]}
         if request.get("what") != "trial":
             return _violation(self.violations, f"a request for {request.get('what')!r} during verify")
         if index != self.served or self.served >= len(self._plan):
             return _violation(self.violations, f"trial {index!r} was asked for out of order "
                               f"({self.served} of {len(self._plan)} served)")
-        seed, scale, order = self._plan[self.served]
+        seed, scale, order, _ = self._plan[self.served]
         self.served += 1
         return {"seed": seed, "scale": scale, "order": order}
 

@@ -70,6 +70,13 @@ class VerifyConfig(BaseModel):
     scaled_trial: bool = True  # one trial with floating inputs scaled x3 (another distribution)
     min_own_share: float = 0.3  # permissive mode: share of device time in the candidate's kernels
     settle_ms: float = 20.0  # wait before re-reading an output, to catch work finishing late
+    # Outputs up to this size go to the parent whole and are compared element by element; larger
+    # ones as evidence (`cudagym.sandbox.worker.verify.output_evidence`: values at secret
+    # positions and projections of every element). Each trial's whole outputs stay in the
+    # worker's result memory, charged to its limit (8 GiB): six trials of 256 MiB take 1.5 GiB,
+    # beside the trial's own 3x the output (the output, its snapshot, the reference's); a 1 GiB
+    # output sent whole was killed after five trials (`benchmarks/probe_verify_memory.py`).
+    whole_output_mb: int = Field(default=256, ge=1)
 
 
 MAX_IDLE_MS = 1000.0  # the longest gap server mode may idle before a call

@@ -252,6 +252,12 @@ def live_helpers() -> tuple[int, int]:
     return threading.active_count(), len(psutil.Process().children(recursive=True))
 
 
+def check_torch_modes() -> None:
+    """Raise if a torch dispatch or function mode is active: it would see the harness's ops."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():  # noqa: SLF001 - mode stacks
+        raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
+
+
 def poison_allocator(device: torch.device, nbytes: int) -> None:
     """Fill soon-to-be-reused allocator memory with NaN so unwritten outputs cannot pass."""
     n = max(nbytes // 4, 1 << 16)

@@ -2,7 +2,9 @@
 reference's outputs for the same plan, in a worker that runs no candidate code).
 
 A verify trial's inputs are revealed when it starts (`Channel.request`); the candidate's outputs
-go to the parent as they exist, and the parent compares them with the reference-only worker's.
+go to the parent as they exist, and the parent compares them with the reference-only worker's:
+whole, or, above `VerifyConfig.whole_output_mb`, as evidence (`output_evidence`), so that a
+worker's memory does not grow with the trials by the size of the output.
 The audit here collects what ran (ops at the dispatcher, by the profiler and by the op counter;
 kernels by origin) and checks that nothing was left running or changed afterwards.
 """
@@ -21,19 +23,59 @@ import torch
 from cudagym.core.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.origin import records_as_counts
-from cudagym.sandbox.timing import projection
+from cudagym.sandbox.timing import PROJECTIONS, projection
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (OpRecorder, check_tamper, check_torch_lookups, kernel_watch,
-                                              kernels_alive, live_helpers, op_watch, poison_allocator, watch_alive,
-                                              watch_changes)
+from cudagym.sandbox.worker.integrity import (OpRecorder, check_tamper, check_torch_lookups, check_torch_modes,
+                                              kernel_watch, kernels_alive, live_helpers, op_watch, poison_allocator,
+                                              watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args, same_bits
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
 from cudagym.sandbox.worker.wire import Channel, Job
 
 
+# values of an output sent as evidence, per trial: 4 MiB of fp32, a 64th of the smallest such output
+EVIDENCE_SAMPLES = 1 << 20
+
+
 def _aten_ops_seen_by_profiler(prof: Any) -> Counter[str]:
     return Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def sent_whole(t: torch.Tensor, job: Job) -> bool:
+    """Whether output `t` of a verify trial goes to the parent whole (else as `output_evidence`)."""
+    return t.numel() * t.element_size() <= job.verify.whole_output_mb << 20
+
+
+def output_evidence(t: torch.Tensor, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the parent compares of output `index` of a trial in place of the whole output: its
+    values at `EVIDENCE_SAMPLES` flat (row-major) positions drawn from `seed` (uniform, with
+    replacement), and its projections with the weights of `seed` (`projection`: `PROJECTIONS`
+    +-1 weighted float64 sums over every element, then sum |x|, sum x^2 and the count of
+    non-finite components). Both workers compute it from the same seed, so the parent compares
+    the samples with the tolerance and the projections with `projection_mismatch`'s bound.
+
+    Errors in a fraction f of the elements escape the samples of one trial with probability
+    (1 - f)^EVIDENCE_SAMPLES (f = 1e-5: 3e-5). The projections catch errors wherever they are
+    (an output computed only where it was sampled, too) once their root sum of squares passes
+    `cudagym.rewards.compare.PROJECTION_SIGMAS` (8) times that of the tolerance over the whole
+    output (values ~N(0, 1), atol = rtol = 1e-2: 0.019 sqrt(numel), 760 for 1.6e9 elements). What
+    both may miss: a few elements, wrong by no more than that.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randint(t.numel(), (EVIDENCE_SAMPLES,), generator=gen).to(t.device)
+    values = t.detach()[torch.unravel_index(flat, t.shape)]  # any strides, without a copy of the whole
+    return values, projection(t, seed, index)
+
+
+def send_evidence(ch: Channel, role: str, trial: int, index: int, t: torch.Tensor, seed: int) -> None:
+    """`output_evidence` of `t` on the pipe (out of the worker's reach once written): its samples
+    (with the output's shape as `of_shape`) and its projections; the candidate's sums only, the
+    reference's with the three sums of the parent's bound on honest differences."""
+    values, sums = output_evidence(t, seed, index)
+    ch.send_tensor(role, trial, index, values, pipe=True, part="samples", of_shape=list(t.shape))
+    ch.send_tensor(role, trial, index, sums if role == "reference" else sums[:PROJECTIONS], pipe=True,
+                   part="projections")
 
 
 def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
@@ -42,6 +84,18 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
     The reference also runs here (before or after the candidate, by the plan) so that freed
     reference outputs are poisoned where the candidate could pick them up; the outputs that
     are compared come from a separate reference-only worker with the same plan.
+
+    An output above `VerifyConfig.whole_output_mb` goes as evidence (`output_evidence`) whose
+    seed the parent reveals (`TrialFeed`) only when asked, once the trial's call has returned
+    and its outputs are copied: no code of the candidate's can know the positions or weights
+    before its outputs exist. The parent draws the seed with the plan, so that the
+    reference-only worker (no candidate code; it holds the trials' input seeds, as secret) can
+    project its outputs alongside; drawn later, it would reach the candidate's process no
+    sooner. By the reveal no Python thread or child process of the candidate's is left
+    (checked after the call), and a dispatch or function mode that would see the evidence's ops
+    is refused. A native thread that read the seed could rewrite the snapshot the evidence is
+    taken from, but not pass its projections without the whole output right, nor the re-read
+    of the outputs against the snapshot at the trial's end.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,8 +178,15 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
         ph.mark("candidate")
         snap = [o.detach().clone() for o in outs]  # on the device: the values at return time
         out_bytes = sum(o.numel() * o.element_size() for o in outs)
+        sampled = [i for i, o in enumerate(snap) if not sent_whole(o, job)]
         for i, o in enumerate(snap):
-            ch.send_tensor("candidate", t, i, o)
+            if i not in sampled:
+                ch.send_tensor("candidate", t, i, o)
+        if sampled:
+            seed = int(ch.request("evidence", index=t)["seed"])  # only now: the outputs exist
+            check_torch_modes()
+            for i in sampled:
+                send_evidence(ch, "candidate", t, i, snap[i], seed)
         ph.mark("send")
         if order == "candidate_first":
             run_reference()
@@ -157,7 +218,8 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
 
 
 def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
-    """The reference's outputs for the verify plan, in a worker that runs no candidate code."""
+    """The reference's outputs for the verify plan, in a worker that runs no candidate code: whole,
+    or, with the trial's evidence seed (verify) and above `whole_output_mb`, as evidence."""
     ph = Phases(state.originals["time.perf_counter"])
     p = Problem(job, state, with_candidate=False)
     ph.mark("load")
@@ -167,7 +229,10 @@ def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
             p.sync()
             ph.mark("reference")
             for i, o in enumerate(out):
-                ch.send_tensor("reference", t, i, o)
+                if t < len(job.evidence_seeds) and not sent_whole(o, job):
+                    send_evidence(ch, "reference", t, i, o, job.evidence_seeds[t])
+                else:
+                    ch.send_tensor("reference", t, i, o)
                 if t < len(job.projection_seeds):  # the re-check of a timed call: its projections, same weights
                     ch.send_tensor("projection", t, i, projection(o, job.projection_seeds[t], i))
             ph.mark("send")

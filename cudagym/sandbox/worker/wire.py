@@ -112,6 +112,10 @@ class Job(BaseModel):
     # reference (re-check of timed calls): trial t's outputs are also projected with the weights of
     # the call's seed (`cudagym.sandbox.timing.projection`)
     projection_seeds: list[int] = Field(default_factory=list)
+    # reference (verify): the seed of trial t's evidence, for outputs above
+    # `verify.whole_output_mb` (`cudagym.sandbox.worker.verify.output_evidence`); the candidate's
+    # worker gets it from the parent once the trial's outputs exist (`TrialFeed`)
+    evidence_seeds: list[int] = Field(default_factory=list)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
     timing: TimingConfig = Field(default_factory=TimingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
