@@ -48,6 +48,8 @@ FORGE_TIMES = """\
     _call = _t.DeviceTimer.call
     def _fast(timer, fn, args, *rest, **kw):
         out, ms = _call(timer, fn, args, *rest, **kw)
+        span, read, dense, strided = timer.last_raw  # what the parent computes the time from
+        timer.last_raw = (span / 10, read, dense, strided)
         return out, ms / 10
     _t.DeviceTimer.call = _fast
     _snap.methods[(_t.DeviceTimer, "call")] = _fast
