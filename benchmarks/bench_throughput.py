@@ -91,7 +91,9 @@ Usage: python benchmarks/bench_throughput.py [--ks 1,4,16,32] [--episodes N] [--
            [--budget-s 450] [--target auto|cuda|cpu] [--out FILE.json]
        python benchmarks/bench_throughput.py --harness ray --pool-rows 1x16,2x32 [--baseline 'pool 1 GPU K=16']
 One GPU with the local harness: on a host with several, make one visible (CUDA_VISIBLE_DEVICES),
-or the evaluator uses all. The ray harness needs Ray (`pip install 'cudagym[ray]'`).
+or the evaluator uses all. The ray harness needs Ray (`pip install 'cudagym[ray]'`; the GPU image
+lacks it: `benchmarks/fetch_verl_gpu_wheels.sh` puts a trimmed Ray wheel and jsonschema's into
+.whl_verl/, installed there with `pip install --target` as .whl is).
 CPU smoke runs: python benchmarks/bench_throughput.py --target cpu --ks 1,2 --think-s 0.2 --episodes 2
                 python benchmarks/bench_throughput.py --target cpu --harness ray --pool-rows 1x2,2x4 --think-s 0.2
 """
