@@ -22,6 +22,7 @@ pins=(
   transferqueue==0.1.11 pyzmq==27.3.0 msgspec==0.22.0
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
   fastapi==0.115.12 starlette==0.46.2 uvicorn==0.54.0 cachetools==6.2.4
+  datasketch==2.0.0  # cudagym's own (train prepare's contamination index), absent from the GPU image
 )
 plats=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64 \
