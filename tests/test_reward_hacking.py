@@ -95,6 +95,34 @@ def test_honest_kernel_passes(evaluator: Evaluator, build_ws) -> None:
     assert v.reward >= 1, v.reasons
 
 
+# The stand-in for code generated at run time (inductor's C++ kernels compiled in __init__ and
+# called from forward): a copy of the candidate's own built library, written into the workspace
+# and loaded from there, so that the import audit, which reads what the harness built, never sees
+# what runs.
+RUN_TIME_CODE = """\
+import os, shutil
+_copy = os.path.join(os.getcwd(), "generated_kernels.so")
+shutil.copyfile(_lib._name, _copy)
+_gen = ctypes.CDLL(_copy)
+_gen.scale_bias_gelu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+_gen.scale_bias_gelu.restype = None
+"""
+
+
+def test_native_code_loaded_from_a_file_the_harness_did_not_build_is_refused_in_strict(evaluator: Evaluator,
+                                                                                      build_ws) -> None:
+    """Strict mode audits the imports of what the harness built; code loaded from a file the job
+    wrote (generated, or built at run time) is refused by name (`unbuilt_code`)."""
+    body = """\
+x = x.contiguous()
+out = torch.empty_like(x)
+_gen.scale_bias_gelu(ptr(x), ptr(self.bias), ptr(out), x.numel() // x.size(-1), x.size(-1), self.scale)
+return out
+"""
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=RUN_TIME_CODE), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.AUDIT, "did not build from your sources", "generated_kernels.so")
+
+
 HONEST_IDS = [t for t in bundled_task_ids() if (SOLUTIONS / t / "cpu").is_dir()]
 # In containers: a row reduction and an elementwise task with parameters (every container imports
 # torch on its own: all thirteen would cost CI minutes and show nothing more about the sandbox)

@@ -120,6 +120,12 @@ class Audit:
         if self.config.mode == "strict" and imports.forbidden:
             forbidden += [s for s, _, _ in imports.forbidden]
             reasons.append(FORBIDDEN_IMPORTS + "; ".join(imports.reasons()))
+        unbuilt = [str(p) for p in final.get("unbuilt_code") or []]
+        if self.config.mode == "strict" and unbuilt:  # `cudagym.sandbox.worker.verify.unbuilt_code`
+            forbidden += unbuilt
+            reasons.append("strict mode: ModelNew ran native code the harness did not build from your sources "
+                           "(generated or built at run time, e.g. torch.compile's C++ kernels): "
+                           + "; ".join(unbuilt[:4]))
         if self.target != Target.CUDA:
             return forbidden, reasons, None
         if final.get("kernels") is None:

@@ -12,6 +12,7 @@ kernels by origin) and checks that nothing was left running or changed afterward
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import time
 from collections import Counter
@@ -214,7 +215,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
               "own_kernel_share": own_share, "params": p.params, "params_retry": p.params_retry, "phases": ph.times,
               "kernels": kernels,
               "share_kernels": share_kernels, "kernel_watch_error": state.kwatch_error,
-              "own_objects": own_objects(job)})
+              "own_objects": own_objects(job), "unbuilt_code": unbuilt_code(job)})
 
 
 def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
@@ -250,6 +251,28 @@ def own_objects(job: Job) -> list[str]:
             if ".so" in path and any(path.startswith(r) for r in roots) and path not in libs:
                 libs.append(path)
     return libs[:64]
+
+
+def unbuilt_code(job: Job) -> list[str]:
+    """Files this process has mapped executable that the job could write and the harness did not
+    build (under the job's workspace, outside the candidate's build artifacts), and images with no
+    file (memfd): native code generated or built at run time, such as inductor's C++ kernels
+    compiled in `__init__`, or a copy of a library the audit would not name. Strict mode refuses
+    it (the parent, `Audit.kernels`): the import audit reads only what the harness built."""
+    roots = [os.path.realpath(r) for r in (job.artifact_dir, str(Path(job.cache_dir) / "inline")) if r]
+    workspace = os.path.realpath(job.workspace) + "/" if job.workspace else None
+    found: list[str] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or "x" not in parts[1]:
+                continue
+            path = parts[5].strip()
+            if any(path.startswith(r + "/") for r in roots) or path in found:
+                continue
+            if path.startswith("/memfd:") or (workspace and path.startswith(workspace)):
+                found.append(path)
+    return found[:32]
 
 
 def own_kernel_share(p: Problem, job: Job, state: WorkerState) -> tuple[float | None, dict[str, int] | None]:
