@@ -587,36 +587,36 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
             "submits": len(submits), "submits_reused": sum(bool(c.get("timing_reused")) for c in submits)}
 
 
+def _per_row_table(title: str, rows: list[dict[str, Any]], key: str, cols: tuple[str, ...],
+                   cell: Callable[[str, Any], str]) -> Table:
+    """A table of one row per measured bench row: `rows[i][key][c]` for each column `c`, as `cell(c, value)`."""
+    t = Table(title=title)
+    for c in ("row", *cols):
+        t.add_column(c.replace("_", " "), overflow="fold")
+    for r in rows:
+        if r.get("skipped") or key not in r:
+            continue
+        t.add_row(r["name"], *(cell(c, r[key][c]) for c in cols))
+    return t
+
+
 def lease_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="GPU leases per row: timing jobs hold a GPU alone; checks share it (seconds)")
     cols = ("timing_jobs", "timing_jobs_per_episode", "exclusive_s_per_episode", "exclusive_share", "hold_p50_s",
             "hold_p95_s", "after_result_p50_s", "timing_wait_p50_s", "timing_wait_p95_s", "reference_wait_p95_s",
             "check_wait_p95_s")
-    for c in ("row", *cols):
-        t.add_column(c.replace("_", " "), overflow="fold")
-    for r in rows:
-        if r.get("skipped") or "leases" not in r:
-            continue
-        v = r["leases"]
-        t.add_row(r["name"], *(fmt_pct(v[c]) if c == "exclusive_share" else str(v[c]) if c == "timing_jobs"
-                               else fmt_s(v[c]) for c in cols))
-    return t
+    return _per_row_table("GPU leases per row: timing jobs hold a GPU alone; checks share it (seconds)", rows,
+                          "leases", cols, lambda c, v: fmt_pct(v) if c == "exclusive_share"
+                          else str(v) if c == "timing_jobs" else fmt_s(v))
 
 
 def timing_job_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="the candidate's timing jobs per row: timed-loop calls, the median's 95% interval (relative "
-                    "half-width), the worker's phases (seconds, p50), submits that reused their episode's profile")
     cols = ("jobs", "timed_calls_p50", "timed_calls_p95", "median_ci_rel_p50", "load_p50_s", "timed_loop_p50_s",
             "timed_loop_p95_s", "worker_p50_s", "outside_phases_p50_s", "submits", "submits_reused")
-    for c in ("row", *cols):
-        t.add_column(c.replace("_", " "), overflow="fold")
-    for r in rows:
-        if r.get("skipped") or "timing_jobs" not in r:
-            continue
-        v = r["timing_jobs"]
-        t.add_row(r["name"], *(fmt_pct2(v[c]) if c == "median_ci_rel_p50" else
-                               str(v[c]) if c in ("jobs", "submits", "submits_reused") else fmt_s(v[c]) for c in cols))
-    return t
+    return _per_row_table("the candidate's timing jobs per row: timed-loop calls, the median's 95% interval "
+                          "(relative half-width), the worker's phases (seconds, p50), submits that reused their "
+                          "episode's profile",
+                          rows, "timing_jobs", cols, lambda c, v: fmt_pct2(v) if c == "median_ci_rel_p50"
+                          else str(v) if c in ("jobs", "submits", "submits_reused") else fmt_s(v))
 
 
 # -- tables ------------------------------------------------------------------------------------
