@@ -1,17 +1,18 @@
 """Candidates written in the kernel languages people use beside CUDA C++: Triton (KernelBench's
-Triton format), and `torch.compile` inside `forward`. Their JIT caches live in the job's own
-writable scratch (the workers' HOME is read-only), so they build and run in the sandbox. On the
-GPU, permissive mode counts a Triton kernel compiled from the candidate's own file as its own
-kernel (`cudagym.sandbox.jit`); torch.compile's kernels stay foreign, and so does one of them
-copied into the candidate's own library and loaded from there (the red team's g2); strict mode
-counts no kernel loaded from memory as own.
+Triton format), CuPy (`cupy.RawKernel`), and `torch.compile` inside `forward`. Their JIT caches
+live in the job's own writable scratch (the workers' HOME is read-only), so they build and run in
+the sandbox. On the GPU, permissive mode counts a Triton kernel compiled from the candidate's own
+file, and a CuPy kernel whose source is a string or file of the candidate's, as its own kernel
+(`cudagym.sandbox.jit`); torch.compile's kernels stay foreign, and so does one of them copied into
+the candidate's own library and loaded from there (the red team's g2); strict mode counts no
+kernel loaded from memory as own.
 
-CuPy is not tested: it is not installed on the GPU machine (its CUDA 13 wheel is larger than one
-device call can carry); its cache directory (`CUPY_CACHE_DIR`) is set the same way, and its
-kernels (NVRTC from strings, no source location in its cache) count as foreign."""
+CuPy is not installed on the GPU machine: `benchmarks/stage_cupy.sh` brings its wheel there (the
+CuPy tests skip, saying so, where it cannot be imported)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import textwrap
 from pathlib import Path
@@ -20,11 +21,13 @@ import pytest
 
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.core.verdict import ErrorKind, VerifyResult
-from cudagym.sandbox.jit import own_jit_images
+from cudagym.sandbox.jit import (JIT_CACHES, cupy_kernels, jit_cache_env, own_cupy_kernels, own_jit_images,
+                                 workspace_scratch, workspace_texts)
 from cudagym.sandbox.origin import memory_digest, records_from_counts
 from cudagym.sandbox.workspace import Workspace
 from cudagym.tasks.loaders import bundled_task
 from cudagym.tasks.model import module_constants
+from test_jit_origin import fake_cubin
 
 TASK = "ew_scale_bias_gelu"
 
@@ -51,6 +54,7 @@ COMPILED_FORWARD = textwrap.dedent('''
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "examples" / "solutions"
 TRITON = (SOLUTIONS / TASK / "triton" / "model_new.py").read_text()  # the bundled Triton example
+CUPY = (SOLUTIONS / TASK / "cupy" / "model_new.py").read_text()  # the bundled CuPy example
 
 # The red team's g2, in our own code: torch.compile's generated Triton kernel, its cubin copied
 # into this workspace's own library (.bss) and loaded from there each time Triton loads one
@@ -263,6 +267,136 @@ def _needs_gpu_and_triton() -> None:
     pytest.importorskip("triton")
 
 
+def _needs_gpu_and_cupy() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or CuPy finding no CUDA library
+        pytest.skip(f"CuPy is not importable here ({type(e).__name__}: {e}); benchmarks/stage_cupy.sh stages it")
+
+
+ENV_PROBE = textwrap.dedent('''
+    import json
+    import os
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    with open("jit_env.json", "w") as f:  # the job's cwd is the workspace
+        json.dump({k: v for k, v in os.environ.items() if k.startswith(("TRITON", "TORCHINDUCTOR", "CUPY"))}, f)
+
+
+    class ModelNew(nn.Module):
+        def __init__(self, features, scale):
+            super().__init__()
+            self.scale = scale
+            self.bias = nn.Parameter(torch.randn(features) * 0.5)
+
+        def forward(self, x):
+            return F.gelu(x * self.scale + self.bias)
+''')
+
+
+def test_jit_caches_point_into_the_job_scratch(tmp_path: Path) -> None:
+    """A verify job's Triton, inductor and CuPy caches are in the workspace's scratch, where the
+    parent reads them after the job, and CuPy is asked to save each kernel's source there."""
+    v = _verify(tmp_path, "cpu", "permissive", ENV_PROBE)
+    assert v.correct, (v.error_kind, v.error)
+    seen = json.loads((tmp_path / "ws" / "jit_env.json").read_text())
+    scratch = workspace_scratch(tmp_path / "ws").resolve()
+    assert {k: Path(seen[k]).resolve() for k in JIT_CACHES} == {k: scratch / sub for k, sub in JIT_CACHES.items()}
+    assert seen["CUPY_CACHE_SAVE_CUDA_SOURCE"] == "1"
+    assert jit_cache_env(scratch)["CUPY_CACHE_DIR"] == str(scratch / "cupy")
+
+
+def test_bundled_cupy_example_compiles_a_string_of_its_own_file(tmp_path: Path) -> None:
+    """The CuPy example parses, defines `ModelNew`, and its kernel's source is one of the texts
+    the origin rule finds in a workspace holding it."""
+    import ast
+
+    tree = ast.parse(CUPY)
+    assert any(isinstance(n, ast.ClassDef) and n.name == "ModelNew" for n in tree.body)
+    kernel = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                  and getattr(n.targets[0], "id", "") == "SCALE_BIAS_GELU")
+    assert 'extern "C" __global__ void scale_bias_gelu(' in kernel
+    ws = Workspace.create(tmp_path / "ws", bundled_task(TASK), model_new=CUPY)
+    assert kernel.strip() in workspace_texts(ws.root)
+
+
+def cupy_entry(cache: Path, key: bytes, payload: bytes, source: str | None, names: list[str] | None = None) -> str:
+    """A file of CuPy's kernel cache as CuPy writes it (hex SHA-1 of the payload, the payload; the
+    mangled names first where given) and the source beside it; returns the cubin's digest."""
+    from cudagym.sandbox.origin import image_digest
+
+    cache.mkdir(parents=True, exist_ok=True)
+    cubin = fake_cubin(payload)
+    stored = cubin
+    if names is not None:
+        head = b"\x93CUPYNE\x00" + len(names).to_bytes(4, "little")
+        stored = head + b"".join(len(n).to_bytes(4, "little") + n.encode() for n in names) + cubin
+    name = hashlib.sha1(key).hexdigest() + ".cubin"
+    (cache / name).write_bytes(hashlib.sha1(stored).hexdigest().encode() + stored)
+    if source is not None:
+        (cache / f"{name}.cu").write_text(source)
+    digest = image_digest(cubin)
+    assert digest
+    return digest
+
+
+KERNEL_A = '''extern "C" __global__ void a(float* y) { y[threadIdx.x] = 1.0f; }'''
+KERNEL_B = '''extern "C" __global__ void b(float* y) { y[threadIdx.x] = 2.0f; }'''
+KERNEL_T = '''template<typename T> __global__ void t(T* y) { y[threadIdx.x] = T(3); }'''
+ELEMENTWISE = '''#include <cupy/carray.cuh>
+extern "C" __global__ void cupy_gelu(CArray<float, 1> x, CIndexer<1> _ind) { float y = x[0]; }'''
+
+
+def test_own_cupy_kernels_are_those_whose_source_is_in_the_workspace(tmp_path: Path) -> None:
+    """A CuPy cache entry names an own image only when the source saved beside it is a string
+    literal of a workspace Python file (whatever its indentation) or a workspace file's text,
+    outside `.build/`: not generated source (ElementwiseKernel's template), not text found only
+    in the scratch or through a link, not an entry without source or with a hash that is not its
+    payload's."""
+    ws = tmp_path / "ws"
+    (ws / "kernels").mkdir(parents=True)
+    (ws / "model_new.py").write_text(textwrap.dedent(f'''
+        import cupy
+
+        class K:
+            SRC = """
+                {KERNEL_A}
+            """
+            TEMPLATED = """{KERNEL_T}"""
+    '''))
+    (ws / "kernels" / "b.cu").write_text(KERNEL_B + "\n")
+    scratch = workspace_scratch(ws)
+    (scratch / "gen").mkdir(parents=True)
+    (scratch / "gen" / "elementwise.cu").write_text(ELEMENTWISE)
+    outside = tmp_path / "outside.cu"
+    outside.write_text(KERNEL_B.replace("2.0f", "4.0f"))
+    (ws / "linked.cu").symlink_to(outside)
+    cache = scratch / "cupy"
+
+    own_a = cupy_entry(cache, b"a", b"a", "\n" + KERNEL_A + "\n")
+    own_b = cupy_entry(cache, b"b", b"b", KERNEL_B)
+    own_t = cupy_entry(cache, b"t", b"t", KERNEL_T, names=["_Z1tIfEvPT_"])
+    generated = cupy_entry(cache, b"e", b"e", ELEMENTWISE)
+    linked = cupy_entry(cache, b"l", b"l", outside.read_text())
+    no_source = cupy_entry(cache, b"n", b"n", None)
+    bad = cupy_entry(cache, b"x", b"x", KERNEL_A)
+    bad_file = cache / (hashlib.sha1(b"x").hexdigest() + ".cubin")
+    bad_file.write_bytes(b"0" * 40 + bad_file.read_bytes()[40:])
+
+    listed = {k.digest for k in cupy_kernels(cache)}
+    assert listed == {own_a, own_b, own_t, generated, linked, no_source} and bad not in listed
+    assert {k.digest for k in own_cupy_kernels(ws)} == {own_a, own_b, own_t}
+    assert own_jit_images(ws) == frozenset({own_a, own_b, own_t})
+    assert own_cupy_kernels(tmp_path / "no-such-workspace") == []
+
+
 @pytest.mark.slow
 def test_torch_compile_inside_forward_builds_in_the_sandbox(tmp_path: Path) -> None:
     """inductor writes its cache in the job's scratch, so the compiled forward runs and is correct;
@@ -303,6 +437,36 @@ def test_triton_candidate_in_strict_mode_is_refused_by_origin(tmp_path: Path) ->
     v = _verify(tmp_path, "cuda", "strict", TRITON)
     assert v.correct and not v.ok and v.error_kind == ErrorKind.AUDIT, (v.error_kind, v.error)
     assert any("not your own" in r and "scale_bias_gelu_kernel (from <memory:" in r for r in v.reasons), v.reasons
+
+
+@pytest.mark.gpu
+def test_cupy_candidate_is_correct_and_its_kernels_are_its_own(tmp_path: Path) -> None:
+    """The bundled CuPy example in permissive mode: its RawKernel, which CuPy loads from memory, is
+    named by its image's digest, which its CuPy cache ties to a string of its own model_new.py."""
+    _needs_gpu_and_cupy()
+    cfg = EvaluatorConfig(target="cuda", mode="permissive", cache_dir=tmp_path / "cache", compile_baseline=False)
+    with Evaluator(cfg) as ev:
+        task = bundled_task(TASK).for_target(ev.target)
+        ws = Workspace.create(tmp_path / "ws", task, model_new=CUPY)
+        verdict = ev.evaluate(task, ws)  # verify, then the timed calls and their audit
+    v = verdict.verify_result
+    assert v is not None and v.ok, verdict.summary()
+    assert v.audit is not None and v.audit.own_kernel_share is not None and v.audit.own_kernel_share > 0.9, v.audit
+    assert verdict.reward >= 1, verdict.summary()  # the timed calls did no foreign work either
+    records = records_from_counts(v.audit.ops_seen)
+    own = own_jit_images(tmp_path / "ws")
+    assert len(own) == 1 and [k.digest for k in own_cupy_kernels(tmp_path / "ws")] == list(own), own
+    assert records and all(memory_digest(r.origin) in own for r in records), (records, own)
+    assert {r.name for r in records} == {"scale_bias_gelu"}, records
+
+
+@pytest.mark.gpu
+def test_cupy_candidate_in_strict_mode_is_refused_by_origin(tmp_path: Path) -> None:
+    """Strict mode counts no image loaded from memory as the candidate's, CuPy's included."""
+    _needs_gpu_and_cupy()
+    v = _verify(tmp_path, "cuda", "strict", CUPY)
+    assert v.correct and not v.ok and v.error_kind == ErrorKind.AUDIT, (v.error_kind, v.error)
+    assert any("not your own" in r and "scale_bias_gelu (from <memory:" in r for r in v.reasons), v.reasons
 
 
 @pytest.mark.gpu

@@ -32,19 +32,34 @@ compiled by a trusted job that runs no candidate code and filed in the build cac
 Triton specializes a kernel by running the candidate's Python (its globals, constexprs, helper
 functions), so such a job is not Triton as its users run it.
 
-CuPy's cache holds no source location for its kernels (NVRTC compiles strings), so CuPy kernels
-are not attributed: they build and run, and count as foreign. With the docker backend the job's
-copy of the workspace, its scratch included, is discarded with the container: there is no Triton
-cache to read, and Triton kernels count as foreign there too.
+**CuPy kernels as the candidate's own (permissive mode).** CuPy compiles a `RawKernel`'s or
+`RawModule`'s source string with NVRTC into a cubin that it loads from memory (`<memory:DIGEST>`
+too), and files it in its cache as `<key>.cubin`: the SHA-1 of the payload in hex, then the
+payload (the cubin, after the mangled names when the module has name expressions). The job's
+environment asks CuPy to save the source beside it (`<key>.cubin.cu`, `JIT_ENV`). A kernel is the
+candidate's when that source is, up to indentation and surrounding blank lines, a string literal
+of a Python file in the workspace outside `.build/` (parsed, never run) or the whole text of such a
+file (a `.cu` it reads); its cubin's digest then names an own image, as for Triton. The source has
+no location to point at (NVRTC compiles a string), so the text itself is the claim: source
+assembled at run time (an f-string, `str.format`, CuPy's `ElementwiseKernel` and
+`ReductionKernel`, whose source is CuPy's template around the candidate's snippet, and CuPy's own
+routines) matches no file and counts as foreign. The same limits as Triton's hold: the cache is
+the candidate's process's claim, and strict mode counts no CuPy kernel.
+
+With the docker backend the job's copy of the workspace, its scratch included, is discarded with
+the container: there is no JIT cache to read, and Triton and CuPy kernels count as foreign there.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
 import stat
+import struct
+import textwrap
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -53,11 +68,14 @@ from cudagym.sandbox.origin import image_digest
 
 # Environment variable -> the directory under the job's scratch that it names.
 JIT_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "CUPY_CACHE_DIR": "cupy"}
+# Set beside them: CuPy then saves each kernel's source beside its cubin (read by `cupy_kernels`).
+JIT_ENV = {"CUPY_CACHE_SAVE_CUDA_SOURCE": "1"}
 BUILD_DIR = ".build"  # the workspace's build tree and scratch: the harness's, never candidate source
 
 # Bounds on what the parent reads of a cache the candidate's process wrote.
 MAX_KERNELS = 4096
 MAX_FILE_BYTES = 64 << 20
+MAX_SOURCE_FILES = 1024  # workspace files searched for a CuPy kernel's source text
 
 
 def workspace_scratch(workspace: str | Path) -> Path:
@@ -66,8 +84,8 @@ def workspace_scratch(workspace: str | Path) -> Path:
 
 
 def jit_cache_env(root: str | Path) -> dict[str, str]:
-    """The JIT cache variables pointing under `root`."""
-    return {var: os.path.join(root, sub) for var, sub in JIT_CACHES.items()}
+    """The JIT cache variables pointing under `root`, and `JIT_ENV`."""
+    return {**{var: os.path.join(root, sub) for var, sub in JIT_CACHES.items()}, **JIT_ENV}
 
 
 @dataclass(frozen=True)
@@ -222,7 +240,110 @@ def own_triton_kernels(workspace: Path, cache: Path | None = None) -> list[Trito
     return out
 
 
+@dataclass(frozen=True)
+class CupyKernel:
+    """One compiled module in a CuPy kernel cache: the digest of its cubin as origin.cpp names the
+    image loaded from memory, and the source CuPy saved beside it ("" if none)."""
+
+    digest: str
+    source: str
+    entry: Path  # the cache file
+
+
+_CUPY_HASH_LENGTH = 40  # CuPy's cache files start with the SHA-1 of their payload, in hex
+_CUPY_NAMES_MAGIC = b"\x93CUPYNE\x00"  # a payload that carries the mangled names of name expressions
+
+
+def _cupy_cubin(data: bytes) -> bytes | None:
+    """The cubin of a CuPy cache file's bytes (hash, then payload); None where the hash is not
+    the payload's or the payload is cut short."""
+    stored, payload = data[:_CUPY_HASH_LENGTH], data[_CUPY_HASH_LENGTH:]
+    if len(data) < _CUPY_HASH_LENGTH or stored != hashlib.sha1(payload, usedforsecurity=False).hexdigest().encode():
+        return None
+    if not payload.startswith(_CUPY_NAMES_MAGIC):
+        return payload
+    pos = len(_CUPY_NAMES_MAGIC)
+    if len(payload) < pos + 4:
+        return None
+    (count,) = struct.unpack_from("<I", payload, pos)
+    pos += 4
+    for _ in range(count):
+        if len(payload) < pos + 4:
+            return None
+        (size,) = struct.unpack_from("<I", payload, pos)
+        pos += 4 + size
+    return payload[pos:] if pos <= len(payload) else None
+
+
+def cupy_kernels(cache: Path) -> list[CupyKernel]:
+    """The compiled modules of a CuPy cache directory (`CUPY_CACHE_DIR`), as its files state them;
+    files whose hash does not match or whose cubin has no readable extent are left out. Nothing is
+    judged here."""
+    out: list[CupyKernel] = []
+    try:
+        with os.scandir(cache) as it:
+            names = sorted(e.name for e in islice(it, 4 * MAX_KERNELS) if e.name.endswith(".cubin"))
+    except OSError:
+        return out
+    for name in names[:MAX_KERNELS]:
+        data = _read(cache / name)
+        cubin = _cupy_cubin(data) if data else None
+        digest = image_digest(cubin) if cubin else None
+        if not digest:
+            continue
+        source = _read(cache / f"{name}.cu", 16 << 20)
+        out.append(CupyKernel(digest=digest, source=source.decode(errors="replace") if source else "",
+                              entry=cache / name))
+    return out
+
+
+def _normalized(text: str) -> str:
+    return textwrap.dedent(text).strip()
+
+
+def workspace_texts(workspace: Path) -> set[str]:
+    """The texts a CuPy kernel's source may be found as in the candidate's files (inside the
+    workspace, outside `.build/`, no link followed): each Python file's string literals (parsed,
+    never run) and each file's whole text, normalized (dedented, stripped)."""
+    texts: set[str] = set()
+    root = Path(os.path.realpath(workspace))
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not (Path(dirpath) == root and d == BUILD_DIR))
+        files += [Path(dirpath) / f for f in sorted(filenames)]
+        if len(files) >= MAX_SOURCE_FILES:
+            break
+    for path in files[:MAX_SOURCE_FILES]:
+        raw = _read(path, 4 << 20)
+        if raw is None or not is_candidate_source(str(path), root):
+            continue
+        text = raw.decode(errors="replace")
+        texts.add(_normalized(text))
+        if path.suffix == ".py":
+            try:
+                tree = ast.parse(raw)
+            except (SyntaxError, ValueError):
+                continue
+            texts.update(_normalized(n.value) for n in ast.walk(tree)
+                         if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip())
+    texts.discard("")
+    return texts
+
+
+def own_cupy_kernels(workspace: Path, cache: Path | None = None) -> list[CupyKernel]:
+    """The modules of the job's CuPy cache (by default `workspace_scratch(workspace)/cupy`)
+    compiled from the candidate's own source: the source CuPy saved is a string literal or a file
+    of the workspace, outside `.build/` (`workspace_texts`)."""
+    cache = cache if cache is not None else workspace_scratch(workspace) / JIT_CACHES["CUPY_CACHE_DIR"]
+    kernels = [k for k in cupy_kernels(cache) if k.source.strip()]
+    if not kernels:
+        return []
+    texts = workspace_texts(workspace)
+    return [k for k in kernels if _normalized(k.source) in texts]
+
+
 def own_jit_images(workspace: Path) -> frozenset[str]:
     """The digests of the in-memory images that count as the candidate's own kernels in
-    permissive mode (`Origins.own_images`): its own Triton kernels' cubins."""
-    return frozenset(k.digest for k in own_triton_kernels(workspace))
+    permissive mode (`Origins.own_images`): its own Triton kernels' and CuPy modules' cubins."""
+    return frozenset([k.digest for k in own_triton_kernels(workspace)]
+                     + [k.digest for k in own_cupy_kernels(workspace)])
