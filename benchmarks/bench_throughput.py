@@ -45,8 +45,10 @@ Protocol (one process; every row replays the same trace):
      "1.2 s per job"), the part of it after its result, timing jobs and exclusive seconds per
      episode, the waits;
    - the candidate's timing jobs (profiles, and submits that did not reuse one): timed-loop calls
-     p50 / p95 and the median's 95% interval, the worker's phases (`load`: calibration and the
-     candidate's load; the timed loop, issue 28's "0.75 s"), submits that reused their profile;
+     p50 / p95 and the median's 95% interval, the worker's phases (the problem's set-up, the
+     timer's calibration (0 where the GPU's last one was handed over), the candidate's load, the
+     wait for the GPU alone, the timed loop (issue 28's "0.75 s"), the end checks), submits that
+     reused their profile;
    - ratios against `--baseline` (default the first row measured): episodes per hour, p95
      verify+profile, exclusive hold p50, exclusive seconds per episode, timed calls.
    Beside the local row of K = `--spread-k` (default 16), and beside each pool's largest-K row,
@@ -69,8 +71,10 @@ Protocol (one process; every row replays the same trace):
 
 `--spare-workers`, `--spare-nice` and `--no-freeze` set the local sandbox's spares (how many, their
 CPU priority while they start, whether timed loops pause them), to find what the worker wait at
-K = 16 comes from; `--no-fork-server` spawns each worker, `--release-at-result` ends a job's GPU
-lease when its result is in.
+K = 16 comes from; `--no-fork-server` spawns each worker, `--release-when-gone` ends a job's GPU
+lease once its worker is gone rather than when its result is in, `--exclusive-from job` gives a
+timing job the GPU alone from its start (not only from its calibration or timed loop), and
+`--calibration-max-age-s 0` makes every timing job measure its timer's calibration.
 
 Printed (stdout): the rows table, the ratios table, the lease table, the timing-job table; the
 workers' start-up per row (spawn to ready, and each step on the worker's own clock: importing
@@ -558,8 +562,9 @@ def lease_stats(holds: list[Any], wall_s: float, episodes: int) -> dict[str, Any
 def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
     """The candidate's timing jobs of a row (its profile calls, and its submits that were not
     reused), from their results: timed-loop calls (p50, p95), the median's confidence interval
-    (`TimingStats.median_ci_rel`, p50), and the worker's phases, p50 s: `load` (the timer's
-    calibration and the candidate's load), the timed loop, the whole job from its ready worker to
+    (`TimingStats.median_ci_rel`, p50), and the worker's phases, p50 s: `problem` (its set-up),
+    `calibration` (the timer's), `load` (the candidate's), `wait_alone` (for the GPU alone), the
+    timed loop, the end checks (`telemetry`: tamper checks and telemetry), the whole job from its ready worker to
     its result (`worker`), and the part of that outside the worker's own phases (the parent's
     device checks before and after, the job line, the result); submits, and how many reused their
     episode's profile."""
@@ -579,7 +584,11 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return {"jobs": len(jobs), "timed_calls_p50": percentile(n, 50), "timed_calls_p95": percentile(n, 95),
             "median_ci_rel_p50": percentile([c["median_ci_rel"] for c in jobs if c.get("median_ci_rel") is not None],
                                             50),
+            "problem_p50_s": percentile(phase("candidate.problem_s"), 50),
+            "calibration_p50_s": percentile(phase("candidate.calibration_s"), 50),
             "load_p50_s": percentile(phase("candidate.load_s"), 50),
+            "wait_alone_p50_s": percentile(phase("candidate.wait_alone_s"), 50),
+            "end_checks_p50_s": percentile(phase("candidate.telemetry_s"), 50),
             "timed_loop_p50_s": percentile(phase("candidate.candidate_timed_loop_s"), 50),
             "timed_loop_p95_s": percentile(phase("candidate.candidate_timed_loop_s"), 95),
             "worker_p50_s": percentile(phase("candidate.worker_s"), 50),
@@ -610,8 +619,9 @@ def lease_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def timing_job_table(rows: list[dict[str, Any]]) -> Table:
-    cols = ("jobs", "timed_calls_p50", "timed_calls_p95", "median_ci_rel_p50", "load_p50_s", "timed_loop_p50_s",
-            "timed_loop_p95_s", "worker_p50_s", "outside_phases_p50_s", "submits", "submits_reused")
+    cols = ("jobs", "timed_calls_p50", "timed_calls_p95", "median_ci_rel_p50", "problem_p50_s", "calibration_p50_s",
+            "load_p50_s", "wait_alone_p50_s", "timed_loop_p50_s", "timed_loop_p95_s", "end_checks_p50_s",
+            "worker_p50_s", "outside_phases_p50_s", "submits", "submits_reused")
     return _per_row_table("the candidate's timing jobs per row: timed-loop calls, the median's 95% interval "
                           "(relative half-width), the worker's phases (seconds, p50), submits that reused their "
                           "episode's profile",
@@ -899,8 +909,11 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
             save()
 
     spares = LocalSandboxConfig(spare_workers=args.spare_workers, freeze_starting_spares=not args.no_freeze,
-                                release_gpu_at_result=args.release_at_result, fork_server=not args.no_fork_server,
-                                **({} if args.spare_nice is None else {"spare_nice": args.spare_nice}))
+                                release_gpu_at_result=not args.release_when_gone, fork_server=not args.no_fork_server,
+                                **({} if args.spare_nice is None else {"spare_nice": args.spare_nice}),
+                                **({} if args.exclusive_from is None else {"exclusive_from": args.exclusive_from}),
+                                **({} if args.calibration_max_age_s is None
+                                   else {"calibration_max_age_s": args.calibration_max_age_s}))
     with Evaluator(EvaluatorConfig(**base_cfg, sandbox=spares),  # type: ignore[arg-type]
                    sandbox=LocalSandbox(spares, home=Path(cache) / "home")) as ev:
         report["device"] = ev.device_name
@@ -988,8 +1001,14 @@ def main() -> None:
                     help="CPU niceness of spares until they take a job (default: the sandbox's, 10; 0: off)")
     ap.add_argument("--no-freeze", action="store_true",
                     help="do not pause starting spares during timed loops (the quiet windows)")
-    ap.add_argument("--release-at-result", action="store_true",
-                    help="a job's GPU lease ends when its result is in, not once its worker is gone")
+    ap.add_argument("--release-when-gone", action="store_true",
+                    help="a job's GPU lease ends once its worker is gone, not when its result is in (the default)")
+    ap.add_argument("--exclusive-from", choices=("job", "loop"), default=None,
+                    help="where a timing job's exclusive GPU lease begins (default: the sandbox's, loop: its worker "
+                         "loads the candidate under a shared lease)")
+    ap.add_argument("--calibration-max-age-s", type=float, default=None,
+                    help="how long a GPU timer calibration is handed to later timing jobs (default: the sandbox's; "
+                         "0: every job measures its own)")
     ap.add_argument("--no-fork-server", action="store_true", help="spawn each worker (no fork server)")
     ap.add_argument("--compile-baseline", action="store_true", help="measure torch.compile baselines in the warm-up")
     ap.add_argument("--cache-dir", type=Path, default=None, help="the evaluator's cache (default: a fresh temp dir)")

@@ -151,3 +151,149 @@ def test_leases_are_logged_and_end_at_the_result_when_asked():
     assert holds[0].asked_s <= holds[0].acquired_s <= holds[0].result_s <= holds[0].released_s
     holds, early = asyncio.run(main(True))
     assert early and holds[0].released_s <= holds[0].result_s + 1
+
+
+def _answers(kind: str, sched: JobScheduler, script, inner_log: list) -> asyncio.Future:
+    """Run one `kind` job through `sched` whose worker sends the requests `script(ask)` makes
+    (`ask(request)` answers through the job's responder, from another thread, as the frame
+    reader does)."""
+
+    async def ready(device: str) -> str:
+        return "worker"
+
+    def inner(request: dict, arrived: float) -> dict:
+        inner_log.append(request)
+        return {"seed": 1} if request.get("what") == "call" else {}
+
+    async def run_on(job: Job, device: str, responder, worker):
+        async def ask(request: dict) -> dict:
+            return await asyncio.to_thread(responder, request, 0.0)
+
+        final = await script(ask)
+        gone = asyncio.get_running_loop().create_future()
+        gone.set_result(None)
+        return JobOutcome(final=final), gone
+
+    return asyncio.ensure_future(sched.run(_job(kind), "cuda", inner, ready, run_on, lambda w: None))
+
+
+def test_a_timing_job_loads_beside_checks_and_times_alone():
+    """With `exclusive_from="loop"` a timing job holds a shared lease while it loads (a check
+    runs beside it), and its request for the GPU alone waits for that check to end; a call
+    request that comes first (a forged one) gets the GPU alone first too."""
+
+    async def main() -> list[str]:
+        sched = JobScheduler(exclusive_from="loop")
+        events: list[str] = []
+        check_may_end = asyncio.Event()
+        loaded = asyncio.Event()
+
+        async def timing(ask) -> dict:
+            events.append("timing job loads")
+            loaded.set()
+            assert (await ask({"what": "call", "role": "candidate", "index": 0})) == {"seed": 1}
+            events.append("first call answered")
+            return {}
+
+        async def check(ask) -> dict:
+            await loaded.wait()
+            events.append("check runs beside the load")
+            await asyncio.sleep(0.05)
+            events.append("check ends")
+            check_may_end.set()
+            return {}
+
+        log: list = []
+        t = _answers("profile", sched, timing, log)
+        c = _answers("verify", sched, check, log)
+        out = await asyncio.wait_for(t, 5)
+        await asyncio.wait_for(c, 5)
+        assert out.lease_upgrade_s > 0.03, "the upgrade waited for the check"
+        holds = list(sched.holds)
+        assert [(h.kind, h.exclusive) for h in holds] == [("profile", False), ("verify", False), ("profile", True)]
+        assert all(h.released_s is not None for h in holds)
+        return events
+
+    assert asyncio.run(main()) == ["timing job loads", "check runs beside the load", "check ends",
+                                   "first call answered"]
+
+
+def test_a_calibration_measured_alone_is_handed_to_the_next_job_on_the_gpu():
+    """The first job measures its calibration alone and before any call; the scheduler keeps it
+    and gives it to the next job (and to that job's feed, as if its worker had sent it). A
+    calibration sent after a call, or by a job without the GPU alone, is never kept."""
+    cal = {"overhead_ns": 4000, "read_cap_ns": 9000, "read_ps_per_element": 0.5,
+           "read_ps_per_strided_element": 1.0, "base_elements": 4096}
+
+    async def main() -> None:
+        sched = JobScheduler(exclusive_from="loop", calibration_max_age_s=60)
+        log: list = []
+
+        async def forged_late(ask) -> dict:
+            assert await ask({"what": "calibration_known"}) == {}
+            await ask({"what": "exclusive"})
+            await ask({"what": "call", "role": "candidate", "index": 0})
+            await ask({"what": "calibration", "calibration": dict(cal, overhead_ns=90_000)})  # after a call
+            return {}
+
+        await asyncio.wait_for(_answers("profile", sched, forged_late, log), 5)
+        assert sched.calibration_for("cuda:0") is None
+
+        async def shared_only(ask) -> dict:  # never asked for the GPU alone
+            await ask({"what": "calibration", "calibration": dict(cal, overhead_ns=80_000)})
+            return {}
+
+        await asyncio.wait_for(_answers("profile", sched, shared_only, log), 5)
+        assert sched.calibration_for("cuda:0") is None
+
+        async def first(ask) -> dict:
+            assert await ask({"what": "calibration_known"}) == {}
+            await ask({"what": "exclusive"})
+            await ask({"what": "calibration", "calibration": cal})
+            return {}
+
+        await asyncio.wait_for(_answers("profile", sched, first, log), 5)
+        assert sched.calibration_for("cuda:0") == cal
+        log.clear()
+
+        async def second(ask) -> dict:
+            assert await ask({"what": "calibration_known"}) == {"calibration": cal}
+            assert await ask({"what": "calibration_known"}) == {}, "once per job"
+            return {}
+
+        await asyncio.wait_for(_answers("profile", sched, second, log), 5)
+        assert log == [{"what": "calibration", "calibration": cal}], "the feed gets the parent's copy"
+
+    asyncio.run(main())
+    old = JobScheduler(calibration_max_age_s=0.0)
+    old.calibrated("cuda:0", cal)
+    assert old.calibration_for("cuda:0") is None, "age 0: every job measures its own"
+
+
+def test_a_timing_job_that_ends_while_waiting_for_the_gpu_leaves_no_lease():
+    async def main() -> None:
+        sched = JobScheduler(exclusive_from="loop")
+        log: list = []
+        hold = asyncio.Event()
+
+        async def holder(ask) -> dict:  # a check that holds its shared lease
+            await hold.wait()
+            return {}
+
+        async def waiter(ask) -> dict:
+            asking = asyncio.ensure_future(ask({"what": "exclusive"}))
+            await asyncio.sleep(0.05)
+            assert not asking.done(), "a check still shares the GPU"
+            return {"abandoned": asking}  # the job ends (timed out) while its request waits
+
+        h = _answers("verify", sched, holder, log)
+        await asyncio.sleep(0.02)
+        out = await asyncio.wait_for(_answers("profile", sched, waiter, log), 5)
+        hold.set()
+        await asyncio.wait_for(h, 5)
+        assert await asyncio.wait_for(out.final["abandoned"], 5) == {
+            "refused": "the job ended before it had the GPU alone"}
+        lease = sched._gpu_leases[0]
+        assert (lease.shared, lease.exclusive, lease.waiting) == (0, False, {})
+
+    asyncio.run(main())

@@ -10,15 +10,18 @@ Sync methods call the async ones; the async ones are safe to run concurrently.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import secrets
 import shutil
 import threading
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
 import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -37,7 +40,7 @@ from cudagym.sandbox.baselines import BaselineCache
 from cudagym.sandbox.bridge import run_sync
 from cudagym.sandbox.config import LocalSandboxConfig, SandboxConfig, reject_moved
 from cudagym.sandbox.feed import CallFeed, TrialFeed
-from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_names, peaks_for
+from cudagym.sandbox.gpu import cpu_name, gpu_count, gpu_memory_bytes, gpu_names, peaks_for
 from cudagym.sandbox.inline import InlineBuild, InlineBuildCache, InlineCompileError
 from cudagym.sandbox.library import LIBRARY_BASELINES, LIBRARY_TITLES
 from cudagym.sandbox.ncu import ncu_job_limits
@@ -127,9 +130,46 @@ def resolve_target(target: str) -> Target:
 MAX_INLINE_PASSES = 6  # compile passes of a solution with extensions (each runs it once)
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """The memory a task's reference took in a reference-only worker (`run_reference_outputs`):
+    the growth of its host memory's peak over the job, and on a GPU the peak the allocator
+    reserved; a worker that runs no candidate code measured it."""
+
+    host_bytes: int
+    device_bytes: int | None = None
+
+    @classmethod
+    def of(cls, o: JobOutcome) -> Footprint | None:
+        final = o.final or {}
+        found = final.get("footprint") if final.get("ok") else None
+        if not isinstance(found, dict):
+            return None
+        try:
+            device = found.get("device_bytes")
+            return cls(max(int(found.get("host_bytes") or 0), 0), None if device is None else max(int(device), 0))
+        except (TypeError, ValueError):
+            return None
+
+
+def _out_of_memory(o: JobOutcome) -> bool:
+    """Whether a job ended for want of memory: killed at its host limit, or an allocation failed
+    (host or device: CUDA's OutOfMemoryError, by the harness or in the candidate's forward)."""
+    if o.memory_exceeded:
+        return True
+    final = o.final or {}
+    return not final.get("ok", True) and (final.get("kind") == ErrorKind.MEMORY.value
+                                          or "out of memory" in str(final.get("error", "")))
+
+
+def _host_memory_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
 def _job_breakdown(role: str, o: JobOutcome) -> dict[str, float]:
     """Seconds spent waiting for a ready worker, in the worker, and in each of its phases."""
-    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.wait_device_s": o.lease_wait_s, f"{role}.worker_s": o.seconds,
+    return {f"{role}.wait_ready_s": o.wait_s, f"{role}.wait_device_s": o.lease_wait_s,
+            **({f"{role}.wait_alone_s": o.lease_upgrade_s} if o.lease_upgrade_s else {}), f"{role}.worker_s": o.seconds,
             **{f"{role}.{k}_s": v for k, v in o.phases.items()}}
 
 
@@ -148,6 +188,7 @@ class Evaluator:
         self.baselines = BaselineCache(cache / "baselines")
         self.audit = Audit(self.config, self._target)
         self._baseline_locks: dict[str, threading.Lock] = {}
+        self._footprints: dict[str, Footprint] = {}  # by task: what its reference took (`footprint`)
 
     @property
     def target(self) -> Target:
@@ -162,11 +203,14 @@ class Evaluator:
         return gpu_names()[0] if self._target == Target.CUDA and gpu_names() else cpu_name()
 
     def _job(self, kind: JobKind, task: Task, ws: Workspace | None, **kw: Any) -> Job:
+        """A job of `task`; one in a workspace (the candidate's code runs in it) under
+        `_candidate_limits`, others under the configured limits unless `limits` is given."""
+        limits = kw.pop("limits", None) or (self._candidate_limits(task) if ws is not None else self.config.limits)
         return Job(kind=kind, nonce=secrets.token_hex(16), task_id=task.id, task_code=task.code, dtype=task.dtype,
                    device=self.device, workspace=str(ws.root) if ws else "",
                    cache_dir=str(self.config.cache_dir / "build"),
                    mode=self.config.mode, seed=secrets.randbits(62), verify=self.config.verify,
-                   timing=kw.pop("timing", self.config.timing), limits=self.config.limits, **kw)
+                   timing=kw.pop("timing", self.config.timing), limits=limits, **kw)
 
     # -- compile ----------------------------------------------------------------------------
     async def acompile(self, task: Task, workspace: Workspace) -> CompileResult:
@@ -253,13 +297,41 @@ class Evaluator:
             shutil.rmtree(staging, ignore_errors=True)
 
     # -- verify -----------------------------------------------------------------------------
-    async def averify(self, task: Task, workspace: Workspace,
-                      params: Literal["seed", "state_dict"] = "seed") -> VerifyResult:
+    async def averify(self, task: Task, workspace: Workspace, params: Literal["seed", "state_dict"] = "seed",
+                      _layout: Literal["side_by_side", "reference_first"] | None = None) -> VerifyResult:
         """Correctness over fresh secret-seeded trials plus the op audit, in a fresh worker.
 
         ModelNew runs with its own same-seed parameters; only where they differ from Model's under
         the same names and the outputs are wrong does a second verify load Model's state_dict
-        (`harness.Problem`); `VerifyResult.params_path` says which decided."""
+        (`harness.Problem`); `VerifyResult.params_path` says which decided.
+
+        Two workers: the candidate's (its trials, audited; it also runs the reference, for the
+        allocator's poisoning) and a reference-only one whose outputs are the ones compared. They
+        run side by side, or, for a problem large beside the device's or the host's memory, the
+        reference's job first and the candidate's once that one's result is in (`VerifyConfig.layout`,
+        `_verify_layout`): then the device holds one worker's problem at a time, not two (the
+        candidate's inputs, their clone, outputs and snapshot beside the reference's). What
+        decides is the task's `footprint`, measured by an earlier reference-only job of this
+        evaluator; a task not yet measured runs side by side, and if either job ran out of memory
+        (device or host), verify runs once more, reference first, with a fresh plan.
+
+        Why reference first keeps verify's guarantees:
+        - the candidate's process sees nothing more or sooner. The reference-only worker runs no
+          candidate code; its outputs reach only this process (its pipe and result memory, read
+          here), never the candidate's worker, which is another process in its own PID namespace
+          without ptrace's capabilities. The candidate's worker learns each trial's input seed
+          when the trial starts and its evidence seed once its outputs exist (`TrialFeed`), the
+          same in either layout: that the reference already ran tells it nothing of them;
+        - the reference's worker overwrites each output once it is sent and gives its device
+          memory back before its result comes in (`run_reference_outputs`), so the candidate
+          that starts after it is handed no memory holding a reference output;
+        - the second, reference-first try after an out-of-memory run draws every secret again
+          (seeds, orders, evidence seeds) and runs in fresh workers. The candidate cannot tell
+          from its first try whether it would pass (no reference output reaches it), so ending
+          that try out of memory on purpose gains it nothing but a slower verify; and the layout
+          and the candidate's host memory limit are decided by the trusted reference's
+          measurement, kept in this process, not by anything the candidate reports.
+        """
         t0 = time.perf_counter()
         task = task.for_target(self._target)
         built = await self.toolchain.abuild(workspace, self._target)
@@ -284,15 +356,39 @@ class Evaluator:
         # the candidate's worker learns each trial's inputs only when the trial starts, and the
         # seed of its evidence (outputs too large to send whole) once its outputs exist
         feed = TrialFeed(plan["trial_seeds"], plan["trial_scales"], plan["trial_orders"], plan["evidence_seeds"])
+        measured = self.footprint(task)
+        chosen = _layout or self._verify_layout(measured)
+        ref_job = self._job("reference", task, None, init_seed=init_seed, limits=self._reference_limits(), **plan)
+        if chosen == "reference_first":
+            ref = await self.sandbox.run(ref_job, self.device)
+            self._learn_footprint(task, ref)
         cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, trials=n,
-                             params=params)
-        ref_job = self._job("reference", task, None, init_seed=init_seed, **plan)
-        outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device, feed),
-                                            self.sandbox.run(ref_job, self.device))
-        ref_failure, failure = outcome_failure(ref, "reference"), outcome_failure(outcome, "verify")
+                             params=params)  # its host memory limit: from the footprint, if measured by now
+        if chosen == "reference_first":
+            ref_failure = outcome_failure(ref, "reference")
+            outcome = await self.sandbox.run(cand_job, self.device, feed) if not ref_failure else JobOutcome(final={})
+        else:
+            outcome, ref = await asyncio.gather(self.sandbox.run(cand_job, self.device, feed),
+                                                self.sandbox.run(ref_job, self.device))
+            self._learn_footprint(task, ref)
+            ref_failure = outcome_failure(ref, "reference")
+        failure = outcome_failure(outcome, "verify") if not ref_failure or chosen != "reference_first" else None
         if feed.violations:
             failure = ErrorKind.TAMPER, "verify: " + feed.violations[0]
+        blind = chosen == "side_by_side" and measured is None and _layout is None \
+            and self.config.verify.layout == "auto"
+        tampered = failure is not None and failure[0] == ErrorKind.TAMPER
+        if blind and not tampered and (_out_of_memory(ref) or _out_of_memory(outcome)):
+            # run blind (the task not yet measured), out of memory: once more, the reference's job first
+            release_later(outcome, ref)
+            again = await self.averify(task, workspace, params, _layout="reference_first")
+            return again.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": {
+                **again.breakdown, "side_by_side_out_of_memory_s": t_built - t0 + again.seconds}})
+        if failure and failure[0] == ErrorKind.MEMORY:
+            failure = failure[0], failure[1] + self._memory_note(cand_job.limits)
         if ref_failure and not failure:
+            if ref_failure[0] == ErrorKind.MEMORY:
+                ref_failure = ref_failure[0], ref_failure[1] + self._memory_note(ref_job.limits, reference=True)
             return VerifyResult(ok=False, error_kind=ErrorKind.INTERNAL,
                                 error=f"the reference failed: {ref_failure[1]}",
                                 reasons=["the reference itself failed (not the candidate's fault)"],
@@ -309,7 +405,8 @@ class Evaluator:
         release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
-                     "compare_s": time.perf_counter() - t_jobs}
+                     "compare_s": time.perf_counter() - t_jobs,
+                     "reference_first": float(chosen == "reference_first")}
         result = result.model_copy(update={"breakdown": breakdown, "seconds": time.perf_counter() - t0,
                                            "params_path": params})
         if params == "seed" and result.error_kind == ErrorKind.MISMATCH and (outcome.final or {}).get("params_retry"):
@@ -318,6 +415,61 @@ class Evaluator:
                 return second.model_copy(update={"seconds": result.seconds + second.seconds})
             result.reasons.append("also wrong with Model's state_dict loaded into ModelNew")
         return result
+
+    # -- memory that scales with the problem ----------------------------------------------------
+    def _footprint_key(self, task: Task) -> str:
+        return hashlib.sha256(f"{self._target.value}|{task.model_dump_json(exclude={'path'})}".encode()).hexdigest()
+
+    def footprint(self, task: Task) -> Footprint | None:
+        """What `task`'s reference took (host and device memory), as a reference-only job of this
+        evaluator measured it; None before one has."""
+        return self._footprints.get(self._footprint_key(task.for_target(self._target)))
+
+    def _learn_footprint(self, task: Task, ref: JobOutcome) -> None:
+        found = Footprint.of(ref)
+        if found is not None:
+            self._footprints[self._footprint_key(task)] = found
+
+    def _verify_layout(self, measured: Footprint | None) -> Literal["side_by_side", "reference_first"]:
+        """Verify's layout (`VerifyConfig.layout`): "auto" runs a task side by side unless its
+        measured reference held more than `side_by_side_share` of the device's memory (GPU) or
+        of the host's."""
+        v = self.config.verify
+        if v.layout != "auto":
+            return v.layout
+        if measured is None:
+            return "side_by_side"
+        share = v.side_by_side_share
+        fits = measured.host_bytes <= share * _host_memory_bytes()
+        if self._target == Target.CUDA and measured.device_bytes is not None:
+            total = gpu_memory_bytes(0)
+            fits = fits and (total is None or measured.device_bytes <= share * total)
+        return "side_by_side" if fits else "reference_first"
+
+    def _candidate_limits(self, task: Task) -> LimitsConfig:
+        """A job that runs the candidate's code: `LimitsConfig.memory_mb` plus the host memory the
+        task's reference took (`footprint`; KernelBench builds its models on the host, then moves
+        them), once measured. The trusted reference's measurement, not the candidate's."""
+        limits = self.config.limits
+        measured = self._footprints.get(self._footprint_key(task))
+        if measured is None or measured.host_bytes <= 0:
+            return limits
+        return limits.model_copy(update={"memory_mb": limits.memory_mb + ((measured.host_bytes + (1 << 20) - 1) >> 20)})
+
+    def _reference_limits(self) -> LimitsConfig:
+        """The reference-only job's (the task's own code, no candidate's): `memory_mb`, or a
+        quarter of the host's memory where that is more, so that the first measure of a large
+        problem is not cut short."""
+        limits = self.config.limits
+        return limits.model_copy(update={"memory_mb": max(limits.memory_mb, (_host_memory_bytes() >> 20) // 4)})
+
+    def _memory_note(self, limits: LimitsConfig, reference: bool = False) -> str:
+        base = self.config.limits.memory_mb
+        how = (f"LimitsConfig.memory_mb, {base} MiB" if limits.memory_mb == base
+               else f"a quarter of the host's memory, above LimitsConfig.memory_mb ({base} MiB)" if reference
+               else f"LimitsConfig.memory_mb, {base} MiB, plus the {limits.memory_mb - base} MiB the task's "
+                    "reference took on the host")
+        return f" (host memory limit {limits.memory_mb} MiB: {how}; raise LimitsConfig.memory_mb for larger problems)"
 
     def _verify_failure(self, o: JobOutcome, kind: ErrorKind, msg: str) -> VerifyResult:
         audit = AuditResult(mode=self.config.mode, passed=False, reasons=[msg]) if kind in (
@@ -336,12 +488,12 @@ class Evaluator:
         audit_reasons: list[str] = []
         share = final.get("own_kernel_share")
         try:
-            kernel_forbidden, kernel_reasons, gpu_share = self.audit.kernels(final, artifact_dir, workspace)
+            kernel_forbidden, kernel_reasons, audit_share = self.audit.kernels(final, artifact_dir, workspace)
         except Exception as e:  # noqa: BLE001 - an object that cannot be read fails the audit, named
-            kernel_forbidden, kernel_reasons, gpu_share = ["<imports>"], [f"the import audit failed: {e}"], None
+            kernel_forbidden, kernel_reasons, audit_share = ["<imports>"], [f"the import audit failed: {e}"], None
         ops.update({str(k): int(v) for k, v in (final.get("kernels") or {}).items()})  # measured, for the profile
-        if gpu_share is not None:
-            share = gpu_share
+        if audit_share is not None:
+            share = audit_share
         if self.config.mode == "strict":
             passed = not forbidden and not kernel_forbidden
             if forbidden:
@@ -581,7 +733,7 @@ class Evaluator:
             roofline_floor_ms=floor_ms, baselines_cached=bool(base.get("cached")),
             telemetry=final.get("telemetry") or {}, reasons=reasons,
             harness_overhead_ns=run.diagnostics.get("harness_overhead_ns"), close_timeouts=run.close_timeouts,
-            clock_gap_ms=run.clock_gap_ms, params_path=params, timed_ops=[feed.ops("candidate")],
+            clock_gap_ms=run.clock_gap_ms, params_path=params, timed_ops=[run.timed_ops],
         )
         if self._target == Target.CUDA:
             result.late_launches, result.host_ms = run.late_launches

@@ -34,8 +34,18 @@ class SpareWorkerConfig(BaseModel):
     start_timeout_s: float = 600.0  # a worker must be ready (torch imported) within this
     max_result_mb: int = 16384  # capacity of a worker's result memory (outputs of all trials; sparse)
     freeze_starting_spares: bool = True  # pause spares still starting while a timing job runs
-    # a job's GPU lease ends when its result is in, not once its worker (and its CUDA context) is gone
-    release_gpu_at_result: bool = False
+    # a job's GPU lease ends when its result is in and its worker is killed, not once the worker (and
+    # its CUDA context) is gone: a killed worker launches nothing more, and its context's teardown
+    # overlaps the next timing job's load (shared) and warm-up
+    release_gpu_at_result: bool = True
+    # where a GPU timing job's exclusive lease begins: "loop" (its worker builds the problem and
+    # loads the candidate under a shared lease, as a check, and asks for the GPU alone right before
+    # its timer's calibration or its first timed call) or "job" (the whole job holds it alone)
+    exclusive_from: Literal["job", "loop"] = "loop"
+    # a GPU timer calibration measured by a timing job before its candidate loaded is given to the
+    # later timing jobs on the same GPU for this long (seconds), so that they do not measure it
+    # again under the lease; 0: each job measures its own
+    calibration_max_age_s: float = Field(default=120.0, ge=0.0)
 
     def spares_for(self, device: str) -> int:
         """How many spares `device` ("cpu", "cuda" or "cuda:N") keeps."""

@@ -33,7 +33,7 @@ from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
 from cudagym.sandbox.opwatch import build_library
-from cudagym.sandbox.schedule import RunningJob, SpareWorkerSandbox
+from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
 from cudagym.sandbox.worker.wire import TIMING_KINDS, FrameReader, Job, collect_outcome, result_memory, write_all
 
 log = logging.getLogger(__name__)
@@ -451,7 +451,9 @@ class LocalSandbox(SpareWorkerSandbox):
                 await asyncio.sleep(1.0)
             foreign_since = int(time.time() * 1e6)  # NVML's sample clock: µs of the wall clock
         outcome.device_busy = refused
-        quiet = self._quiet_windows(device, w) if timing and not refused else None
+        lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
+        quiet = self._quiet_windows(device, w, begin=lease is None or lease.exclusive) if timing and not refused \
+            else None
         frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
         if not refused:
             try:  # a large job line would block on the pipe until the worker reads it
@@ -497,7 +499,9 @@ class LocalSandbox(SpareWorkerSandbox):
         try:
             done: set[Any] = set()
             while not refused:  # the limit, extended by the time timing jobs kept this job frozen
-                left = limits.timeout_s + (running.frozen_s() if running else 0.0) - (time.perf_counter() - t_ready)
+                # (and, for a timing job, by its wait for the GPU alone)
+                extended = (running.frozen_s() if running else 0.0) + (lease.waited_s if lease else 0.0)
+                left = limits.timeout_s + extended - (time.perf_counter() - t_ready)
                 if left <= 0:
                     break
                 done, _ = await asyncio.wait([asyncio.shield(frames.done), asyncio.shield(frames.final_seen)],
@@ -533,6 +537,8 @@ class LocalSandbox(SpareWorkerSandbox):
             self._kill(w)
             if cgroup is not None:  # and whatever left the namespace's tree (no PID namespace)
                 cgroup.kill()
+            if lease is not None and self.config.release_gpu_at_result:
+                lease.release()  # killed: it launches nothing more (its context's teardown goes on)
             frames.stop()  # keeps the complete frames that arrived before the kill
             await frames.done
             if cgroup is not None and cgroup.pids_events_max() > 0:

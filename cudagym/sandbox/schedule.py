@@ -107,12 +107,28 @@ class JobScheduler:
 
     MAX_HOLDS = 100_000
 
-    def __init__(self, release_at_result: bool = False) -> None:
+    def __init__(self, release_at_result: bool = False, exclusive_from: str = "job",
+                 calibration_max_age_s: float = 0.0) -> None:
         self._gpu_leases: list[_GpuLease] | None = None
         self._cpu_slots: asyncio.Semaphore | None = None
         self._cpu_timing: asyncio.Lock | None = None
         self.release_at_result = release_at_result
+        self.exclusive_from = exclusive_from
+        self.calibration_max_age_s = calibration_max_age_s
+        self._calibrations: dict[str, tuple[dict[str, Any], float]] = {}  # device -> (fields, when measured)
         self.holds: collections.deque[LeaseHold] = collections.deque(maxlen=self.MAX_HOLDS)
+
+    def calibration_for(self, device: str) -> dict[str, Any] | None:
+        """The timer calibration last measured on `device` by a timing job before its candidate
+        loaded, if younger than `calibration_max_age_s`."""
+        known = self._calibrations.get(device)
+        if known is None or time.monotonic() - known[1] >= self.calibration_max_age_s:
+            return None
+        return dict(known[0])
+
+    def calibrated(self, device: str, fields: dict[str, Any]) -> None:
+        if self.calibration_max_age_s > 0:
+            self._calibrations[device] = dict(fields), time.monotonic()
 
     async def run(self, job: Job, device: str, responder: Responder | None, ready: Ready, run_on: RunOn,
                   unused: Unused) -> JobOutcome:
@@ -130,7 +146,8 @@ class JobScheduler:
             lease, device = self._gpu_leases[i], f"cuda:{i}"
             worker = await ready(device)
             t_ready = time.perf_counter()
-            ticket = lease.ask(exclusive, urgent=job.kind == "reference")
+            alone = exclusive and self.exclusive_from == "job"  # else a timing job starts shared
+            ticket = lease.ask(alone, urgent=job.kind == "reference")
             try:
                 while not lease.try_acquire(ticket):
                     await asyncio.sleep(0.005)
@@ -139,23 +156,28 @@ class JobScheduler:
                 unused(worker)
                 raise
             t_leased = time.perf_counter()
-            hold = LeaseHold(job.kind, exclusive, t_ready, t_leased)
+            hold = LeaseHold(job.kind, alone, t_ready, t_leased)
             self.holds.append(hold)
+            timing = JobLease(self, lease, job.kind, device, hold, responder) if exclusive else None
 
             def release(_f: object = None) -> None:
-                if hold.released_s is None:
+                if timing is not None:
+                    timing.release()
+                elif hold.released_s is None:
                     hold.released_s = time.perf_counter()
                     lease.release(exclusive)
 
             gone: asyncio.Future[None] | None = None
             try:
-                outcome, gone = await run_on(job, device, responder, worker)
+                outcome, gone = await run_on(job, device, timing if timing is not None else responder, worker)
                 hold.result_s = time.perf_counter()
             finally:  # by default the GPU is free once the worker (and its CUDA context) is gone
                 if gone is None or self.release_at_result:
                     release()
                 else:
                     gone.add_done_callback(release)
+            if timing is not None:
+                outcome.lease_upgrade_s = timing.waited_s
             return _waits(outcome, t0, t_ready, t_leased)
         if self._cpu_slots is None or self._cpu_timing is None:  # both are made at once
             self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
@@ -176,6 +198,106 @@ class JobScheduler:
         finally:
             slot.release()
         return _waits(outcome, t0, t_ready, t_leased)
+
+
+class JobLease:
+    """A GPU timing job's lease, and the responder its worker's requests go through.
+
+    With `exclusive_from == "loop"` the job starts with a shared lease, as a check: its worker
+    builds the problem and loads the candidate beside other checks (nothing times meanwhile: a
+    shared lease is never granted beside an exclusive one). Its first request for the GPU alone
+    ("exclusive", which the harness sends right before its timer's calibration or its first timed
+    call; or any "call" request, so that calls are never served without it) gives the shared lease
+    back and waits for the exclusive one, in turn; the job's time limit is extended by that wait.
+    From then on the job holds the GPU alone until its result is in (`release_at_result`) or its
+    worker is gone, as a whole-job lease would.
+
+    Calibration: "calibration_known" is answered with the calibration the scheduler keeps for
+    this GPU (`JobScheduler.calibration_for`), which is then also handed to the job's feed as if
+    the worker had sent it (the parent computes each call's time from its own copy, never from the
+    worker's); without one the worker measures its own, alone on the GPU and before its candidate
+    loads, and the first such calibration of a job, taken while it held the GPU alone and before
+    any call, is kept for the later jobs on the GPU. A candidate that forges a second calibration
+    is refused by the feed (one per job, before any call) and is never kept."""
+
+    def __init__(self, scheduler: JobScheduler, lease: _GpuLease, kind: str, device: str, hold: LeaseHold,
+                 inner: Responder | None) -> None:
+        self._scheduler, self._lease, self._kind, self._device = scheduler, lease, kind, device
+        self._inner = inner
+        self._loop = asyncio.get_running_loop()
+        self._held: bool | None = hold.exclusive  # True: alone, False: shared, None: nothing (waiting, or over)
+        self._holds = [hold]
+        self._ended = False
+        self._calibrated = self._called = False
+        self.waited_s = 0.0
+
+    @property
+    def exclusive(self) -> bool:
+        return self._held is True
+
+    async def _upgrade(self) -> None:
+        if self._held is not False or self._ended:
+            return
+        t0 = time.perf_counter()
+        self._lease.release(False)
+        self._holds[-1].released_s = t0
+        self._held = None
+        ticket = self._lease.ask(True)
+        try:
+            while not self._lease.try_acquire(ticket):
+                if self._ended:  # the job ended while it waited
+                    self._lease.withdraw(ticket)
+                    return
+                await asyncio.sleep(0.005)
+        except BaseException:
+            self._lease.withdraw(ticket)
+            raise
+        t1 = time.perf_counter()
+        if self._ended:
+            self._lease.release(True)
+            return
+        self._held = True
+        hold = LeaseHold(self._kind, True, t0, t1)
+        self._holds.append(hold)
+        self._scheduler.holds.append(hold)
+        self.waited_s += t1 - t0
+
+    def release(self) -> None:
+        """The job is over (on the loop; once)."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._held is not None:
+            self._lease.release(self._held)
+            self._holds[-1].released_s = time.perf_counter()
+            self._held = None
+
+    def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+        """Answer one of the worker's requests (on the frame reader's thread)."""
+        what = request.get("what")
+        if what in ("exclusive", "call") and self._held is False:
+            asyncio.run_coroutine_threadsafe(self._upgrade(), self._loop).result()
+            arrived_s = time.perf_counter()  # the feed's clock of this request starts now
+        if what in ("exclusive", "call") and not self.exclusive:
+            return {"refused": "the job ended before it had the GPU alone"}
+        if what == "exclusive":
+            return {}
+        if self._inner is None:
+            return {"refused": "this job takes no requests"}
+        if what == "calibration_known":
+            known = None if self._calibrated or self._called else self._scheduler.calibration_for(self._device)
+            if known is None:
+                return {}
+            reply = self._inner({"what": "calibration", "calibration": known}, arrived_s)
+            self._calibrated = True
+            return reply if "refused" in reply else {"calibration": known}
+        reply = self._inner(request, arrived_s)
+        if what == "calibration" and not self._calibrated and not self._called and self.exclusive \
+                and "refused" not in reply and isinstance(request.get("calibration"), dict):
+            self._scheduler.calibrated(self._device, request["calibration"])
+        self._calibrated |= what == "calibration"
+        self._called |= what == "call"
+        return reply
 
 
 def _waits(outcome: JobOutcome, t0: float, t_ready: float, t_leased: float) -> JobOutcome:
@@ -256,17 +378,17 @@ class QuietWindows:
         return report
 
     def responder(self, inner: Responder | None) -> Responder | None:
-        """`inner`, opening a window at each call request and closing it when a loop stops
-        (or a request is refused: the job is over)."""
+        """`inner`, opening a window at each call request (and at the request for the GPU alone)
+        and closing it when a loop stops (or a request is refused: the job is over)."""
         if inner is None:
             return None
 
         def answer(request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
-            if request.get("what") == "call":
-                self.begin()
-            reply = inner(request, arrived_s)
+            reply = inner(request, arrived_s)  # (a job that starts shared has the GPU alone once it returns)
             if reply.get("stop") or "refused" in reply:
                 self.end()
+            elif request.get("what") in ("call", "exclusive"):
+                self.begin()  # before the worker has the answer
             return reply
 
         return answer
@@ -311,7 +433,8 @@ class SpareWorkerSandbox(Sandbox):
     def _start_loop(self, name: str) -> None:
         self._loop_thread = LoopThread(name)
         self._closed = False
-        self._scheduler = JobScheduler(self.config.release_gpu_at_result)
+        self._scheduler = JobScheduler(self.config.release_gpu_at_result, self.config.exclusive_from,
+                                       self.config.calibration_max_age_s)
         self._starting: dict[str, set[asyncio.Future[None]]] = {}  # spares being started, per device
         self._quiet: dict[str, QuietWindows] = {}  # the running timing job's, per device
         # (device, `QuietWindows.load_report()`) of the last timing jobs: what their windows fenced off
@@ -372,9 +495,10 @@ class SpareWorkerSandbox(Sandbox):
         """The cumulative CPU seconds (host, `worker`'s processes, this process), or None."""
         return None
 
-    def _quiet_windows(self, device: str, worker: Any = None) -> QuietWindows:
+    def _quiet_windows(self, device: str, worker: Any = None, begin: bool = True) -> QuietWindows:
         """The quiet windows of the timing job starting now on `device` in `worker` (timing jobs
-        have a device alone, so one at a time), the first one open; `_quiet_over` closes them."""
+        have a device alone, so one at a time), the first one open unless not `begin` (a job that
+        starts with a shared lease opens it once it has the GPU alone); `_quiet_over` closes them."""
         def others() -> list[Any]:
             spares = [w for w in self._spares.get(device, []) if self._is_starting(w)]
             return (spares if self.config.freeze_starting_spares else []) + self._running_beside(device)
@@ -386,7 +510,8 @@ class SpareWorkerSandbox(Sandbox):
             return self._pause_running([i for i in items if isinstance(i, RunningJob)], on)
 
         q = self._quiet[device] = QuietWindows(pause, others, self._host_load(worker))
-        q.begin()
+        if begin:
+            q.begin()
         return q
 
     def _quiet_over(self, device: str, q: QuietWindows) -> None:

@@ -42,23 +42,41 @@ def probe_fn(p: Problem) -> Any:
 
 
 def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel) -> DeviceTimer:
-    """The job's timer, its overhead measured for this job (GPU; before any candidate code loads,
-    with the spares that are still starting paused) on a separate timer without the flush
+    """The job's timer, its overhead measured before any candidate code loads, with the GPU alone
+    (the spares that are still starting paused), on a separate timer without the flush
     (`harness_calibration`). Measured once per process while a spare waits, it read up to the
     cap in some processes on an H100 (other spares creating their CUDA contexts), and calls
     shorter than it then read 0. Without the flush the output the close reads is hot, as a
-    call's is. The calibration goes to the parent before the candidate loads."""
+    call's is. The calibration goes to the parent before the candidate loads.
+
+    On a GPU the parent may know one already: the calibration an earlier timing job measured
+    this way on the same GPU (`cudagym.sandbox.schedule.JobLease`), which it then applies to this
+    job's calls itself; this job neither measures it nor asks for the GPU alone for it."""
     native = op_watch(state).cpu_close if p.device.type == "cpu" else None
-    calibration = (harness_calibration.__wrapped__() if p.device.type == "cuda"
-                   else DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0),
-                                    native_close=native).calibrate())
+    known = ch.request("calibration_known").get("calibration") if p.device.type == "cuda" else None
+    if isinstance(known, dict):
+        calibration = Calibration(**known)
+    elif p.device.type == "cuda":
+        ch.request("exclusive")
+        calibration = harness_calibration.__wrapped__()
+    else:
+        calibration = DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0),
+                                  native_close=native).calibrate()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
                         calibration=calibration, native_close=native)
     if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
         state.callbacks_before = state.opwatch_callbacks()
-    # the parent computes each call's time with this copy (`CallFeed`): the worker's can be rewritten later
-    ch.request("calibration", calibration=timer.calibration._asdict())
+    if not isinstance(known, dict):
+        # the parent computes each call's time with this copy (`CallFeed`): the worker's can be rewritten later
+        ch.request("calibration", calibration=timer.calibration._asdict())
     return timer
+
+
+def alone(p: Problem, ch: Channel) -> None:
+    """On a GPU: wait until the job has the GPU alone (a timing job's worker prepares under a
+    shared lease, `cudagym.sandbox.schedule.JobLease`); before its timed loops."""
+    if p.device.type == "cuda":
+        ch.request("exclusive")
 
 
 def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer,
@@ -225,9 +243,13 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     check = check_tamper  # bound before any candidate code runs
     ph = Phases(state.originals["time.perf_counter"])
     p = Problem(job, state, with_candidate=False)
+    ph.mark("problem")
     timer = job_timer(p, job, state, ch)
+    ph.mark("calibration")
     p.load_candidate()
     ph.mark("load")
+    alone(p, ch)
+    ph.mark("wait_alone")
     tele0 = state.telemetry.read() if p.device.type == "cuda" else {}
     calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state)
     check(state)
@@ -235,15 +257,18 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     ph.mark("telemetry")
     if problems := inline_problems():
         raise CandidateError("compile_error", "\n".join(problems))
+    from cudagym.sandbox.worker.verify import unbuilt_code  # verify's report, at the timed loop's end too
+
     ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry,
               "telemetry": {"before": tele0, "after": tele1},
-              "phases": ph.times, "diagnostics": ph.extra})
+              "phases": ph.times, "diagnostics": ph.extra, "unbuilt_code": unbuilt_code(job)})
 
 
 def run_baseline(job: Job, ch: Channel, state: WorkerState) -> None:
     """The reference's timed loops (eager, then torch.compile), under the candidate's protocol."""
     ph = Phases(state.originals["time.perf_counter"])
     p = Problem(job, state, with_candidate=False)
+    alone(p, ch)  # the whole job: it compiles and plans between its loops
     timer = job_timer(p, job, state, ch)
     timing_run(p, p.ref, job, ch, "eager", ph, timer, state)
     body: dict[str, Any] = {"ok": True, **roofline_inputs(p)}

@@ -60,6 +60,7 @@ class JobOutcome:
     seconds: float = 0.0  # from the worker's ready frame to its exit
     wait_s: float = 0.0  # waiting for a spare worker to be ready (start-up not yet done)
     lease_wait_s: float = 0.0  # then waiting for the device (a GPU's lease, the CPU's slots)
+    lease_upgrade_s: float = 0.0  # a GPU timing job, loaded under a shared lease: waiting for the GPU alone
     phases: dict[str, float] = field(default_factory=dict)  # the worker's own time per phase (s)
     # a timing job: another process used its GPU before or during it (what was seen); the
     # timing is not valid
