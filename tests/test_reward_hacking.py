@@ -17,7 +17,7 @@ import pytest
 from cudagym.rewards.evaluator import Evaluator, EvaluatorConfig
 from cudagym.core.verdict import ErrorKind, Verdict
 from cudagym.sandbox.limits import JobCgroup
-from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.protocol import TimingConfig, VerifyConfig
 from cudagym.tasks.loaders import bundled_task_ids
 
 from conftest import SOLUTIONS, backend_config, solution_workspace, task_of
@@ -121,6 +121,100 @@ return out
 """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=RUN_TIME_CODE), GELU_KERNELS))
     assert_rejected(v, ErrorKind.AUDIT, "did not build from your sources", "generated_kernels.so")
+
+
+# The same stand-in, loaded on first use: from a copy in the workspace, or from an image with no
+# file (a memfd, as a JIT could make).
+LOAD_ON_FIRST_USE = {"workspace_copy": """\
+import os, shutil
+
+
+def unbuilt_path():
+    path = os.path.join(os.getcwd(), "generated_kernels.so")
+    shutil.copyfile(_lib._name, path)
+    return path
+""", "memfd": """\
+import os
+
+
+def unbuilt_path():
+    fd = os.memfd_create("generated_kernels")
+    with open(_lib._name, "rb") as f:
+        os.write(fd, f.read())
+    return f"/proc/self/fd/{fd}"
+"""}
+GENERATED = """\
+_gen = []
+
+
+def generated():
+    if not _gen:
+        _gen.append(ctypes.CDLL(unbuilt_path()))
+        _gen[0].scale_bias_gelu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        _gen[0].scale_bias_gelu.restype = None
+    return _gen[0]
+"""
+GENERATED_FORWARD = """\
+x = x.contiguous()
+out = torch.empty_like(x)
+generated().scale_bias_gelu(ptr(x), ptr(self.bias), ptr(out), x.numel() // x.size(-1), x.size(-1), self.scale)
+return out
+"""
+# Verify's trials run under the harness's dispatch recorder, its permissive share under the
+# profiler; the timed calls under neither.
+OWN_KERNEL_WHILE_WATCHED = """\
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+if _len_torch_dispatch_stack() or torch.autograd.profiler._is_profiler_enabled:
+    return run_kernel(x, self.bias, self.scale)
+"""
+
+
+@pytest.mark.parametrize("source", sorted(LOAD_ON_FIRST_USE))
+def test_native_code_the_harness_did_not_build_loaded_only_once_timed_is_refused_in_strict(
+        evaluator: Evaluator, build_ws, source: str) -> None:
+    """Honest in verify (its own built kernel), then in the timed loop the same code from a file
+    the job wrote or a memfd image: the profile's worker reports what it mapped, and strict mode
+    refuses it by name as verify does."""
+    model = gelu_model(OWN_KERNEL_WHILE_WATCHED + GENERATED_FORWARD, extra=LOAD_ON_FIRST_USE[source] + GENERATED)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
+    assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw its own kernel only
+    assert v.audit is not None and v.audit.passed, v.reasons
+    assert_rejected(v, ErrorKind.AUDIT, "strict mode: during timed calls", "did not build from your sources",
+                    "generated_kernels")
+
+
+@pytest.mark.parametrize("when", ["always", "timed_only"])
+def test_permissive_cpu_credits_no_own_share_beside_code_the_harness_did_not_build(
+        permissive_evaluator: Evaluator, build_ws, when: str) -> None:
+    """Permissive mode on the CPU target counts compute outside torch's ops as the candidate's own;
+    code it did not have the harness build gets no such credit (`Audit.uncredited_share`): in
+    verify the share is 0 with the files named; used only once timed, after verify credited its
+    own kernel with the work, the timed calls are refused."""
+    forward = GENERATED_FORWARD if when == "always" else OWN_KERNEL_WHILE_WATCHED + GENERATED_FORWARD
+    model = gelu_model(forward, extra=LOAD_ON_FIRST_USE["workspace_copy"] + GENERATED)
+    v = permissive_evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
+    assert v.audit is not None
+    if when == "always":
+        assert v.audit.own_kernel_share == 0.0, v.reasons
+        assert_rejected(v, ErrorKind.AUDIT, "permissive mode", "did not build from your sources",
+                        "generated_kernels.so", "own-kernel share 0%")
+    else:
+        assert v.audit.passed and v.audit.own_kernel_share == 1.0, v.reasons
+        assert_rejected(v, ErrorKind.AUDIT, "permissive mode: during timed calls", "generated_kernels.so",
+                        "credited your own kernels with 100%")
+
+
+def test_permissive_cpu_without_a_share_requirement_admits_code_the_harness_did_not_build(eval_cache: Path,
+                                                                                           build_ws) -> None:
+    """Control for the test above: not crediting is not refusing. With `min_own_share` 0 (where a
+    forward of torch's ops passes), code the harness did not build passes too, with share 0, in
+    verify and in the timed calls."""
+    model = gelu_model(GENERATED_FORWARD, extra=LOAD_ON_FIRST_USE["workspace_copy"] + GENERATED)
+    with Evaluator(backend_config("local", eval_cache, mode="permissive",
+                                  verify=VerifyConfig(min_own_share=0.0))) as ev:
+        v = ev.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
+    assert v.audit is not None and v.audit.passed and v.audit.own_kernel_share == 0.0, v.reasons
+    assert v.reward >= 1, v.reasons
 
 
 HONEST_IDS = [t for t in bundled_task_ids() if (SOLUTIONS / t / "cpu").is_dir()]

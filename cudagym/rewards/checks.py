@@ -31,13 +31,23 @@ from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.feed import CallFeed
 from cudagym.sandbox.jit import own_jit_images
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
-from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.protocol import TimingConfig, VerifyConfig
 from cudagym.tasks.model import Target, Task
 
 _KIND = {k.value: k for k in ErrorKind}
 _COUNT = TypeAdapter(int)  # a count the worker reported, read as `ProfileResult`'s fields read it
 FORBIDDEN_IMPORTS = ("strict mode: your built code imports what strict mode forbids (torch's compute below the "
                      "dispatcher, run-time symbol lookup, RecordFunction's switches): ")
+UNBUILT_CODE = ("ModelNew ran native code the harness did not build from your sources (generated or built at run "
+                "time, e.g. torch.compile's C++ kernels): ")
+# a profile's unbuilt files among its timed calls' counts (`TimedRun.timed_ops`): no op, no kernel record
+UNBUILT_KEY = "kernel\tunbuilt\t"
+
+
+def unbuilt_files(final: dict[str, Any]) -> list[str]:
+    """The files of native code the harness did not build that a worker reported it had mapped
+    executable (`cudagym.sandbox.worker.verify.unbuilt_code`: verify's and the profile's workers)."""
+    return [str(p) for p in final.get("unbuilt_code") or []]
 
 
 def outcome_failure(o: JobOutcome, what: str) -> tuple[ErrorKind, str] | None:
@@ -83,6 +93,7 @@ class AuditSettings(Protocol):
 
     mode: AuditMode
     cache_dir: Path
+    verify: VerifyConfig
 
 
 class Audit:
@@ -113,20 +124,23 @@ class Audit:
     def kernels(self, final: dict[str, Any], artifact_dir: str | None,
                 workspace: str | None = None) -> tuple[list[str], list[str], float | None]:
         """Verify's kernel-origin and import rules (GPU: every kernel of every trial by origin;
-        both targets: the imports of the extensions it loaded): (forbidden, reasons, GPU share)."""
+        both targets: the imports of the extensions it loaded, and native code the harness did
+        not build): (forbidden, reasons, share). `share`: the own-kernel share this process
+        decides (GPU: by origin; CPU: `uncredited_share`), or None to keep the worker's."""
         imports = self.imports(artifact_dir, list(final.get("own_objects") or []))
         forbidden: list[str] = []
         reasons: list[str] = []
         if self.config.mode == "strict" and imports.forbidden:
             forbidden += [s for s, _, _ in imports.forbidden]
             reasons.append(FORBIDDEN_IMPORTS + "; ".join(imports.reasons()))
-        unbuilt = [str(p) for p in final.get("unbuilt_code") or []]
-        if self.config.mode == "strict" and unbuilt:  # `cudagym.sandbox.worker.verify.unbuilt_code`
+        unbuilt = unbuilt_files(final)
+        if self.config.mode == "strict" and unbuilt:
             forbidden += unbuilt
-            reasons.append("strict mode: ModelNew ran native code the harness did not build from your sources "
-                           "(generated or built at run time, e.g. torch.compile's C++ kernels): "
-                           + "; ".join(unbuilt[:4]))
+            reasons.append("strict mode: " + UNBUILT_CODE + "; ".join(unbuilt[:4]))
         if self.target != Target.CUDA:
+            if self.config.mode == "permissive" and unbuilt:
+                uncredited, uncredited_why = self.uncredited_share(unbuilt)
+                return forbidden, reasons + uncredited_why, uncredited
             return forbidden, reasons, None
         if final.get("kernels") is None:
             why = final.get("kernel_watch_error") or "no kernel records came back"
@@ -146,19 +160,47 @@ class Audit:
                 share = own_time_share(records, origins)
         return forbidden, reasons, share
 
+    def uncredited_share(self, unbuilt: list[str]) -> tuple[float, list[str]]:
+        """Permissive mode on the CPU target, where native code the harness did not build ran
+        (`unbuilt`): the own-kernel share (0), and why it fails where the mode asks for any.
+
+        On the CPU the share is what torch's ops leave of the reference's work (the worker's
+        `own_kernel_share`, in elements): all compute outside torch's ops counts as the
+        candidate's. With no kernel records there, its own built code and code generated or
+        built at run time (inductor's C++ kernels, a library compiled or copied into the
+        workspace, a memfd image) are one unmeasured remainder. That code is not the
+        candidate's own work (on a GPU the kernel-origin audit counts inductor's kernels as
+        foreign), and nothing tells how much of the remainder it did: so none of it is
+        credited, as though it did all of it. Such code is not refused as such: permissive mode
+        admits foreign work, and with `min_own_share` 0 a forward of it passes as one of torch's
+        ops would; above 0 the reason names the files. The timed calls are held to the same
+        (`timed_calls`): where verify credited a share, unbuilt code in them is refused."""
+        need = self.config.verify.min_own_share
+        if need <= 0:
+            return 0.0, []
+        return 0.0, [f"permissive mode: {UNBUILT_CODE}{'; '.join(unbuilt[:4])}; on the CPU target its work cannot "
+                     f"be told from your own kernels', so none of the work outside torch's ops counts as yours "
+                     f"(own-kernel share 0%, needs >= {need:.0%})"]
+
     def timed_calls(self, timed_ops: dict[str, int], artifact_dir: str | None,
                     measured: VerifyResult | None, workspace: str | None = None) -> str | None:
         """The audit of the timed loop's calls (warm-up included), from the counts and kernel
-        records they reported: strict, the op rule and (GPU) the kernel-origin rule, as in
-        verify; permissive, with `measured`, no foreign work per call beyond the verify trials'
-        (torch compute ops on the CPU, foreign kernels' threads on the GPU). Why it fails, or None."""
+        records they reported and the native code the harness did not build that the job ran
+        (`TimedRun.timed_ops`): strict, the op rule, that code refused and (GPU) the
+        kernel-origin rule, as in verify; permissive, with `measured`, no foreign work per call
+        beyond the verify trials' (torch compute ops on the CPU, foreign kernels' threads on the
+        GPU), and on the CPU no such code where verify credited an own-kernel share
+        (`uncredited_share`). Why it fails, or None."""
         records = records_from_counts(timed_ops)
         ops = op_counts(timed_ops)
+        unbuilt = [str(k)[len(UNBUILT_KEY):] for k in timed_ops if str(k).startswith(UNBUILT_KEY)]
         if self.config.mode == "strict":
             forbidden = forbidden_ops(ops)
             if forbidden:
                 return ("strict mode: during timed calls, ModelNew.forward ran torch compute ops "
                         + ", ".join(forbidden) + " (only your own kernels plus allocation/view ops are allowed)")
+            if unbuilt:
+                return "strict mode: during timed calls, " + UNBUILT_CODE + "; ".join(unbuilt[:4])
             if self.target == Target.CUDA:
                 if not records:  # the probes among the calls launch kernels: none recorded, no watcher
                     return "the kernel-origin audit could not run in the timed calls: no kernel records came back"
@@ -169,6 +211,10 @@ class Audit:
             return None
         if measured is None or measured.audit is None or not measured.trials:
             return None
+        if self.target != Target.CUDA and unbuilt and (measured.audit.own_kernel_share or 0.0) > 0:
+            return ("permissive mode: during timed calls, " + UNBUILT_CODE + "; ".join(unbuilt[:4])
+                    + f"; verify's trials ran none and credited your own kernels with "
+                      f"{measured.audit.own_kernel_share:.0%} of the work, which this code would take")
         calls = int(timed_ops.get(MODEL_CALLS_KEY, 0))
         seen = measured.audit.ops_seen
         if self.target == Target.CUDA:
@@ -234,6 +280,13 @@ class TimedRun:
     @property
     def diagnostics(self) -> dict[str, Any]:
         return self.final.get("diagnostics") or {}
+
+    @cached_property
+    def timed_ops(self) -> dict[str, int]:
+        """What `Audit.timed_calls` judges, here and where the profile is reused: the candidate's
+        timed calls' op counts and kernel records (`CallFeed.ops`), and the native code the
+        harness did not build that its worker reported at the loop's end (`UNBUILT_KEY`)."""
+        return {**self.feed.ops("candidate"), **{UNBUILT_KEY + f: 1 for f in unbuilt_files(self.final)}}
 
     @cached_property
     def times(self) -> list[float]:
@@ -342,10 +395,10 @@ async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
 
 async def timed_calls_audited(run: TimedRun) -> Finding | None:
     """Refuses timed calls that break the audit verify applied to its trials (`Audit.timed_calls`:
-    strict, the op rule and the kernel-origin rule; permissive, foreign work per call beyond what
-    verify's trials did, unmeasured by their own-kernel share): a candidate may behave
-    differently once timed."""
-    why = run.audit.timed_calls(run.feed.ops("candidate"), run.artifact_dir, run.measured, run.workspace)
+    strict, the op rule, native code the harness did not build, and the kernel-origin rule;
+    permissive, foreign work per call beyond what verify's trials did, unmeasured by their
+    own-kernel share): a candidate may behave differently once timed."""
+    why = run.audit.timed_calls(run.timed_ops, run.artifact_dir, run.measured, run.workspace)
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 
 

@@ -257,8 +257,10 @@ def unbuilt_code(job: Job) -> list[str]:
     """Files this process has mapped executable that the job could write and the harness did not
     build (under the job's workspace, outside the candidate's build artifacts), and images with no
     file (memfd): native code generated or built at run time, such as inductor's C++ kernels
-    compiled in `__init__`, or a copy of a library the audit would not name. Strict mode refuses
-    it (the parent, `Audit.kernels`): the import audit reads only what the harness built."""
+    compiled in `__init__`, or a copy of a library the audit would not name. Verify's and the
+    profile's workers report it at their end; the parent judges it (`Audit.kernels`,
+    `Audit.timed_calls`): strict mode refuses it (the import audit reads only what the harness
+    built), permissive mode on the CPU target credits no own-kernel share beside it."""
     roots = [os.path.realpath(r) for r in (job.artifact_dir, str(Path(job.cache_dir) / "inline")) if r]
     workspace = os.path.realpath(job.workspace) + "/" if job.workspace else None
     found: list[str] = []
