@@ -56,6 +56,14 @@ def gpu_local_cpus(index: int) -> tuple[int, ...]:
     return tuple(sorted(cpus & os.sched_getaffinity(0)))
 
 
+@lru_cache(maxsize=None)
+def gpu_memory_bytes(index: int = 0) -> int | None:
+    """Total memory of visible GPU `index` (NVML), in bytes; None without it."""
+    total = _nvml(lambda nv, idx: int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(idx[index])).total)
+                  if index < len(idx) else None)
+    return int(total) if total else None
+
+
 def gpu_count() -> int:
     return len(gpu_names())
 

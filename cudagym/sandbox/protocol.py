@@ -77,6 +77,15 @@ class VerifyConfig(BaseModel):
     # beside the trial's own 3x the output (the output, its snapshot, the reference's); a 1 GiB
     # output sent whole was killed after five trials (`benchmarks/probe_verify_memory.py`).
     whole_output_mb: int = Field(default=256, ge=1)
+    # Where verify's two workers run (`cudagym.rewards.evaluator.Evaluator.averify`): the
+    # candidate's and the reference-only worker at once ("side_by_side"), or the reference's job
+    # first and then the candidate's ("reference_first": one problem's memory on the device at a
+    # time, as KernelBench's harness runs them). "auto": side by side where the task's reference,
+    # measured by an earlier job of the evaluator, held at most `side_by_side_share` of the
+    # device's memory and of the host's; else reference first. A task not yet measured runs side
+    # by side and, if a job of it ran out of memory, once more reference first.
+    layout: Literal["auto", "side_by_side", "reference_first"] = "auto"
+    side_by_side_share: float = Field(default=0.1, gt=0.0, le=1.0)
 
 
 MAX_IDLE_MS = 1000.0  # the longest gap server mode may idle before a call
@@ -157,7 +166,10 @@ class LimitsConfig(BaseModel):
     """Per-job sandbox limits."""
 
     timeout_s: float = 120.0
-    memory_mb: int = 8192  # host memory of the worker (resident)
+    # host memory of the worker (resident). A job running the candidate's code gets this plus the
+    # host memory the task's reference took, measured by a reference-only job of the evaluator
+    # (`Evaluator.averify`): KernelBench builds a model on the host before moving it to the GPU.
+    memory_mb: int = 8192
     max_processes: int = 64  # processes + threads of the job
     max_file_mb: int = 64
     network: bool = False

@@ -177,6 +177,10 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
         if after[0] > before[0]:
             raise CandidateError("audit", "ModelNew.forward left threads running after it returned")
         ph.mark("candidate")
+        # its inputs are not needed after the call: a candidate-first trial's reference then runs
+        # beside two input sets (the trial's and its own clone), not three (KernelBench level 1
+        # task 45: 16 GiB each)
+        del args
         snap = [o.detach().clone() for o in outs]  # on the device: the values at return time
         out_bytes = sum(o.numel() * o.element_size() for o in outs)
         sampled = [i for i, o in enumerate(snap) if not sent_whole(o, job)]
@@ -201,7 +205,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
         if not all(same_bits(o, s) for o, s in zip(outs, snap)):
             raise CandidateError("audit", "an output of ModelNew.forward changed after forward returned "
                                  "(work finishing in the background)")
-        del outs, out, snap, args
+        del outs, out, snap
         ph.mark("settle")
     kernels = records_as_counts(kwatch.records()) if kwatch else None
     own_share, share_kernels = None, None
@@ -220,8 +224,18 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
 
 def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
     """The reference's outputs for the verify plan, in a worker that runs no candidate code: whole,
-    or, with the trial's evidence seed (verify) and above `whole_output_mb`, as evidence."""
+    or, with the trial's evidence seed (verify) and above `whole_output_mb`, as evidence.
+
+    Its final result also says how much memory the problem took (`footprint`): the evaluator
+    sizes later jobs of the same task by it (which layout verify runs in, the candidate's host
+    memory limit; `Evaluator.averify`). Measured here because this worker runs only the task's
+    own code. Before that result, each output is overwritten and the device memory given back,
+    so that no reference output outlives the job in memory another process may be handed."""
     ph = Phases(state.originals["time.perf_counter"])
+    host0, virtual0 = _status_kib("VmRSS"), _status_kib("VmSize")
+    device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     p = Problem(job, state, with_candidate=False)
     ph.mark("load")
     with torch.no_grad():
@@ -236,8 +250,44 @@ def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
                     ch.send_tensor("reference", t, i, o)
                 if t < len(job.projection_seeds):  # the re-check of a timed call: its projections, same weights
                     ch.send_tensor("projection", t, i, projection(o, job.projection_seeds[t], i))
+            _poison(p, out)
+            del out
             ph.mark("send")
-    ch.final({"ok": True, "trials": len(job.trial_seeds), "phases": ph.times})
+    # host: its resident peak's growth; on the CPU, whose limit is on address space
+    # (`apply_rlimits`), the growth of its address space's peak if that is more
+    grown = max(_status_kib("VmHWM") - host0, _status_kib("VmPeak") - virtual0 if device.type == "cpu" else 0, 0)
+    footprint = {"host_bytes": grown << 10,
+                 "param_bytes": sum(q.numel() * q.element_size() for q in [*p.ref.parameters(), *p.ref.buffers()])}
+    if device.type == "cuda":
+        footprint["device_bytes"] = int(torch.cuda.max_memory_reserved(device))
+        del p
+        torch.cuda.empty_cache()
+    ch.final({"ok": True, "trials": len(job.trial_seeds), "phases": ph.times, "footprint": footprint})
+
+
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: its peak), 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _poison(p: Problem, outs: list[torch.Tensor]) -> None:
+    """Overwrite the reference's floating outputs once they are sent; not views (of its inputs or
+    state) nor any tensor the model holds (parameters, buffers, plain attributes), which later
+    trials may return again."""
+    held = [*p.ref.parameters(), *p.ref.buffers(),
+            *(v for m in p.ref.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
+    keep = {q.untyped_storage().data_ptr() for q in held}
+    for o in outs:
+        if o.is_floating_point() and o._base is None and o.untyped_storage().data_ptr() not in keep:  # noqa: SLF001
+            o.fill_(float("nan"))
+    p.sync()
 
 
 def own_objects(job: Job) -> list[str]:
