@@ -564,7 +564,8 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
     reused), from their results: timed-loop calls (p50, p95), the median's confidence interval
     (`TimingStats.median_ci_rel`, p50), and the worker's phases, p50 s: `problem` (its set-up),
     `calibration` (the timer's), `load` (the candidate's), `wait_alone` (for the GPU alone), the
-    timed loop, the end checks (`telemetry`: tamper checks and telemetry), the whole job from its ready worker to
+    timed loop (and in it, on the parent's clock, the warm-up, its calls, and the timed calls), the end
+    checks (`telemetry`: tamper checks and telemetry), the whole job from its ready worker to
     its result (`worker`), and the part of that outside the worker's own phases (the parent's
     device checks before and after, the job line, the result); submits, and how many reused their
     episode's profile."""
@@ -590,6 +591,9 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
             "wait_alone_p50_s": percentile(phase("candidate.wait_alone_s"), 50),
             "end_checks_p50_s": percentile(phase("candidate.telemetry_s"), 50),
             "timed_loop_p50_s": percentile(phase("candidate.candidate_timed_loop_s"), 50),
+            "warmup_p50_s": percentile(phase("feed.candidate_warmup_s"), 50),
+            "warmup_calls_p50": percentile(phase("feed.candidate_warmup_calls"), 50),
+            "timed_p50_s": percentile(phase("feed.candidate_timed_s"), 50),
             "timed_loop_p95_s": percentile(phase("candidate.candidate_timed_loop_s"), 95),
             "worker_p50_s": percentile(phase("candidate.worker_s"), 50),
             "outside_phases_p50_s": percentile([x for c in jobs if (x := outside(c)) is not None], 50),
@@ -620,7 +624,8 @@ def lease_table(rows: list[dict[str, Any]]) -> Table:
 
 def timing_job_table(rows: list[dict[str, Any]]) -> Table:
     cols = ("jobs", "timed_calls_p50", "timed_calls_p95", "median_ci_rel_p50", "problem_p50_s", "calibration_p50_s",
-            "load_p50_s", "wait_alone_p50_s", "timed_loop_p50_s", "timed_loop_p95_s", "end_checks_p50_s",
+            "load_p50_s", "wait_alone_p50_s", "timed_loop_p50_s", "warmup_p50_s", "warmup_calls_p50", "timed_p50_s",
+            "timed_loop_p95_s", "end_checks_p50_s",
             "worker_p50_s", "outside_phases_p50_s", "submits", "submits_reused")
     return _per_row_table("the candidate's timing jobs per row: timed-loop calls, the median's 95% interval "
                           "(relative half-width), the worker's phases (seconds, p50), submits that reused their "

@@ -297,3 +297,40 @@ def test_a_timing_job_that_ends_while_waiting_for_the_gpu_leaves_no_lease():
         assert (lease.shared, lease.exclusive, lease.waiting) == (0, False, {})
 
     asyncio.run(main())
+
+
+def test_a_timing_job_gives_the_gpu_back_between_its_calibration_and_its_loop():
+    """"exclusive" (the calibration), "shared" (the candidate's load: a check may run beside it),
+    then the first call has the GPU alone again; "shared" after a call is refused."""
+
+    async def main() -> None:
+        sched = JobScheduler(exclusive_from="loop")
+        log: list = []
+        loading = asyncio.Event()
+        beside: list[bool] = []
+
+        async def timing(ask) -> dict:
+            assert await ask({"what": "exclusive"}) == {}
+            assert await ask({"what": "shared"}) == {}
+            loading.set()
+            await asyncio.sleep(0.05)
+            assert await ask({"what": "call", "role": "candidate", "index": 0}) == {"seed": 1}
+            assert "refused" in await ask({"what": "shared"})
+            return {}
+
+        async def check(ask) -> dict:
+            await loading.wait()
+            beside.append(sched._gpu_leases[0].shared == 2)  # the timing job's load and this check
+            return {}
+
+        t = _answers("profile", sched, timing, log)
+        await asyncio.sleep(0.01)
+        c = _answers("verify", sched, check, log)
+        await asyncio.wait_for(asyncio.gather(t, c), 5)
+        assert beside == [True]
+        kinds = [(h.kind, h.exclusive) for h in sched.holds if h.kind == "profile"]
+        assert kinds == [("profile", False), ("profile", True), ("profile", False), ("profile", True)]
+        lease = sched._gpu_leases[0]
+        assert (lease.shared, lease.exclusive, lease.waiting) == (0, False, {})
+
+    asyncio.run(main())

@@ -742,6 +742,7 @@ class Evaluator:
                                                "reasons": [*reasons, refusal.reason]})
         breakdown = {"build_check_s": t_built - t0, "baselines_s": t_base - t_built, "job_s": t_job - t_base,
                      **_job_breakdown("candidate", o), "compare_s": t_cmp - t_job,
+                     **{f"feed.candidate_{k}": v for k, v in feed.timeline("candidate").items()},
                      "stats_s": time.perf_counter() - t_cmp}
         return result.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": breakdown})
 

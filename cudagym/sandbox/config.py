@@ -38,14 +38,18 @@ class SpareWorkerConfig(BaseModel):
     # its CUDA context) is gone: a killed worker launches nothing more, and its context's teardown
     # overlaps the next timing job's load (shared) and warm-up
     release_gpu_at_result: bool = True
-    # where a GPU timing job's exclusive lease begins: "loop" (its worker builds the problem and
-    # loads the candidate under a shared lease, as a check, and asks for the GPU alone right before
-    # its timer's calibration or its first timed call) or "job" (the whole job holds it alone)
+    # when a GPU timing job holds the GPU alone: "loop" (for its timer's calibration, before the
+    # candidate loads, and from its first timed call on; it builds the problem and loads the
+    # candidate under a shared lease, as a check: `cudagym.sandbox.schedule.JobLease`) or "job"
+    # (the whole job)
     exclusive_from: Literal["job", "loop"] = "loop"
     # a GPU timer calibration measured by a timing job before its candidate loaded is given to the
     # later timing jobs on the same GPU for this long (seconds), so that they do not measure it
-    # again under the lease; 0: each job measures its own
-    calibration_max_age_s: float = Field(default=120.0, ge=0.0)
+    # again under the lease; 0 (the default): each job measures its own. Off because on an H100 a
+    # calibration handed over read the later jobs' small kernels 0.6-0.8 us slower (a 3 us GELU
+    # 4.0-4.5 us against 2.9-3.4, layernorm 130.5 against 129.8 us): the timer's read phase and
+    # overhead are the process's own, and its own calibration is what keeps them out
+    calibration_max_age_s: float = Field(default=0.0, ge=0.0)
 
     def spares_for(self, device: str) -> int:
         """How many spares `device` ("cpu", "cuda" or "cuda:N") keeps."""

@@ -253,6 +253,18 @@ class CallFeed:
             return []
         return [c for c in r.calls[r.timed_from:] if c.probe == probes]
 
+    def timeline(self, role: str) -> dict[str, float]:
+        """Where the role's loop went on the parent's clock (diagnostics, seconds): its warm-up (first
+        call asked to first timed call asked), its timed calls (to the stop), and how many calls of
+        each kind were made."""
+        r = self._roles.get(role)
+        if r is None or r.timed_from is None or not r.calls or not r.stopped:
+            return {}
+        first, last = r.calls[r.timed_from].asked_s, r.calls[-1]
+        end = last.asked_s + (last.wall_ms or 0.0) / 1e3
+        return {"warmup_s": first - r.calls[0].asked_s, "timed_s": end - first,
+                "warmup_calls": float(r.timed_from), "timed_calls": float(len(r.calls) - r.timed_from)}
+
     def times_ms(self, role: str) -> list[float]:
         return [c.ms for c in self.timed(role) if c.ms is not None]
 

@@ -375,12 +375,12 @@ class LocalSandbox(SpareWorkerSandbox):
             todo.extend((c, inside) for c in children.get(pid, []))
         return ours
 
-    async def _device_check(self, device: str, since_us: int = 0) -> str | None:
-        """What processes other than the sandboxes' (`_ours`) do on `device` (a GPU) now, or
-        since `since_us`; None if nothing. The evaluator's own process may hold an idle context
-        (a test, a trainer's), not run kernels."""
+    async def _device_check(self, device: str, since_us: int = 0, also_ours: set[int] | None = None) -> str | None:
+        """What processes other than the sandboxes' (`_ours`, and `also_ours`: a job's killed
+        worker) do on `device` (a GPU) now, or since `since_us`; None if nothing. The evaluator's
+        own process may hold an idle context (a test, a trainer's), not run kernels."""
         index = int(device.split(":")[1]) if ":" in device else 0
-        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours(), since_us,
+        return await asyncio.to_thread(lambda: foreign_gpu_use(index, self._ours() | (also_ours or set()), since_us,
                                                                self.config.gpu_sharing_allow,
                                                                idle_ok=frozenset({os.getpid()})))
 
@@ -525,12 +525,8 @@ class LocalSandbox(SpareWorkerSandbox):
                 self._running.remove(running)
                 self._pause_running([running], False)
             dog.cancel()
-            if foreign_since and not refused:  # did another process use the GPU meanwhile?
-                seen = await self._device_check(device, foreign_since) or foreign
-                if seen is not None:
-                    outcome.host_load["gpu_foreign"] = seen
-                    if self.config.gpu_sharing == "refuse":
-                        outcome.device_busy = f"another process used {device} during the timing job: {seen}"
+            after_check = bool(foreign_since and not refused)  # did another process use the GPU meanwhile?
+            job_pids = {p.pid for p in self._tree(w.proc.pid)} if after_check else set()
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
             # process with it; nothing the candidate started can write anything after this.
@@ -539,6 +535,12 @@ class LocalSandbox(SpareWorkerSandbox):
                 cgroup.kill()
             if lease is not None and self.config.release_gpu_at_result:
                 lease.release()  # killed: it launches nothing more (its context's teardown goes on)
+            if after_check:  # NVML's samples since the job began (the killed worker's processes are ours)
+                seen = await self._device_check(device, foreign_since, job_pids) or foreign
+                if seen is not None:
+                    outcome.host_load["gpu_foreign"] = seen
+                    if self.config.gpu_sharing == "refuse":
+                        outcome.device_busy = f"another process used {device} during the timing job: {seen}"
             frames.stop()  # keeps the complete frames that arrived before the kill
             await frames.done
             if cgroup is not None and cgroup.pids_events_max() > 0:

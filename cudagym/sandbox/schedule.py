@@ -204,13 +204,16 @@ class JobLease:
     """A GPU timing job's lease, and the responder its worker's requests go through.
 
     With `exclusive_from == "loop"` the job starts with a shared lease, as a check: its worker
-    builds the problem and loads the candidate beside other checks (nothing times meanwhile: a
-    shared lease is never granted beside an exclusive one). Its first request for the GPU alone
-    ("exclusive", which the harness sends right before its timer's calibration or its first timed
-    call; or any "call" request, so that calls are never served without it) gives the shared lease
-    back and waits for the exclusive one, in turn; the job's time limit is extended by that wait.
-    From then on the job holds the GPU alone until its result is in (`release_at_result`) or its
-    worker is gone, as a whole-job lease would.
+    builds the problem beside other checks (nothing times meanwhile: a shared lease is never
+    granted beside an exclusive one). Its request for the GPU alone ("exclusive", which the harness
+    sends right before its timer's calibration and again before its first timed call; or any
+    "call" request, so that calls are never served without it) gives the shared lease back and
+    waits for the exclusive one, in turn; "shared" (sent once the calibration is in, before the
+    candidate loads) gives the GPU back and waits for a shared lease, so that the candidate's load
+    (its build, its parameters, the harness's checks of it) runs beside checks and not in a
+    timing job's exclusive time; refused once calls began. The job's time limit is extended by
+    these waits. From its first call the job holds the GPU alone until its result is in
+    (`release_at_result`) or its worker is gone, as a whole-job lease would.
 
     Calibration: "calibration_known" is answered with the calibration the scheduler keeps for
     this GPU (`JobScheduler.calibration_for`), which is then also handed to the job's feed as if
@@ -262,6 +265,34 @@ class JobLease:
         self._scheduler.holds.append(hold)
         self.waited_s += t1 - t0
 
+    async def _downgrade(self) -> None:
+        """Give the GPU back and share it again (after the calibration: the candidate loads beside checks)."""
+        if self._held is not True or self._ended:
+            return
+        t0 = time.perf_counter()
+        self._lease.release(True)
+        self._holds[-1].released_s = t0
+        self._held = None
+        ticket = self._lease.ask(False)
+        try:
+            while not self._lease.try_acquire(ticket):
+                if self._ended:
+                    self._lease.withdraw(ticket)
+                    return
+                await asyncio.sleep(0.005)
+        except BaseException:
+            self._lease.withdraw(ticket)
+            raise
+        t1 = time.perf_counter()
+        if self._ended:
+            self._lease.release(False)
+            return
+        self._held = False
+        hold = LeaseHold(self._kind, False, t0, t1)
+        self._holds.append(hold)
+        self._scheduler.holds.append(hold)
+        self.waited_s += t1 - t0
+
     def release(self) -> None:
         """The job is over (on the loop; once)."""
         if self._ended:
@@ -282,6 +313,12 @@ class JobLease:
             return {"refused": "the job ended before it had the GPU alone"}
         if what == "exclusive":
             return {}
+        if what == "shared":  # only before any call: a loop is never served on a shared GPU
+            if self._called:
+                return {"refused": "the GPU was asked back after calls began"}
+            if self._held is True and self._scheduler.exclusive_from == "loop":
+                asyncio.run_coroutine_threadsafe(self._downgrade(), self._loop).result()
+            return {} if self._held is not None else {"refused": "the job ended before it had the GPU back"}
         if self._inner is None:
             return {"refused": "this job takes no requests"}
         if what == "calibration_known":
@@ -385,7 +422,7 @@ class QuietWindows:
 
         def answer(request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
             reply = inner(request, arrived_s)  # (a job that starts shared has the GPU alone once it returns)
-            if reply.get("stop") or "refused" in reply:
+            if reply.get("stop") or "refused" in reply or request.get("what") == "shared":
                 self.end()
             elif request.get("what") in ("call", "exclusive"):
                 self.begin()  # before the worker has the answer

@@ -198,9 +198,11 @@ def check_torch_lookups(state: WorkerState) -> None:
                              f"{state.torch_lookups[0][:120]} through ctypes: torch's compute below the dispatcher")
 
 
-def check_tamper(state: WorkerState) -> None:
+def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     """Raise if a watched function, a harness function (or its code) or method was replaced, or a
-    Python profile, trace or audit hook was set or tried."""
+    Python profile, trace or audit hook was set or tried; with `dispatcher`, also if kernels of
+    torch's ops were registered (`dispatch_table`, ~70 ms: a job's last check, bound before any
+    candidate code ran, always reads it)."""
     if state.hook_attempts:
         raise CandidateError("tamper", f"the candidate tried to set a Python hook ({state.hook_attempts[0]})")
     check_torch_lookups(state)
@@ -213,7 +215,7 @@ def check_tamper(state: WorkerState) -> None:
     for name, (obj, attr) in WATCHED.items():
         if getattr(obj, attr, None) is not originals[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
-    before = state.dispatch
+    before = state.dispatch if dispatcher else None
     if before and (changed := sorted(n for n, k in dispatch_table(originals).items()
                                      if n in before and before[n] != k)):
         raise CandidateError("tamper", "the candidate registered kernels of its own for torch's ops with the "

@@ -41,7 +41,7 @@ def probe_fn(p: Problem) -> Any:
     return fill
 
 
-def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel) -> DeviceTimer:
+def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after: bool = False) -> DeviceTimer:
     """The job's timer, its overhead measured before any candidate code loads, with the GPU alone
     (the spares that are still starting paused), on a separate timer without the flush
     (`harness_calibration`). Measured once per process while a spare waits, it read up to the
@@ -51,7 +51,9 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel) -> DeviceTi
 
     On a GPU the parent may know one already: the calibration an earlier timing job measured
     this way on the same GPU (`cudagym.sandbox.schedule.JobLease`), which it then applies to this
-    job's calls itself; this job neither measures it nor asks for the GPU alone for it."""
+    job's calls itself; this job neither measures it nor asks for the GPU alone for it. With
+    `share_after`, a GPU job gives the GPU back once its calibration is in (its candidate then
+    loads under a shared lease; `alone` asks for it again before the timed loop)."""
     native = op_watch(state).cpu_close if p.device.type == "cpu" else None
     known = ch.request("calibration_known").get("calibration") if p.device.type == "cuda" else None
     if isinstance(known, dict):
@@ -69,6 +71,8 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel) -> DeviceTi
     if not isinstance(known, dict):
         # the parent computes each call's time with this copy (`CallFeed`): the worker's can be rewritten later
         ch.request("calibration", calibration=timer.calibration._asdict())
+        if share_after and p.device.type == "cuda":
+            ch.request("shared")  # the candidate loads beside checks (`share_after`)
     return timer
 
 
@@ -199,8 +203,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                 kwatch.disarm()
             watch.disarm()
 
-    def untouched() -> None:
-        check_tamper(state)
+    def untouched() -> None:  # the dispatcher's table is read by the job's own last check (`run_profile`)
+        check_tamper(state, dispatcher=False)
         changed = any(getattr(timer, k, None) is not v for k, v in timer_parts.items())
         if changed or timer.calibration is not calibration:
             raise CandidateError("tamper", "the harness's timer was modified by the candidate")
@@ -221,6 +225,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     untouched()
     p.intact()
+    ph.mark(f"{role}_loop_checks")
     return n
 
 
@@ -244,7 +249,7 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     ph = Phases(state.originals["time.perf_counter"])
     p = Problem(job, state, with_candidate=False)
     ph.mark("problem")
-    timer = job_timer(p, job, state, ch)
+    timer = job_timer(p, job, state, ch, share_after=True)
     ph.mark("calibration")
     p.load_candidate()
     ph.mark("load")
