@@ -539,17 +539,21 @@ async def measure_row(harness: Harness, plan: list[tuple[Task, str]], policy: Tr
 def lease_stats(holds: list[Any], wall_s: float, episodes: int) -> dict[str, Any]:
     """Where the GPUs' time went in a row, from the schedulers' leases (`LeaseHold`): how much of
     the row a timing job held a GPU alone (summed over GPUs), and per timing job its exclusive hold
-    (p50, p95), the part of it after its result was in (its worker going away), and its wait for
-    the lease; timing jobs and exclusive seconds per completed episode; the urgent (reference)
-    and other checks' waits."""
+    (p50, p95; the sum of its parts, `LeaseHold.job`: its calibration's and its loop's), the part
+    of it after its result was in (its worker going away), and its waits for the GPU alone; timing
+    jobs and exclusive seconds per completed episode; the urgent (reference) and other checks'
+    waits."""
     excl = [h for h in holds if h.exclusive and h.released_s is not None]
     refs = [h for h in holds if not h.exclusive and h.kind == "reference"]
-    others = [h for h in holds if not h.exclusive and h.kind != "reference"]
+    others = [h for h in holds if not h.exclusive and h.kind != "reference" and h.kind not in ("profile", "baseline")]
+    per_job: dict[Any, list[Any]] = {}  # a timing job holds the GPU alone in parts (calibration, loop)
+    for h in excl:
+        per_job.setdefault(getattr(h, "job", id(h)) or id(h), []).append(h)
 
-    held = [h.released_s - h.acquired_s for h in excl]
-    tail = [h.released_s - h.result_s for h in excl if h.result_s is not None]
-    timing_waits = [h.acquired_s - h.asked_s for h in excl]
-    return {"timing_jobs": len(excl), "exclusive_share": sum(held) / wall_s if wall_s > 0 else None,
+    held = [sum(h.released_s - h.acquired_s for h in parts) for parts in per_job.values()]
+    tail = [parts[-1].released_s - parts[-1].result_s for parts in per_job.values() if parts[-1].result_s is not None]
+    timing_waits = [sum(h.acquired_s - h.asked_s for h in parts) for parts in per_job.values()]
+    return {"timing_jobs": len(per_job), "exclusive_share": sum(held) / wall_s if wall_s > 0 else None,
             "hold_p50_s": percentile(held, 50), "hold_p95_s": percentile(held, 95),
             "after_result_p50_s": percentile(tail, 50),
             "timing_jobs_per_episode": len(excl) / episodes if episodes else None,

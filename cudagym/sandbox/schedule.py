@@ -96,6 +96,7 @@ class LeaseHold:
     acquired_s: float
     result_s: float | None = None  # its result was in (the worker killed)
     released_s: float | None = None
+    job: int = 0  # which job held it (a timing job holds the GPU alone in parts: `JobLease`)
 
 
 class JobScheduler:
@@ -117,6 +118,7 @@ class JobScheduler:
         self.calibration_max_age_s = calibration_max_age_s
         self._calibrations: dict[str, tuple[dict[str, Any], float]] = {}  # device -> (fields, when measured)
         self.holds: collections.deque[LeaseHold] = collections.deque(maxlen=self.MAX_HOLDS)
+        self._jobs = itertools.count(1)
 
     def calibration_for(self, device: str) -> dict[str, Any] | None:
         """The timer calibration last measured on `device` by a timing job before its candidate
@@ -156,7 +158,7 @@ class JobScheduler:
                 unused(worker)
                 raise
             t_leased = time.perf_counter()
-            hold = LeaseHold(job.kind, alone, t_ready, t_leased)
+            hold = LeaseHold(job.kind, alone, t_ready, t_leased, job=next(self._jobs))
             self.holds.append(hold)
             timing = JobLease(self, lease, job.kind, device, hold, responder) if exclusive else None
 
@@ -170,7 +172,7 @@ class JobScheduler:
             gone: asyncio.Future[None] | None = None
             try:
                 outcome, gone = await run_on(job, device, timing if timing is not None else responder, worker)
-                hold.result_s = time.perf_counter()
+                (timing.last_hold if timing is not None else hold).result_s = time.perf_counter()
             finally:  # by default the GPU is free once the worker (and its CUDA context) is gone
                 if gone is None or self.release_at_result:
                     release()
@@ -238,6 +240,10 @@ class JobLease:
     def exclusive(self) -> bool:
         return self._held is True
 
+    @property
+    def last_hold(self) -> LeaseHold:
+        return self._holds[-1]
+
     async def _upgrade(self) -> None:
         if self._held is not False or self._ended:
             return
@@ -260,7 +266,7 @@ class JobLease:
             self._lease.release(True)
             return
         self._held = True
-        hold = LeaseHold(self._kind, True, t0, t1)
+        hold = LeaseHold(self._kind, True, t0, t1, job=self._holds[0].job)
         self._holds.append(hold)
         self._scheduler.holds.append(hold)
         self.waited_s += t1 - t0
@@ -288,7 +294,7 @@ class JobLease:
             self._lease.release(False)
             return
         self._held = False
-        hold = LeaseHold(self._kind, False, t0, t1)
+        hold = LeaseHold(self._kind, False, t0, t1, job=self._holds[0].job)
         self._holds.append(hold)
         self._scheduler.holds.append(hold)
         self.waited_s += t1 - t0
