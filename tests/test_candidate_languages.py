@@ -439,6 +439,21 @@ def test_triton_candidate_in_strict_mode_is_refused_by_origin(tmp_path: Path) ->
     assert any("not your own" in r and "scale_bias_gelu_kernel (from <memory:" in r for r in v.reasons), v.reasons
 
 
+def _cupy_cache_report(ws: Path) -> list[tuple[str, str, int, bool, bytes, int | None, str | None]]:
+    """What the job's CuPy cache holds, file by file, as the origin rule would read it: name,
+    mode, size, whether the hash is its payload's, the payload's first bytes, its extent, digest."""
+    from cudagym.sandbox.origin import image_digest, image_extent
+
+    cache = workspace_scratch(ws) / JIT_CACHES["CUPY_CACHE_DIR"]
+    out = []
+    for f in sorted(cache.iterdir()) if cache.is_dir() else []:
+        data = f.read_bytes()
+        payload = data[40:]
+        out.append((f.name, oct(f.stat().st_mode), len(data), data[:40] == hashlib.sha1(payload).hexdigest().encode(),
+                    payload[:8], image_extent(payload), image_digest(payload)))
+    return out
+
+
 @pytest.mark.gpu
 def test_cupy_candidate_is_correct_and_its_kernels_are_its_own(tmp_path: Path) -> None:
     """The bundled CuPy example in permissive mode: its RawKernel, which CuPy loads from memory, is
@@ -455,7 +470,8 @@ def test_cupy_candidate_is_correct_and_its_kernels_are_its_own(tmp_path: Path) -
     assert verdict.reward >= 1, verdict.summary()  # the timed calls did no foreign work either
     records = records_from_counts(v.audit.ops_seen)
     own = own_jit_images(tmp_path / "ws")
-    assert len(own) == 1 and [k.digest for k in own_cupy_kernels(tmp_path / "ws")] == list(own), own
+    assert len(own) == 1 and [k.digest for k in own_cupy_kernels(tmp_path / "ws")] == list(own), (
+        records, _cupy_cache_report(tmp_path / "ws"))
     assert records and all(memory_digest(r.origin) in own for r in records), (records, own)
     assert {r.name for r in records} == {"scale_bias_gelu"}, records
 
