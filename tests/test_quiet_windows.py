@@ -90,3 +90,23 @@ def test_a_refused_request_ends_the_window_and_the_job_end_resumes_all(spares):
     q.end()
     q.end()  # idempotent: the job's end after a loop that already closed its window
     assert settled(spares, "going")
+
+
+def test_a_job_that_gives_the_gpu_back_closes_its_window_before_it_waits(spares):
+    """A timing job that asks to share the GPU again (after its calibration) closes its window
+    before its request is answered: a check that gets the GPU while the job waits for its shared
+    lease runs, rather than stay stopped by a window whose job waits behind it."""
+    q = QuietWindows(pause, lambda: list(spares))
+    seen = []
+
+    def lease(request, arrived_s):  # the job's lease (`JobLease`): the "shared" answer waits for the lease
+        if request["what"] == "shared":
+            seen.append(settled(spares, "going"))
+        return {}
+
+    answer = q.responder(lease)
+    assert answer({"what": "exclusive"}, 0.0) == {}
+    assert settled(spares, "stopped"), "the GPU alone: its window is open (the calibration)"
+    answer({"what": "shared"}, 0.0)
+    assert seen == [True]
+    assert settled(spares, "going")

@@ -427,8 +427,13 @@ class QuietWindows:
             return None
 
         def answer(request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+            if request.get("what") == "shared":
+                # closed before the job waits for its shared lease: a check that gets the GPU in the
+                # meantime must not be frozen by this window, or the timing jobs queued between
+                # would wait on it, and this job on them (a deadlock until this job's time limit)
+                self.end()
             reply = inner(request, arrived_s)  # (a job that starts shared has the GPU alone once it returns)
-            if reply.get("stop") or "refused" in reply or request.get("what") == "shared":
+            if reply.get("stop") or "refused" in reply:
                 self.end()
             elif request.get("what") in ("call", "exclusive"):
                 self.begin()  # before the worker has the answer
