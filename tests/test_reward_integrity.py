@@ -34,7 +34,7 @@ def timed_only(attack: str, then: str) -> str:
 # Once timed: make the reference model (as the worker holds it) return zeros
 REBIND_REFERENCE = """\
     import gc, types
-    for o in gc.get_objects():
+    for o in (gc.unfreeze(), gc.get_objects())[1]:
         if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
             o.Model.forward = lambda self, *a: torch.zeros_like(a[0])
 """
@@ -44,7 +44,7 @@ FORGE_TIMES = """\
     import gc
     import cudagym.sandbox.timing as _t
     from cudagym.sandbox.worker.state import WorkerState
-    _snap = next(o for o in gc.get_objects() if isinstance(o, WorkerState)).snapshot
+    _snap = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, WorkerState)).snapshot
     _call = _t.DeviceTimer.call
     def _fast(timer, fn, args, *rest, **kw):
         out, ms = _call(timer, fn, args, *rest, **kw)
@@ -111,13 +111,13 @@ def test_3_no_trial_secret_is_reachable_while_modelnew_is_built(evaluator: Evalu
     init_extra = """\
     import gc, sys
     from cudagym.sandbox.worker.wire import Channel, Job
-    seeds = [s for o in gc.get_objects() if isinstance(o, Job) for s in o.trial_seeds]
+    seeds = [s for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Job) for s in o.trial_seeds]
     f = sys._getframe()
     while f is not None:
         seeds += [v for v in f.f_locals.values() if isinstance(v, int) and v > 2**40]
         f = f.f_back
     self._found = len(seeds)
-    ch = next(o for o in gc.get_objects() if isinstance(o, Channel))
+    ch = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Channel))
     self._plan = ch.request("trial", index=0)
     """
     body = """\
