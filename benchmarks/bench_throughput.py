@@ -71,10 +71,10 @@ Protocol (one process; every row replays the same trace):
 
 `--spare-workers`, `--spare-nice` and `--no-freeze` set the local sandbox's spares (how many, their
 CPU priority while they start, whether timed loops pause them), to find what the worker wait at
-K = 16 comes from; `--no-fork-server` spawns each worker, `--release-when-gone` ends a job's GPU
-lease once its worker is gone rather than when its result is in, `--exclusive-from job` gives a
-timing job the GPU alone from its start (not only from its calibration or timed loop), and
-`--calibration-max-age-s 0` makes every timing job measure its timer's calibration.
+K = 16 comes from; `--no-fork-server` spawns each worker, `--release-at-result` ends a job's GPU
+lease when its result is in rather than once its worker is gone, `--exclusive-from loop` gives a
+timing job the GPU alone only for its calibration and its timed loop (the candidate loads under a
+shared lease), and `--calibration-max-age-s S` hands a GPU's calibration to later timing jobs.
 
 Printed (stdout): the rows table, the ratios table, the lease table, the timing-job table; the
 workers' start-up per row (spawn to ready, and each step on the worker's own clock: importing
@@ -918,7 +918,7 @@ async def run(args: argparse.Namespace, target: Target, work: Path, report: dict
             save()
 
     spares = LocalSandboxConfig(spare_workers=args.spare_workers, freeze_starting_spares=not args.no_freeze,
-                                release_gpu_at_result=not args.release_when_gone, fork_server=not args.no_fork_server,
+                                release_gpu_at_result=args.release_at_result, fork_server=not args.no_fork_server,
                                 **({} if args.spare_nice is None else {"spare_nice": args.spare_nice}),
                                 **({} if args.exclusive_from is None else {"exclusive_from": args.exclusive_from}),
                                 **({} if args.calibration_max_age_s is None
@@ -1010,13 +1010,13 @@ def main() -> None:
                     help="CPU niceness of spares until they take a job (default: the sandbox's, 10; 0: off)")
     ap.add_argument("--no-freeze", action="store_true",
                     help="do not pause starting spares during timed loops (the quiet windows)")
-    ap.add_argument("--release-when-gone", action="store_true",
-                    help="a job's GPU lease ends once its worker is gone, not when its result is in (the default)")
+    ap.add_argument("--release-at-result", action="store_true",
+                    help="a job's GPU lease ends when its result is in, not once its worker is gone")
     ap.add_argument("--exclusive-from", choices=("job", "loop"), default=None,
-                    help="where a timing job's exclusive GPU lease begins (default: the sandbox's, loop: its worker "
-                         "loads the candidate under a shared lease)")
+                    help="when a timing job holds the GPU alone (default: the sandbox's, job; loop: its calibration "
+                         "and its timed loop, the candidate loading under a shared lease)")
     ap.add_argument("--calibration-max-age-s", type=float, default=None,
-                    help="how long a GPU timer calibration is handed to later timing jobs (default: the sandbox's; "
+                    help="how long a GPU timer calibration is handed to later timing jobs (default: the sandbox's, "
                          "0: every job measures its own)")
     ap.add_argument("--no-fork-server", action="store_true", help="spawn each worker (no fork server)")
     ap.add_argument("--compile-baseline", action="store_true", help="measure torch.compile baselines in the warm-up")

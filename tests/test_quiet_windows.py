@@ -110,3 +110,15 @@ def test_a_job_that_gives_the_gpu_back_closes_its_window_before_it_waits(spares)
     answer({"what": "shared"}, 0.0)
     assert seen == [True]
     assert settled(spares, "going")
+
+
+def test_a_job_that_keeps_the_gpu_keeps_its_window_through_its_load(spares):
+    """With the whole job alone on the GPU (`exclusive_from="job"`), "shared" changes nothing: the
+    window opened for the calibration stays open through the candidate's load into the loop."""
+    q = QuietWindows(pause, lambda: list(spares), shares=False)
+    answer = q.responder(lambda request, arrived_s: {})
+    q.begin()
+    answer({"what": "shared"}, 0.0)
+    assert settled(spares, "stopped")
+    q.end()
+    assert settled(spares, "going")

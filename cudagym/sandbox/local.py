@@ -452,8 +452,8 @@ class LocalSandbox(SpareWorkerSandbox):
             foreign_since = int(time.time() * 1e6)  # NVML's sample clock: µs of the wall clock
         outcome.device_busy = refused
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
-        quiet = self._quiet_windows(device, w, begin=lease is None or lease.exclusive) if timing and not refused \
-            else None
+        quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
+                                     shares=lease is not None and lease.shares) if timing and not refused else None)
         frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
         if not refused:
             try:  # a large job line would block on the pipe until the worker reads it

@@ -241,6 +241,11 @@ class JobLease:
         return self._held is True
 
     @property
+    def shares(self) -> bool:
+        """Whether the job gives the GPU back between its calibration and its loop (`exclusive_from`)."""
+        return self._scheduler.exclusive_from == "loop"
+
+    @property
     def last_hold(self) -> LeaseHold:
         return self._holds[-1]
 
@@ -365,8 +370,9 @@ class QuietWindows:
     thread, the rest on the loop."""
 
     def __init__(self, pause: Callable[[list[Any], bool], int | None], others: Callable[[], list[Any]],
-                 load: Callable[[], tuple[float, float, float]] | None = None) -> None:
+                 load: Callable[[], tuple[float, float, float]] | None = None, shares: bool = True) -> None:
         self._pause, self._others, self._load = pause, others, load
+        self.shares = shares  # the job gives the GPU back at its "shared" request (`JobLease`): the window closes
         self._lock = threading.Lock()
         self._paused: list[Any] | None = None  # None: no window open
         self._at_begin: tuple[int, tuple[float, float, float] | None] | None = None
@@ -427,7 +433,7 @@ class QuietWindows:
             return None
 
         def answer(request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
-            if request.get("what") == "shared":
+            if request.get("what") == "shared" and self.shares:
                 # closed before the job waits for its shared lease: a check that gets the GPU in the
                 # meantime must not be frozen by this window, or the timing jobs queued between
                 # would wait on it, and this job on them (a deadlock until this job's time limit)
@@ -543,7 +549,7 @@ class SpareWorkerSandbox(Sandbox):
         """The cumulative CPU seconds (host, `worker`'s processes, this process), or None."""
         return None
 
-    def _quiet_windows(self, device: str, worker: Any = None, begin: bool = True) -> QuietWindows:
+    def _quiet_windows(self, device: str, worker: Any = None, begin: bool = True, shares: bool = False) -> QuietWindows:
         """The quiet windows of the timing job starting now on `device` in `worker` (timing jobs
         have a device alone, so one at a time), the first one open unless not `begin` (a job that
         starts with a shared lease opens it once it has the GPU alone); `_quiet_over` closes them."""
@@ -557,7 +563,7 @@ class SpareWorkerSandbox(Sandbox):
                 self._pause(spares, on)
             return self._pause_running([i for i in items if isinstance(i, RunningJob)], on)
 
-        q = self._quiet[device] = QuietWindows(pause, others, self._host_load(worker))
+        q = self._quiet[device] = QuietWindows(pause, others, self._host_load(worker), shares)
         if begin:
             q.begin()
         return q
