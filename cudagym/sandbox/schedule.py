@@ -249,14 +249,17 @@ class JobLease:
     def last_hold(self) -> LeaseHold:
         return self._holds[-1]
 
-    async def _upgrade(self) -> None:
-        if self._held is not False or self._ended:
+    async def _switch(self, alone: bool) -> None:
+        """Give back the lease the job holds and wait, in turn, for the other kind: the GPU alone
+        (`alone`) or shared (after its calibration, while the candidate loads)."""
+        holding = not alone  # the kind it must hold now
+        if self._held is not holding or self._ended:
             return
         t0 = time.perf_counter()
-        self._lease.release(False)
+        self._lease.release(holding)
         self._holds[-1].released_s = t0
         self._held = None
-        ticket = self._lease.ask(True)
+        ticket = self._lease.ask(alone)
         try:
             while not self._lease.try_acquire(ticket):
                 if self._ended:  # the job ended while it waited
@@ -268,38 +271,10 @@ class JobLease:
             raise
         t1 = time.perf_counter()
         if self._ended:
-            self._lease.release(True)
+            self._lease.release(alone)
             return
-        self._held = True
-        hold = LeaseHold(self._kind, True, t0, t1, job=self._holds[0].job)
-        self._holds.append(hold)
-        self._scheduler.holds.append(hold)
-        self.waited_s += t1 - t0
-
-    async def _downgrade(self) -> None:
-        """Give the GPU back and share it again (after the calibration: the candidate loads beside checks)."""
-        if self._held is not True or self._ended:
-            return
-        t0 = time.perf_counter()
-        self._lease.release(True)
-        self._holds[-1].released_s = t0
-        self._held = None
-        ticket = self._lease.ask(False)
-        try:
-            while not self._lease.try_acquire(ticket):
-                if self._ended:
-                    self._lease.withdraw(ticket)
-                    return
-                await asyncio.sleep(0.005)
-        except BaseException:
-            self._lease.withdraw(ticket)
-            raise
-        t1 = time.perf_counter()
-        if self._ended:
-            self._lease.release(False)
-            return
-        self._held = False
-        hold = LeaseHold(self._kind, False, t0, t1, job=self._holds[0].job)
+        self._held = alone
+        hold = LeaseHold(self._kind, alone, t0, t1, job=self._holds[0].job)
         self._holds.append(hold)
         self._scheduler.holds.append(hold)
         self.waited_s += t1 - t0
@@ -318,7 +293,7 @@ class JobLease:
         """Answer one of the worker's requests (on the frame reader's thread)."""
         what = request.get("what")
         if what in ("exclusive", "call") and self._held is False:
-            asyncio.run_coroutine_threadsafe(self._upgrade(), self._loop).result()
+            asyncio.run_coroutine_threadsafe(self._switch(True), self._loop).result()
             arrived_s = time.perf_counter()  # the feed's clock of this request starts now
         if what in ("exclusive", "call") and not self.exclusive:
             return {"refused": "the job ended before it had the GPU alone"}
@@ -328,7 +303,7 @@ class JobLease:
             if self._called:
                 return {"refused": "the GPU was asked back after calls began"}
             if self._held is True and self._scheduler.exclusive_from == "loop":
-                asyncio.run_coroutine_threadsafe(self._downgrade(), self._loop).result()
+                asyncio.run_coroutine_threadsafe(self._switch(False), self._loop).result()
             return {} if self._held is not None else {"refused": "the job ended before it had the GPU back"}
         if self._inner is None:
             return {"refused": "this job takes no requests"}
