@@ -16,6 +16,7 @@ import hashlib
 import json
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -410,17 +411,20 @@ def test_torch_compile_inside_forward_builds_in_the_sandbox(tmp_path: Path) -> N
     assert not strict.ok and strict.error_kind == ErrorKind.AUDIT, (strict.error_kind, strict.error)
 
 
-def _own_in_permissive_mode(tmp_path: Path, model_new: str) -> list:
+def _own_in_permissive_mode(tmp_path: Path, model_new: str, report: Any = None) -> list:
     """Submit `model_new` in permissive mode on the GPU: verified, its kernels over 90% of the work,
-    a reward of at least 1 (the timed calls did no foreign work either); its kernel records."""
+    a reward of at least 1 (the timed calls did no foreign work either); its kernel records.
+    `report()`: what else a failure should show (the job's JIT cache as the origin rule reads it)."""
     cfg = EvaluatorConfig(target="cuda", mode="permissive", cache_dir=tmp_path / "cache", compile_baseline=False)
     with Evaluator(cfg) as ev:
         task = bundled_task(TASK).for_target(ev.target)
         ws = Workspace.create(tmp_path / "ws", task, model_new=model_new)
         verdict = ev.evaluate(task, ws)  # verify, then the timed calls and their audit
     v = verdict.verify_result
-    assert v is not None and v.ok, verdict.summary()
-    assert v.audit is not None and v.audit.own_kernel_share is not None and v.audit.own_kernel_share > 0.9, v.audit
+    extra = report() if report is not None else None
+    assert v is not None and v.ok, (verdict.summary(), extra)
+    assert v.audit is not None and v.audit.own_kernel_share is not None and v.audit.own_kernel_share > 0.9, (
+        v.audit, extra)
     assert verdict.reward >= 1, verdict.summary()
     return records_from_counts(v.audit.ops_seen)
 
@@ -465,7 +469,7 @@ def test_cupy_candidate_is_correct_and_its_kernels_are_its_own(tmp_path: Path) -
     """The bundled CuPy example in permissive mode: its RawKernel, which CuPy loads from memory, is
     named by its image's digest, which its CuPy cache ties to a string of its own model_new.py."""
     _needs_gpu_and_cupy()
-    records = _own_in_permissive_mode(tmp_path, CUPY)
+    records = _own_in_permissive_mode(tmp_path, CUPY, report=lambda: _cupy_cache_report(tmp_path / "ws"))
     own = own_jit_images(tmp_path / "ws")
     assert len(own) == 1 and [k.digest for k in own_cupy_kernels(tmp_path / "ws")] == list(own), (
         records, _cupy_cache_report(tmp_path / "ws"))
