@@ -548,7 +548,7 @@ def lease_stats(holds: list[Any], wall_s: float, episodes: int) -> dict[str, Any
     others = [h for h in holds if not h.exclusive and h.kind != "reference" and h.kind not in ("profile", "baseline")]
     per_job: dict[Any, list[Any]] = {}  # a timing job holds the GPU alone in parts (calibration, loop)
     for h in excl:
-        per_job.setdefault(getattr(h, "job", id(h)) or id(h), []).append(h)
+        per_job.setdefault(h.job or id(h), []).append(h)
 
     held = [sum(h.released_s - h.acquired_s for h in parts) for parts in per_job.values()]
     tail = [parts[-1].released_s - parts[-1].result_s for parts in per_job.values() if parts[-1].result_s is not None]

@@ -441,12 +441,16 @@ def test_triton_candidate_is_correct_and_its_kernels_are_its_own(tmp_path: Path)
 
 
 @pytest.mark.gpu
-def test_triton_candidate_in_strict_mode_is_refused_by_origin(tmp_path: Path) -> None:
-    """Strict mode counts no image loaded from memory as the candidate's (docs/protection.md)."""
-    _needs_gpu_and_triton()
-    v = _verify(tmp_path, "cuda", "strict", TRITON)
+@pytest.mark.parametrize("language", ["triton", "cupy"])
+def test_jit_candidate_in_strict_mode_is_refused_by_origin(tmp_path: Path, language: str) -> None:
+    """Strict mode counts no image loaded from memory as the candidate's, Triton's and CuPy's
+    included (docs/protection.md)."""
+    needs, model_new, kernel = {"triton": (_needs_gpu_and_triton, TRITON, "scale_bias_gelu_kernel"),
+                                "cupy": (_needs_gpu_and_cupy, CUPY, "scale_bias_gelu")}[language]
+    needs()
+    v = _verify(tmp_path, "cuda", "strict", model_new)
     assert v.correct and not v.ok and v.error_kind == ErrorKind.AUDIT, (v.error_kind, v.error)
-    assert any("not your own" in r and "scale_bias_gelu_kernel (from <memory:" in r for r in v.reasons), v.reasons
+    assert any("not your own" in r and f"{kernel} (from <memory:" in r for r in v.reasons), v.reasons
 
 
 def _cupy_cache_report(ws: Path) -> list[tuple[str, str, int, bool, bytes, int | None, str | None]]:
@@ -475,15 +479,6 @@ def test_cupy_candidate_is_correct_and_its_kernels_are_its_own(tmp_path: Path) -
         records, _cupy_cache_report(tmp_path / "ws"))
     assert records and all(memory_digest(r.origin) in own for r in records), (records, own)
     assert {r.name for r in records} == {"scale_bias_gelu"}, records
-
-
-@pytest.mark.gpu
-def test_cupy_candidate_in_strict_mode_is_refused_by_origin(tmp_path: Path) -> None:
-    """Strict mode counts no image loaded from memory as the candidate's, CuPy's included."""
-    _needs_gpu_and_cupy()
-    v = _verify(tmp_path, "cuda", "strict", CUPY)
-    assert v.correct and not v.ok and v.error_kind == ErrorKind.AUDIT, (v.error_kind, v.error)
-    assert any("not your own" in r and "scale_bias_gelu (from <memory:" in r for r in v.reasons), v.reasons
 
 
 @pytest.mark.gpu

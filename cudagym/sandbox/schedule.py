@@ -302,7 +302,7 @@ class JobLease:
         if what == "shared":  # only before any call: a loop is never served on a shared GPU
             if self._called:
                 return {"refused": "the GPU was asked back after calls began"}
-            if self._held is True and self._scheduler.exclusive_from == "loop":
+            if self._held is True and self.shares:
                 asyncio.run_coroutine_threadsafe(self._switch(False), self._loop).result()
             return {} if self._held is not None else {"refused": "the job ended before it had the GPU back"}
         if self._inner is None:
