@@ -329,16 +329,18 @@ def test_bundled_cupy_example_compiles_a_string_of_its_own_file(tmp_path: Path) 
 
 
 def cupy_entry(cache: Path, key: bytes, payload: bytes, source: str | None, names: list[str] | None = None) -> str:
-    """A file of CuPy's kernel cache as CuPy writes it (hex SHA-1 of the payload, the payload; the
-    mangled names first where given) and the source beside it; returns the cubin's digest."""
+    """A file of CuPy's kernel cache as CuPy 14.2 writes it (hex SHA-1 of the payload, the payload;
+    the mangled names first where given; the cubin without its last byte, a NUL) and the source
+    beside it; returns the digest of the image the driver loads (the whole cubin)."""
     from cudagym.sandbox.origin import image_digest
 
     cache.mkdir(parents=True, exist_ok=True)
     cubin = fake_cubin(payload)
-    stored = cubin
+    assert cubin.endswith(b"\0")
+    stored = cubin[:-1]
     if names is not None:
         head = b"\x93CUPYNE\x00" + len(names).to_bytes(4, "little")
-        stored = head + b"".join(len(n).to_bytes(4, "little") + n.encode() for n in names) + cubin
+        stored = head + b"".join(len(n).to_bytes(4, "little") + n.encode() for n in names) + stored
     name = hashlib.sha1(key).hexdigest() + ".cubin"
     (cache / name).write_bytes(hashlib.sha1(stored).hexdigest().encode() + stored)
     if source is not None:
@@ -390,9 +392,13 @@ def test_own_cupy_kernels_are_those_whose_source_is_in_the_workspace(tmp_path: P
     bad = cupy_entry(cache, b"x", b"x", KERNEL_A)
     bad_file = cache / (hashlib.sha1(b"x").hexdigest() + ".cubin")
     bad_file.write_bytes(b"0" * 40 + bad_file.read_bytes()[40:])
+    cut = cupy_entry(cache, b"c", b"c", KERNEL_A)  # two bytes short: not an image the driver could load
+    cut_file = cache / (hashlib.sha1(b"c").hexdigest() + ".cubin")
+    payload = cut_file.read_bytes()[40:-1]
+    cut_file.write_bytes(hashlib.sha1(payload).hexdigest().encode() + payload)
 
     listed = {k.digest for k in cupy_kernels(cache)}
-    assert listed == {own_a, own_b, own_t, generated, linked, no_source} and bad not in listed
+    assert listed == {own_a, own_b, own_t, generated, linked, no_source} and not {bad, cut} & listed
     assert {k.digest for k in own_cupy_kernels(ws)} == {own_a, own_b, own_t}
     assert own_jit_images(ws) == frozenset({own_a, own_b, own_t})
     assert own_cupy_kernels(tmp_path / "no-such-workspace") == []

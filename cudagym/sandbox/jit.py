@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-from cudagym.sandbox.origin import image_digest
+from cudagym.sandbox.origin import image_digest, image_extent
 
 # Environment variable -> the directory under the job's scratch that it names.
 JIT_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "CUPY_CACHE_DIR": "cupy"}
@@ -275,6 +275,17 @@ def _cupy_cubin(data: bytes) -> bytes | None:
     return payload[pos:] if pos <= len(payload) else None
 
 
+def _loaded_cupy_image(cubin: bytes) -> bytes:
+    """The image the driver loads for a CuPy cache entry's cubin. CuPy 14.2 stores NVRTC's ELF
+    without its last byte and loads it from a Python `bytes`, whose terminating NUL the driver
+    reads in that byte's place: measured on an H100 and an H200 (NVRTC 13.0), the program header
+    table ends one byte past the stored payload, and origin.cpp's digest of the loaded image is
+    the payload's plus that NUL. Anything else is the image as stored."""
+    if cubin[:4] == b"\x7fELF" and image_extent(cubin) is None and image_extent(cubin + b"\0") == len(cubin) + 1:
+        return cubin + b"\0"
+    return cubin
+
+
 def cupy_kernels(cache: Path) -> list[CupyKernel]:
     """The compiled modules of a CuPy cache directory (`CUPY_CACHE_DIR`), as its files state them;
     files whose hash does not match or whose cubin has no readable extent are left out. Nothing is
@@ -288,7 +299,7 @@ def cupy_kernels(cache: Path) -> list[CupyKernel]:
     for name in names[:MAX_KERNELS]:
         data = _read(cache / name)
         cubin = _cupy_cubin(data) if data else None
-        digest = image_digest(cubin) if cubin else None
+        digest = image_digest(_loaded_cupy_image(cubin)) if cubin else None
         if not digest:
             continue
         source = _read(cache / f"{name}.cu", 16 << 20)
