@@ -7,8 +7,11 @@ directory built here file by file, in the layout Triton 3.6-3.8 writes."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import hashlib
 import json
+import threading
 import os
 import shutil
 import struct
@@ -19,7 +22,11 @@ import pytest
 
 from cudagym.core.audit import Origins, foreign_kernels, own_time_share
 from cudagym.errors import ToolchainError
-from cudagym.sandbox.jit import entry_location, own_jit_images, own_triton_kernels, triton_kernels, workspace_scratch
+from cudagym.sandbox import jit
+from cudagym.sandbox.jit import (
+    MAX_SOURCE_BYTES, Reading, entry_location, jit_attribution, own_jit_images, own_triton_kernels, triton_kernels,
+    workspace_scratch,
+)
 from cudagym.sandbox.origin import KernelRecord, build_library, image_digest, image_extent, memory_digest
 
 
@@ -263,3 +270,179 @@ def test_the_rules_count_own_images_in_permissive_mode_only(tmp_path: Path) -> N
     strict = Origins(own_roots=("/cache/build/artifacts",))
     assert len(foreign_kernels(records, strict)) == 3 and own_time_share(records, strict) == 0
     assert not permissive.is_own("<memory:>") and not permissive.is_own(f"<memory:{own}")
+
+
+# -- what one attribution may cost the parent (issue 32: the caches are written by the candidate) --
+def _many_entries(ws: Path, n: int) -> set[str]:
+    """`n` Triton cache entries, each a distinct cubin whose IR names `scale_kernel` of the
+    workspace's model_new.py; and one CuPy entry whose source is a string of that file."""
+    cache = workspace_scratch(ws) / "triton"
+    return {cache_entry(cache, f"g{i:04d}", "scale_kernel", fake_cubin(b"own %d" % i), "model_new.py", 6)
+            for i in range(n)}
+
+
+def test_a_source_named_by_many_entries_is_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hundred cache entries naming one file, plus a CuPy entry whose source the workspace's
+    Python files are searched for: each file is parsed at most once in one attribution (parses
+    counted at `ast.parse`), the search stops once every source is found, and every entry is
+    judged as before."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    kernel = 'extern "C" __global__ void k(float* y) { y[0] = 1.0f; }'
+    (ws / "model_new.py").write_text(MODEL_NEW + f"\nSRC = {kernel!r}\n")
+    (ws / "a_helpers.py").write_text("X = 'not a kernel'\n")
+    (ws / "unread.py").write_text("Y = 'after the kernel was found'\n")
+    own = _many_entries(ws, 100)
+    cupy = workspace_scratch(ws) / "cupy"
+    cupy.mkdir(parents=True)
+    stored = fake_cubin(b"cupy")
+    (cupy / "k.cubin").write_bytes(hashlib.sha1(stored).hexdigest().encode() + stored)
+    (cupy / "k.cubin.cu").write_text(kernel)
+    parsed: list[bytes] = []
+    real_parse = jit.ast.parse
+
+    def counted(source: bytes, *args: object, **kwargs: object) -> object:
+        parsed.append(source)
+        return real_parse(source, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(jit.ast, "parse", counted)
+    reading = Reading()
+    found = jit_attribution(ws, reading)
+    assert found.digests == own | {image_digest(stored)} and found.unattributed == ""
+    # each file once: model_new.py for the Triton entries; then the CuPy search parses a_helpers.py,
+    # finds the source in model_new.py (parsed already) and reads no further (unread.py)
+    assert [p.split(b"\n")[0] for p in parsed] == [b"import triton", b"X = 'not a kernel'"]
+    assert reading.parses == 2
+    parsed.clear()
+    assert {k.digest for k in own_triton_kernels(ws)} == own and len(parsed) == 1
+
+
+def test_the_budget_cuts_attribution_short_with_a_reason(tmp_path: Path) -> None:
+    """Past its bytes or its seconds (a clock that moves a second a read), an attribution reads no
+    more: the entries not yet judged get no own credit, and why is stated; a source file over
+    `MAX_SOURCE_BYTES` is not parsed, and named."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "model_new.py").write_text(MODEL_NEW)
+    own = _many_entries(ws, 40)
+    assert jit_attribution(ws).digests == own
+
+    by_bytes = jit_attribution(ws, Reading(max_bytes=4096))
+    assert by_bytes.digests < own and "MiB of files read were spent" in by_bytes.unattributed, by_bytes
+    assert "got no own credit" in by_bytes.unattributed
+
+    ticks = iter(range(10_000))
+    by_time = jit_attribution(ws, Reading(max_seconds=30, clock=lambda: float(next(ticks))))
+    assert by_time.digests < own and "its 30 s were spent" in by_time.unattributed, by_time
+
+    big = ws / "big.py"
+    big.write_text(MODEL_NEW + "X = [" + "'s'," * (MAX_SOURCE_BYTES // 4) + "]\n")
+    cache_entry(workspace_scratch(ws) / "triton", "zbig", "scale_kernel", fake_cubin(b"big"), "big.py", 6)
+    over = jit_attribution(ws)
+    assert over.digests == own and f"{big} (over 1 MiB, not parsed)" in over.unattributed, over
+
+
+def test_the_audit_states_why_attribution_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Permissive mode on the GPU: a cut-short attribution fails nothing by itself, and the audit's
+    notes say why kernels went uncredited (`Audit.kernels`, which verify's result reports)."""
+    from cudagym.rewards import checks
+    from cudagym.rewards.checks import Audit
+    from cudagym.rewards.evaluator import EvaluatorConfig
+    from cudagym.tasks.model import Target
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "model_new.py").write_text(MODEL_NEW)
+    own = sorted(_many_entries(ws, 8))
+    monkeypatch.setattr(checks, "jit_attribution", lambda w: jit_attribution(w, Reading(max_bytes=2048)))
+    audit = Audit(EvaluatorConfig(mode="permissive", cache_dir=tmp_path / "cache"), Target.CUDA)
+    final = {"kernels": {}, "share_kernels": {}}
+    notes: list[str] = []
+    forbidden, reasons, _ = audit.kernels(final, None, str(ws), notes)
+    assert not forbidden and not reasons
+    assert len(notes) == 1 and notes[0].startswith("permissive mode: the own-kernel attribution stopped"), notes
+    assert len(own) == 8
+
+
+def test_the_profile_audit_runs_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile's audit of its timed calls (`checks.timed_calls_audited`) reads the job's JIT
+    caches in a thread: while it is held inside the attribution, another coroutine of the same
+    loop runs and lets it go on (on the loop, the attribution would wait for it in vain)."""
+    from types import SimpleNamespace
+
+    from cudagym.core.verdict import AuditResult, VerifyResult
+    from cudagym.rewards import checks
+    from cudagym.rewards.checks import Audit, timed_calls_audited
+    from cudagym.rewards.evaluator import EvaluatorConfig
+    from cudagym.tasks.model import Target
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "model_new.py").write_text(MODEL_NEW)
+    own = _many_entries(ws, 3)
+    entered, go_on = threading.Event(), threading.Event()
+    seen: list[frozenset[str]] = []
+
+    def held(w: Path) -> jit.JitImages:
+        entered.set()
+        if not go_on.wait(timeout=60):
+            raise AssertionError("the other coroutine never ran while the attribution was held")
+        found = jit_attribution(w)
+        seen.append(found.digests)
+        return found
+
+    monkeypatch.setattr(checks, "jit_attribution", held)
+    audit = Audit(EvaluatorConfig(mode="permissive", cache_dir=tmp_path / "cache"), Target.CUDA)
+    measured = VerifyResult(ok=True, trials=5, audit=AuditResult(mode="permissive", passed=True, ops_seen={}))
+    run = SimpleNamespace(audit=audit, timed_ops={}, artifact_dir=None, measured=measured, workspace=str(ws))
+
+    async def other() -> None:
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        go_on.set()
+
+    async def both() -> object:
+        found, _ = await asyncio.gather(timed_calls_audited(run), other())  # type: ignore[arg-type]
+        return found
+
+    assert asyncio.run(both()) is None
+    assert seen == [own]
+
+
+def test_verify_audits_off_the_event_loop(eval_cache: Path, build_ws) -> None:
+    """Verify's audit (`Audit.kernels`, where the JIT caches are read) runs in a thread: a real
+    CPU verify whose audit is held until another coroutine of the caller's loop lets it go on."""
+    from cudagym.rewards.evaluator import Evaluator
+    from cudagym.sandbox.protocol import VerifyConfig
+    from cudagym.selfcheck import reference_as_candidate
+    from cudagym.tasks.model import Task
+
+    from conftest import cpu_config
+
+    task = Task(id="jit_loop_scale", code="import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n"
+                "    def forward(self, x):\n        return x * 2.0\n\n\ndef get_inputs():\n"
+                "    return [torch.randn(16, 16)]\n\n\ndef get_init_inputs():\n    return []\n")
+    entered, go_on = threading.Event(), threading.Event()
+    with Evaluator(cpu_config(eval_cache, mode="permissive", verify=VerifyConfig(min_own_share=0.0))) as ev:
+        kernels = ev.audit.kernels
+
+        def held(*args: object) -> object:
+            entered.set()
+            if not go_on.wait(timeout=60):
+                raise AssertionError("the other coroutine never ran while the audit was held")
+            return kernels(*args)  # type: ignore[arg-type]
+
+        ev.audit.kernels = held  # type: ignore[method-assign]
+
+        async def other() -> None:
+            while not entered.is_set():
+                await asyncio.sleep(0.001)
+            go_on.set()
+
+        async def both() -> object:
+            v, _ = await asyncio.gather(ev.averify(task, build_ws(task, reference_as_candidate(task.code))), other())
+            return v
+
+        v = asyncio.run(both())
+    assert v.ok, v.error  # type: ignore[attr-defined]
+    assert go_on.is_set()

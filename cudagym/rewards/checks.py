@@ -11,6 +11,7 @@ Also here, shared with verify: `outcome_failure` (what any worker's outcome says
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +30,7 @@ from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
 from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
 from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.feed import CallFeed
-from cudagym.sandbox.jit import own_jit_images
+from cudagym.sandbox.jit import JitImages, jit_attribution
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
 from cudagym.sandbox.protocol import TimingConfig, VerifyConfig
 from cudagym.tasks.model import Target, Task
@@ -112,21 +113,26 @@ class Audit:
                  and Path(p).is_file()]
         return import_audit(candidate_objects(([Path(artifact_dir)] if artifact_dir else []) + extra))
 
-    def origins(self, artifact_dir: str | None, imports: ImportAudit, workspace: str | None = None) -> Origins:
+    def origins(self, artifact_dir: str | None, imports: ImportAudit, workspace: str | None = None,
+                notes: list[str] | None = None) -> Origins:
         """The candidate's origins. In permissive mode on the GPU, with the job's `workspace`, also
         its own Triton kernels' images, read from the job's Triton cache once the job is over
-        (`cudagym.sandbox.jit`); strict mode counts no image loaded from memory."""
-        images = (own_jit_images(Path(workspace)) if workspace and self.config.mode == "permissive"
-                  and self.target == Target.CUDA else frozenset())
+        (`cudagym.sandbox.jit`, within its budget: why some got no credit unjudged goes to
+        `notes`); strict mode counts no image loaded from memory. Blocking: run it off the loop."""
+        found = (jit_attribution(Path(workspace)) if workspace and self.config.mode == "permissive"
+                 and self.target == Target.CUDA else JitImages())
+        if found.unattributed and notes is not None:
+            notes.append("permissive mode: " + found.unattributed)
         return Origins(own_roots=tuple(r for r in (artifact_dir, str(self.config.cache_dir / "build" / "inline")) if r),
-                       libraries=frozenset(imports.libraries), own_images=images)
+                       libraries=frozenset(imports.libraries), own_images=found.digests)
 
-    def kernels(self, final: dict[str, Any], artifact_dir: str | None,
-                workspace: str | None = None) -> tuple[list[str], list[str], float | None]:
+    def kernels(self, final: dict[str, Any], artifact_dir: str | None, workspace: str | None = None,
+                notes: list[str] | None = None) -> tuple[list[str], list[str], float | None]:
         """Verify's kernel-origin and import rules (GPU: every kernel of every trial by origin;
         both targets: the imports of the extensions it loaded, and native code the harness did
         not build): (forbidden, reasons, share). `share`: the own-kernel share this process
-        decides (GPU: by origin; CPU: `uncredited_share`), or None to keep the worker's."""
+        decides (GPU: by origin; CPU: `uncredited_share`), or None to keep the worker's. `notes`
+        gets facts that fail nothing by themselves (`origins`). Blocking: run it off the loop."""
         imports = self.imports(artifact_dir, list(final.get("own_objects") or []))
         forbidden: list[str] = []
         reasons: list[str] = []
@@ -145,7 +151,7 @@ class Audit:
         if final.get("kernels") is None:
             why = final.get("kernel_watch_error") or "no kernel records came back"
             return forbidden + ["<kernel watcher>"], reasons + [f"the kernel-origin audit could not run: {why}"], None
-        origins = self.origins(artifact_dir, imports, workspace)
+        origins = self.origins(artifact_dir, imports, workspace, notes)
         records = records_from_counts(final.get("kernels") or {})
         share = None
         if self.config.mode == "strict":
@@ -190,7 +196,7 @@ class Audit:
         kernel-origin rule, as in verify; permissive, with `measured`, no foreign work per call
         beyond the verify trials' (torch compute ops on the CPU, foreign kernels' threads on the
         GPU), and on the CPU no such code where verify credited an own-kernel share
-        (`uncredited_share`). Why it fails, or None."""
+        (`uncredited_share`). Why it fails, or None. Blocking: run it off the loop."""
         records = records_from_counts(timed_ops)
         ops = op_counts(timed_ops)
         unbuilt = [str(k)[len(UNBUILT_KEY):] for k in timed_ops if str(k).startswith(UNBUILT_KEY)]
@@ -217,8 +223,9 @@ class Audit:
                       f"{measured.audit.own_kernel_share:.0%} of the work, which this code would take")
         calls = int(timed_ops.get(MODEL_CALLS_KEY, 0))
         seen = measured.audit.ops_seen
+        notes: list[str] = []
         if self.target == Target.CUDA:
-            origins = self.origins(artifact_dir, self.imports(artifact_dir, []), workspace)
+            origins = self.origins(artifact_dir, self.imports(artifact_dir, []), workspace, notes)
             before, after = foreign_work(records_from_counts(seen), origins), foreign_work(records, origins)
         else:
             before = {k: float(v) for k, v in op_counts(seen).items() if forbidden_ops({k: v})}
@@ -226,7 +233,7 @@ class Audit:
         extra = unmeasured_work(before, measured.trials, after, calls)
         if extra:
             return ("permissive mode: timed calls did foreign work that verify's trials (where the own-kernel share is "
-                    "measured) did not, per call: " + "; ".join(extra[:6]))
+                    "measured) did not, per call: " + "; ".join(extra[:6]) + "".join(f" ({n})" for n in notes))
         return None
 
 
@@ -398,7 +405,7 @@ async def timed_calls_audited(run: TimedRun) -> Finding | None:
     strict, the op rule, native code the harness did not build, and the kernel-origin rule;
     permissive, foreign work per call beyond what verify's trials did, unmeasured by their
     own-kernel share): a candidate may behave differently once timed."""
-    why = run.audit.timed_calls(run.timed_ops, run.artifact_dir, run.measured, run.workspace)
+    why = await asyncio.to_thread(run.audit.timed_calls, run.timed_ops, run.artifact_dir, run.measured, run.workspace)
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 
 

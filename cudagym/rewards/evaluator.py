@@ -400,8 +400,9 @@ class Evaluator:
         if failure:
             result = self._verify_failure(outcome, *failure)
         else:
-            result = self._verify_result(outcome, await compare_outcome(outcome, task), built.artifact_dir,
-                                         str(workspace.root))
+            cmp = await compare_outcome(outcome, task)
+            # the audit reads files the candidate's job wrote (`Audit.kernels`): off the loop
+            result = await asyncio.to_thread(self._verify_result, outcome, cmp, built.artifact_dir, str(workspace.root))
         release_later(outcome, ref)
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
@@ -486,9 +487,10 @@ class Evaluator:
         ops = {str(k): int(v) for k, v in (final.get("ops") or {}).items()}
         forbidden = forbidden_ops(ops)  # our own copy of the rule, not the worker's verdict
         audit_reasons: list[str] = []
+        notes: list[str] = []  # facts that fail nothing by themselves (`Audit.kernels`)
         share = final.get("own_kernel_share")
         try:
-            kernel_forbidden, kernel_reasons, audit_share = self.audit.kernels(final, artifact_dir, workspace)
+            kernel_forbidden, kernel_reasons, audit_share = self.audit.kernels(final, artifact_dir, workspace, notes)
         except Exception as e:  # noqa: BLE001 - an object that cannot be read fails the audit, named
             kernel_forbidden, kernel_reasons, audit_share = ["<imports>"], [f"the import audit failed: {e}"], None
         ops.update({str(k): int(v) for k, v in (final.get("kernels") or {}).items()})  # measured, for the profile
@@ -509,6 +511,7 @@ class Evaluator:
             if not passed:
                 audit_reasons.append(f"permissive mode: your own kernels did {0 if share is None else share:.0%} "
                                      f"of the work (needs >= {self.config.verify.min_own_share:.0%})")
+        audit_reasons += notes
         audit = AuditResult(mode=self.config.mode, passed=passed, forbidden_ops=forbidden, ops_seen=ops,
                             own_kernel_share=share, reasons=audit_reasons)
         correct = cmp.kind is None and cmp.passed == cmp.trials and cmp.trials >= self.config.verify.trials
@@ -651,7 +654,8 @@ class Evaluator:
         if prior is None or prior.params_path != verified.params_path:
             return None
         for ops in prior.timed_ops:
-            why = self.audit.timed_calls(ops, built.artifact_dir, verified, str(workspace.root))
+            why = await asyncio.to_thread(self.audit.timed_calls, ops, built.artifact_dir, verified,
+                                          str(workspace.root))
             if why:
                 return ProfileResult(ok=False, error_kind=ErrorKind.AUDIT, error=why, reasons=[why],
                                      params_path=prior.params_path, seconds=time.perf_counter() - t0)

@@ -46,6 +46,17 @@ assembled at run time (an f-string, `str.format`, CuPy's `ElementwiseKernel` and
 routines) matches no file and counts as foreign. The same limits as Triton's hold: the cache is
 the candidate's process's claim, and strict mode counts no CuPy kernel.
 
+**What one attribution may cost the parent.** Everything it reads was written by the
+candidate's job, so one attribution (`jit_attribution`) is bounded, whatever the job wrote: each
+file is read and parsed at most once (memo by real path: a thousand cache entries naming one
+source parse it once), a source file over `MAX_SOURCE_BYTES` is not parsed (`ast.parse` holds the
+GIL throughout, about 0.3 s a MiB of dense literals, so this bounds the longest pause it causes),
+at most `MAX_KERNELS` cache entries are judged, and all reads together stop at
+`ATTRIBUTION_BYTES` or `ATTRIBUTION_SECONDS` (checked before each read and parse, so one parse may
+run past the time). Once the budget is spent nothing more is read: the entries not yet judged get
+no own credit, and `JitImages.unattributed` says why, for the audit's reasons. The parent runs the
+attribution off its event loop (in a thread, as the audit that calls it: `Evaluator`).
+
 With the docker backend the job's copy of the workspace, its scratch included, is discarded with
 the container: there is no JIT cache to read, and Triton and CuPy kernels count as foreign there.
 """
@@ -60,7 +71,9 @@ import re
 import stat
 import struct
 import textwrap
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -72,10 +85,13 @@ JIT_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton
 JIT_ENV = {"CUPY_CACHE_SAVE_CUDA_SOURCE": "1"}
 BUILD_DIR = ".build"  # the workspace's build tree and scratch: the harness's, never candidate source
 
-# Bounds on what the parent reads of a cache the candidate's process wrote.
-MAX_KERNELS = 4096
+# Bounds on what the parent reads of a cache the candidate's process wrote (`Reading`).
+MAX_KERNELS = 4096  # cache entries judged (Triton's metadata files, CuPy's cubins), per cache
 MAX_FILE_BYTES = 64 << 20
 MAX_SOURCE_FILES = 1024  # workspace files searched for a CuPy kernel's source text
+MAX_SOURCE_BYTES = 1 << 20  # a candidate source file read or parsed; larger ones are not
+ATTRIBUTION_BYTES = 64 << 20  # all the files one attribution reads, cache entries and sources together
+ATTRIBUTION_SECONDS = 10.0
 
 
 def workspace_scratch(workspace: str | Path) -> Path:
@@ -100,6 +116,13 @@ class TritonKernel:
     entry: Path  # the cache directory of this kernel
 
 
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
 def _read(path: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
     """A regular file's bytes (no link followed, nothing that could block), None otherwise."""
     try:
@@ -116,6 +139,98 @@ def _read(path: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class ParsedSource:
+    """What the rules need of one Python source file, from one parse: its `def`s under a decorator
+    that names `jit` as (name, line of the `def`), and its string literals, normalized."""
+
+    jit_defs: frozenset[tuple[str, int]]
+    literals: frozenset[str]
+
+
+@dataclass
+class Reading:
+    """One attribution's reads of the files the candidate's job wrote: each read (`read`) and
+    each Python file parsed (`parsed`) at most once, by real path, within a budget of bytes (all
+    reads together) and seconds (`clock`, from the first read). Once spent, nothing more is read
+    (both return None) and `spent` says why; `parses` counts the parses done."""
+
+    max_bytes: int = ATTRIBUTION_BYTES
+    max_seconds: float = ATTRIBUTION_SECONDS
+    clock: Callable[[], float] = time.monotonic
+    spent: str = ""
+    parses: int = 0
+    bytes_read: int = 0
+    skipped: list[str] = field(default_factory=list)  # what was left unread within the budget, and why
+    _began: float | None = None
+    _texts: dict[str, bytes | None] = field(default_factory=dict)
+    _parsed: dict[str, ParsedSource | None] = field(default_factory=dict)
+
+    def within(self) -> bool:
+        """Whether the budget's time is not yet spent (starting its clock)."""
+        now = self.clock()
+        if self._began is None:
+            self._began = now
+        if not self.spent and now - self._began > self.max_seconds:
+            self.spent = f"its {self.max_seconds:g} s were spent"
+        return not self.spent
+
+    def read(self, path: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
+        """`_read(path, limit)`, once per real path, counted against the budget; None once spent."""
+        key = f"{os.path.realpath(path)}\0{limit}"
+        if key in self._texts:
+            return self._texts[key]
+        if not self.within():
+            return None
+        if min(_size(path), limit) > self.max_bytes - self.bytes_read:
+            self.spent = f"its {self.max_bytes >> 20} MiB of files read were spent"
+            return None
+        data = _read(path, limit)
+        self.bytes_read += len(data or b"")
+        self._texts[key] = data
+        return data
+
+    def parsed(self, path: Path) -> ParsedSource | None:
+        """The Python file at `path` parsed (never run), once per real path; None where it cannot
+        be read or parsed, is over `MAX_SOURCE_BYTES` (noted in `skipped`) or the budget is spent."""
+        real = os.path.realpath(path)
+        if real in self._parsed:
+            return self._parsed[real]
+        raw = self.read(Path(real), MAX_SOURCE_BYTES)
+        if raw is None and not self.spent and _size(Path(real)) > MAX_SOURCE_BYTES:
+            self.skipped.append(f"{path} (over {MAX_SOURCE_BYTES >> 20} MiB, not parsed)")
+        if raw is None or not self.within():
+            return None if self.spent else self._parsed.setdefault(real, None)
+        self.parses += 1
+        try:
+            try:
+                tree = ast.parse(raw)
+            except SystemError:  # CPython 3.11's AST depth check, off when threads parse at once: again
+                tree = ast.parse(raw)
+        except (SyntaxError, ValueError, MemoryError, RecursionError, SystemError):
+            self._parsed[real] = None
+            return None
+        found = ParsedSource(
+            jit_defs=frozenset((n.name, n.lineno) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+                               and any("jit" in ast.unparse(d) for d in n.decorator_list)),
+            literals=frozenset(_normalized(n.value) for n in ast.walk(tree)
+                               if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip()))
+        self._parsed[real] = found
+        return found
+
+    def unattributed(self) -> str:
+        """Why some of the job's kernels got no own credit without being judged ("" if none)."""
+        why = []
+        if self.spent:
+            why.append(f"the own-kernel attribution stopped once {self.spent} (budget ATTRIBUTION_BYTES, "
+                       "ATTRIBUTION_SECONDS of cudagym.sandbox.jit): the JIT cache entries and source files not "
+                       "read by then got no own credit")
+        if self.skipped:
+            why.append("not judged, so not credited: " + "; ".join(self.skipped[:4])
+                       + (f" and {len(self.skipped) - 4} more" if len(self.skipped) > 4 else ""))
+        return "; ".join(why)
 
 
 _ALIAS = re.compile(r"^#(loc\d*) = loc\((.*)\)\s*$", re.MULTILINE)
@@ -162,15 +277,24 @@ def entry_location(ir: str, name: str) -> tuple[str, int] | None:
     return _resolve(close.group(1), aliases)
 
 
-def triton_kernels(cache: Path) -> list[TritonKernel]:
+def triton_kernels(cache: Path, reading: Reading | None = None) -> list[TritonKernel]:
     """The compiled kernels of a Triton cache directory (`TRITON_CACHE_DIR`), as its files state
-    them; entries without metadata, IR or a readable cubin are left out. Nothing is judged here."""
-    out: list[TritonKernel] = []
+    them; entries without metadata, IR or a readable cubin are left out, and so are those past
+    `MAX_KERNELS` metadata files or `reading`'s budget. Nothing is judged here."""
+    reading = reading if reading is not None else Reading()
+    entries = _triton_entries(cache, reading)
+    out = list(islice(entries, MAX_KERNELS))
+    if next(entries, None) is not None:
+        reading.skipped.append(f"the Triton cache's entries past the first {MAX_KERNELS}")
+    return out
+
+
+def _triton_entries(cache: Path, reading: Reading) -> Iterator[TritonKernel]:
     try:
         with os.scandir(cache) as it:
             groups = sorted(e.path for e in islice(it, MAX_KERNELS) if e.is_dir(follow_symlinks=False))
     except OSError:
-        return out
+        return
     for path in groups:
         group = Path(path)
         try:
@@ -180,7 +304,9 @@ def triton_kernels(cache: Path) -> list[TritonKernel]:
         except OSError:
             continue
         for meta_path in metas[:8]:
-            raw = _read(meta_path, 1 << 20)
+            if reading.spent:
+                return
+            raw = reading.read(meta_path, 1 << 20)
             try:
                 meta = json.loads(raw) if raw else None
             except ValueError:
@@ -188,18 +314,17 @@ def triton_kernels(cache: Path) -> list[TritonKernel]:
             name = meta.get("name") if isinstance(meta, dict) else None
             if not isinstance(name, str) or not name or "/" in name:
                 continue
-            cubin = _read(group / f"{name}.cubin")
+            cubin = reading.read(group / f"{name}.cubin")
             digest = image_digest(cubin) if cubin else None
             if not digest:
                 continue
             where = None
             for suffix in (".ttir", ".ttgir"):
-                ir = _read(group / f"{name}{suffix}", 16 << 20)
+                ir = reading.read(group / f"{name}{suffix}", 16 << 20)
                 if ir and (where := entry_location(ir.decode(errors="replace"), name)):
                     break
             source, line = where or ("", 0)
-            out.append(TritonKernel(name=name, digest=digest, source=source, line=line, entry=group))
-    return out
+            yield TritonKernel(name=name, digest=digest, source=source, line=line, entry=group)
 
 
 def is_candidate_source(path: str, workspace: Path) -> bool:
@@ -214,28 +339,20 @@ def is_candidate_source(path: str, workspace: Path) -> bool:
     return not real.startswith(os.path.join(root, BUILD_DIR) + "/")
 
 
-def defines_jit_function(source: bytes, line: int, name: str) -> bool:
-    """Whether Python `source` defines a function `name` at line `line` (its `def`) under a
-    decorator that names `jit` (`@triton.jit`, `@jit`): parsed, never run."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return False
-    return any(isinstance(node, ast.FunctionDef) and node.name == name and node.lineno == line
-               and any("jit" in ast.unparse(d) for d in node.decorator_list) for node in ast.walk(tree))
-
-
-def own_triton_kernels(workspace: Path, cache: Path | None = None) -> list[TritonKernel]:
+def own_triton_kernels(workspace: Path, cache: Path | None = None,
+                       reading: Reading | None = None) -> list[TritonKernel]:
     """The kernels of the job's Triton cache (by default `workspace_scratch(workspace)/triton`)
     compiled from the candidate's own source: the IR's entry function is a JIT function of that
-    name, defined at the line the IR gives, in a file inside the workspace and outside `.build/`."""
+    name, defined at the line the IR gives, in a file inside the workspace and outside `.build/`
+    (each such file parsed once, within `reading`'s budget: `Reading.parsed`)."""
     cache = cache if cache is not None else workspace_scratch(workspace) / JIT_CACHES["TRITON_CACHE_DIR"]
+    reading = reading if reading is not None else Reading()
     out = []
-    for k in triton_kernels(cache):
+    for k in triton_kernels(cache, reading):
         if not is_candidate_source(k.source, workspace):
             continue
-        text = _read(Path(os.path.realpath(os.path.join(workspace, k.source))), 16 << 20)
-        if text is not None and defines_jit_function(text, k.line, k.name):
+        found = reading.parsed(Path(os.path.realpath(os.path.join(workspace, k.source))))
+        if found is not None and (k.name, k.line) in found.jit_defs:
             out.append(k)
     return out
 
@@ -286,23 +403,28 @@ def _loaded_cupy_image(cubin: bytes) -> bytes:
     return cubin
 
 
-def cupy_kernels(cache: Path) -> list[CupyKernel]:
+def cupy_kernels(cache: Path, reading: Reading | None = None) -> list[CupyKernel]:
     """The compiled modules of a CuPy cache directory (`CUPY_CACHE_DIR`), as its files state them;
-    files whose hash does not match or whose cubin has no readable extent are left out. Nothing is
-    judged here."""
+    files whose hash does not match or whose cubin has no readable extent are left out, and so are
+    those past `reading`'s budget. Nothing is judged here."""
+    reading = reading if reading is not None else Reading()
     out: list[CupyKernel] = []
     try:
         with os.scandir(cache) as it:
             names = sorted(e.name for e in islice(it, 4 * MAX_KERNELS) if e.name.endswith(".cubin"))
     except OSError:
         return out
+    if len(names) > MAX_KERNELS:
+        reading.skipped.append(f"the CuPy cache's entries past the first {MAX_KERNELS}")
     for name in names[:MAX_KERNELS]:
-        data = _read(cache / name)
+        data = reading.read(cache / name)
         cubin = _cupy_cubin(data) if data else None
         digest = image_digest(_loaded_cupy_image(cubin)) if cubin else None
         if not digest:
+            if reading.spent:
+                break
             continue
-        source = _read(cache / f"{name}.cu", 16 << 20)
+        source = reading.read(cache / f"{name}.cu", 16 << 20)
         out.append(CupyKernel(digest=digest, source=source.decode(errors="replace") if source else "",
                               entry=cache / name))
     return out
@@ -312,49 +434,77 @@ def _normalized(text: str) -> str:
     return textwrap.dedent(text).strip()
 
 
-def workspace_texts(workspace: Path) -> set[str]:
-    """The texts a CuPy kernel's source may be found as in the candidate's files (inside the
-    workspace, outside `.build/`, no link followed): each Python file's string literals (parsed,
-    never run) and each file's whole text, normalized (dedented, stripped)."""
-    texts: set[str] = set()
-    root = Path(os.path.realpath(workspace))
+def _workspace_files(root: Path) -> list[Path]:
+    """The workspace's files (`root`, a real path) outside `.build/`, in order, at most `MAX_SOURCE_FILES`."""
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not (Path(dirpath) == root and d == BUILD_DIR))
         files += [Path(dirpath) / f for f in sorted(filenames)]
         if len(files) >= MAX_SOURCE_FILES:
             break
-    for path in files[:MAX_SOURCE_FILES]:
-        raw = _read(path, 4 << 20)
-        if raw is None or not is_candidate_source(str(path), root):
-            continue
-        text = raw.decode(errors="replace")
-        texts.add(_normalized(text))
-        if path.suffix == ".py":
-            try:
-                tree = ast.parse(raw)
-            except (SyntaxError, ValueError):
-                continue
-            texts.update(_normalized(n.value) for n in ast.walk(tree)
-                         if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip())
+    return files[:MAX_SOURCE_FILES]
+
+
+def _file_texts(path: Path, root: Path, reading: Reading) -> set[str]:
+    """The texts a CuPy kernel's source may be found as in one candidate file: its whole text,
+    and a Python file's string literals (`Reading.parsed`), normalized."""
+    raw = reading.read(path, MAX_SOURCE_BYTES) if is_candidate_source(str(path), root) else None
+    if raw is None:
+        return set()
+    texts = {_normalized(raw.decode(errors="replace"))}
+    if path.suffix == ".py" and (found := reading.parsed(path)) is not None:
+        texts |= found.literals
     texts.discard("")
     return texts
 
 
-def own_cupy_kernels(workspace: Path, cache: Path | None = None) -> list[CupyKernel]:
+def workspace_texts(workspace: Path, reading: Reading | None = None) -> set[str]:
+    """The texts a CuPy kernel's source may be found as in the candidate's files (inside the
+    workspace, outside `.build/`, no link followed): each Python file's string literals (parsed,
+    never run) and each file's whole text, normalized (dedented, stripped)."""
+    reading = reading if reading is not None else Reading()
+    root = Path(os.path.realpath(workspace))
+    return {t for path in _workspace_files(root) for t in _file_texts(path, root, reading)}
+
+
+def own_cupy_kernels(workspace: Path, cache: Path | None = None, reading: Reading | None = None) -> list[CupyKernel]:
     """The modules of the job's CuPy cache (by default `workspace_scratch(workspace)/cupy`)
     compiled from the candidate's own source: the source CuPy saved is a string literal or a file
-    of the workspace, outside `.build/` (`workspace_texts`)."""
+    of the workspace, outside `.build/` (`workspace_texts`). The files are searched in order until
+    every module's source is found, or `reading`'s budget is spent."""
     cache = cache if cache is not None else workspace_scratch(workspace) / JIT_CACHES["CUPY_CACHE_DIR"]
-    kernels = [k for k in cupy_kernels(cache) if k.source.strip()]
-    if not kernels:
-        return []
-    texts = workspace_texts(workspace)
-    return [k for k in kernels if _normalized(k.source) in texts]
+    reading = reading if reading is not None else Reading()
+    kernels = [k for k in cupy_kernels(cache, reading) if k.source.strip()]
+    wanted = {_normalized(k.source) for k in kernels}
+    found: set[str] = set()
+    root = Path(os.path.realpath(workspace))
+    for path in _workspace_files(root) if wanted else []:
+        if found >= wanted or reading.spent:
+            break
+        found |= wanted & _file_texts(path, root, reading)
+    return [k for k in kernels if _normalized(k.source) in found]
+
+
+@dataclass(frozen=True)
+class JitImages:
+    """What one attribution found (`jit_attribution`): the digests of the candidate's own JIT
+    images, and why some of the job's kernels got no own credit unjudged ("" if none: `Reading`)."""
+
+    digests: frozenset[str] = frozenset()
+    unattributed: str = ""
+
+
+def jit_attribution(workspace: Path, reading: Reading | None = None) -> JitImages:
+    """The in-memory images that count as the candidate's own kernels in permissive mode
+    (`Origins.own_images`): its own Triton kernels' and CuPy modules' cubins, judged within one
+    budget (`reading`, by default `ATTRIBUTION_BYTES` and `ATTRIBUTION_SECONDS`). Blocking file
+    work: a coroutine runs it in a thread."""
+    reading = reading if reading is not None else Reading()
+    digests = [k.digest for k in own_triton_kernels(workspace, reading=reading)]
+    digests += [k.digest for k in own_cupy_kernels(workspace, reading=reading)]
+    return JitImages(frozenset(digests), reading.unattributed())
 
 
 def own_jit_images(workspace: Path) -> frozenset[str]:
-    """The digests of the in-memory images that count as the candidate's own kernels in
-    permissive mode (`Origins.own_images`): its own Triton kernels' and CuPy modules' cubins."""
-    return frozenset([k.digest for k in own_triton_kernels(workspace)]
-                     + [k.digest for k in own_cupy_kernels(workspace)])
+    """`jit_attribution`'s digests."""
+    return jit_attribution(workspace).digests
