@@ -2,7 +2,8 @@
 the reference's job first (`VerifyConfig.layout`), decided by the task's footprint as a
 reference-only job measured it; the host memory limit of a job running the candidate's code
 scaled by that footprint; a run that ran out of memory before the task was measured run again,
-reference first; and an error that names `LimitsConfig.memory_mb` where the limit still holds.
+reference first; a run that ran out of device memory beside other jobs run again holding the device
+alone; and an error that names `LimitsConfig.memory_mb` where the limit still holds.
 
 On the CPU target, whose limit is the worker's address space (`apply_rlimits`): a task of our own
 whose reference holds a 256 MiB weight, verified under a 384 MiB limit, which the candidate's
@@ -11,6 +12,7 @@ worker (the reference's weight and the candidate's) cannot fit until the limit s
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -161,3 +163,72 @@ def test_a_candidate_beyond_the_scaled_limit_is_named_with_memory_mb(tight: Eval
     r = tight.verify(WIDE, build_ws(WIDE, greedy))
     assert not r.ok and r.error_kind == ErrorKind.MEMORY, r.error
     assert "LimitsConfig.memory_mb" in (r.error or "") and "the task's reference took on the host" in (r.error or "")
+
+
+# ModelNew of SMALL that reports CUDA's out-of-memory error (as torch raises it when another job holds
+# the device's memory) on its first verify, or on every one
+OUT_OF_DEVICE_MEMORY = """\
+import os
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        mark = os.path.join(os.getcwd(), "ran_out_once")
+        if EVERY_TIME or not os.path.exists(mark):
+            open(mark, "w").close()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.19 GiB total "
+                                         "capacity; 70.02 GiB already allocated by other processes)")
+        return x * 2.0 + 1.0
+"""
+SLOW_HONEST = reference_as_candidate(SMALL.code).replace(
+    "        return x * 2.0 + 1.0", "        import time\n        time.sleep(0.1)\n        return x * 2.0 + 1.0")
+
+
+def test_out_of_device_memory_beside_other_jobs_runs_again_alone(eval_cache: Path, build_ws) -> None:
+    """Three verifies at once: one whose first try runs out of device memory, one that always does,
+    and an honest one. Each out-of-memory try ran beside other jobs, so its verify runs once more
+    with its device alone (`Job.alone`): reference first, and no other job's worker runs while one
+    of its jobs does (spans taken where the scheduler hands the worker its job, inside the lease).
+    The first then passes and says so; the second, out of memory while alone, fails as
+    `memory_limit` after that one retry."""
+    cfg = cpu_config(eval_cache, mode="permissive", verify=VerifyConfig(min_own_share=0.0))
+    with Evaluator(cfg) as ev:
+        spans: list[tuple[str, bool, str, float, float]] = []
+        inner = ev.sandbox._run_on  # type: ignore[attr-defined]
+
+        async def run_on(job: Any, device: str, responder: Any, worker: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await inner(job, device, responder, worker)
+            finally:
+                spans.append((job.kind, job.alone, job.workspace, start, time.perf_counter()))
+
+        ev.sandbox._run_on = run_on  # type: ignore[attr-defined]
+        once = build_ws(SMALL, OUT_OF_DEVICE_MEMORY.replace("EVERY_TIME", "False"))
+        always = build_ws(SMALL, OUT_OF_DEVICE_MEMORY.replace("EVERY_TIME", "True"))
+        honest = build_ws(SMALL, SLOW_HONEST)
+
+        async def three() -> list[Any]:
+            return list(await asyncio.gather(*(ev.averify(SMALL, ws) for ws in (once, always, honest))))
+
+        r_once, r_always, r_honest = asyncio.run(three())
+    assert r_honest.ok and r_honest.breakdown["alone"] == 0.0, r_honest.error
+    assert r_once.ok, r_once.error
+    assert r_once.breakdown["alone"] == 1.0 and r_once.breakdown["reference_first"] == 1.0
+    assert r_once.breakdown["shared_out_of_memory_s"] > 0
+    assert any("holding the device alone" in r for r in r_once.reasons), r_once.reasons
+    assert not r_always.ok and r_always.error_kind == ErrorKind.MEMORY, r_always.error
+    assert "out of memory" in (r_always.error or "") and "held it alone" in (r_always.error or "")
+    assert r_always.breakdown["alone"] == 1.0 and r_always.breakdown["shared_out_of_memory_s"] > 0
+    tries = {str(ws.root): [s for s in spans if s[0] == "verify" and s[2] == str(ws.root)]
+             for ws in (once, always, honest)}
+    assert [s[1] for s in tries[str(once.root)]] == [False, True], spans
+    assert [s[1] for s in tries[str(always.root)]] == [False, True], spans
+    assert [s[1] for s in tries[str(honest.root)]] == [False], spans
+    alone = [s for s in spans if s[1]]
+    assert len(alone) == 4 and {s[0] for s in alone} == {"verify", "reference"}, spans
+    for a in alone:
+        beside = [s for s in spans if s is not a and s[3] < a[4] and a[3] < s[4]]
+        assert not beside, (a, beside)

@@ -162,6 +162,15 @@ def _out_of_memory(o: JobOutcome) -> bool:
                                           or "out of memory" in str(final.get("error", "")))
 
 
+def _device_out_of_memory(o: JobOutcome) -> bool:
+    """Whether a job's worker reported that its device's memory ran out ("out of memory": CUDA's
+    allocator, torch's or the candidate's own `cudaMalloc`), as against a host allocation refused
+    at the job's own limit ("can't allocate memory") or the job killed at that limit."""
+    final = o.final or {}
+    error = str(final.get("error", "")).lower()
+    return not o.memory_exceeded and not final.get("ok", True) and "out of memory" in error
+
+
 def _host_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
@@ -298,7 +307,8 @@ class Evaluator:
 
     # -- verify -----------------------------------------------------------------------------
     async def averify(self, task: Task, workspace: Workspace, params: Literal["seed", "state_dict"] = "seed",
-                      _layout: Literal["side_by_side", "reference_first"] | None = None) -> VerifyResult:
+                      _layout: Literal["side_by_side", "reference_first"] | None = None,
+                      _alone: bool = False) -> VerifyResult:
         """Correctness over fresh secret-seeded trials plus the op audit, in a fresh worker.
 
         ModelNew runs with its own same-seed parameters; only where they differ from Model's under
@@ -331,6 +341,21 @@ class Evaluator:
           that try out of memory on purpose gains it nothing but a slower verify; and the layout
           and the candidate's host memory limit are decided by the trusted reference's
           measurement, kept in this process, not by anything the candidate reports.
+
+        Device memory is shared by the jobs on a GPU: two large verifies side by side can each
+        run out although each alone fits. A verify whose reference's or candidate's job reported
+        that its device ran out of memory (`_device_out_of_memory`) while it did not hold the
+        device alone runs once more holding it alone (`Job.alone`: the scheduler's exclusive
+        lease, as a timing job's), reference first, with every secret drawn again; one that ran
+        out while alone fails as `memory_limit`. `breakdown["alone"]` and a reason say that the
+        retry decided. A candidate gains nothing by running out of memory on purpose: its first
+        try is discarded unjudged and it learns nothing there of whether it would pass (no
+        reference output reaches it, as above); the retry draws new seeds, orders and evidence
+        seeds and runs the same trials, comparisons and audit, in fresh workers, so holding the
+        GPU alone weakens no check (verify times nothing, so it speeds no verdict either); there is
+        one such retry per verify, and the reason says which try decided. What it costs is the
+        time of the try it spoiled and a stretch of the GPU held alone, which every profile's
+        timing job holds anyway.
         """
         t0 = time.perf_counter()
         task = task.for_target(self._target)
@@ -358,12 +383,13 @@ class Evaluator:
         feed = TrialFeed(plan["trial_seeds"], plan["trial_scales"], plan["trial_orders"], plan["evidence_seeds"])
         measured = self.footprint(task)
         chosen = _layout or self._verify_layout(measured)
-        ref_job = self._job("reference", task, None, init_seed=init_seed, limits=self._reference_limits(), **plan)
+        ref_job = self._job("reference", task, None, init_seed=init_seed, limits=self._reference_limits(), alone=_alone,
+                            **plan)
         if chosen == "reference_first":
             ref = await self.sandbox.run(ref_job, self.device)
             self._learn_footprint(task, ref)
         cand_job = self._job("verify", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, trials=n,
-                             params=params)  # its host memory limit: from the footprint, if measured by now
+                             params=params, alone=_alone)  # its host memory limit: from the footprint, if measured
         if chosen == "reference_first":
             ref_failure = outcome_failure(ref, "reference")
             outcome = await self.sandbox.run(cand_job, self.device, feed) if not ref_failure else JobOutcome(final={})
@@ -378,13 +404,20 @@ class Evaluator:
         blind = chosen == "side_by_side" and measured is None and _layout is None \
             and self.config.verify.layout == "auto"
         tampered = failure is not None and failure[0] == ErrorKind.TAMPER
-        if blind and not tampered and (_out_of_memory(ref) or _out_of_memory(outcome)):
-            # run blind (the task not yet measured), out of memory: once more, the reference's job first
+        shared_out = not _alone and (_device_out_of_memory(ref) or _device_out_of_memory(outcome))
+        if not tampered and (shared_out or (blind and (_out_of_memory(ref) or _out_of_memory(outcome)))):
+            # out of memory, run blind (the task not yet measured) or beside other jobs on its device:
+            # once more, the reference's job first, and then holding the device alone
             release_later(outcome, ref)
-            again = await self.averify(task, workspace, params, _layout="reference_first")
-            return again.model_copy(update={"seconds": time.perf_counter() - t0, "breakdown": {
-                **again.breakdown, "side_by_side_out_of_memory_s": t_built - t0 + again.seconds}})
-        if failure and failure[0] == ErrorKind.MEMORY:
+            spent_s = time.perf_counter() - t0
+            again = await self.averify(task, workspace, params, _layout="reference_first", _alone=shared_out)
+            why = ("side_by_side_out_of_memory_s" if chosen == "side_by_side" and not shared_out
+                   else "shared_out_of_memory_s")
+            return again.model_copy(update={"seconds": time.perf_counter() - t0,
+                                            "breakdown": {**again.breakdown, why: spent_s}})
+        if failure and not tampered and _alone and _device_out_of_memory(outcome):
+            failure = ErrorKind.MEMORY, failure[1] + " (the device's memory ran out while this verify held it alone)"
+        elif failure and failure[0] == ErrorKind.MEMORY:
             failure = failure[0], failure[1] + self._memory_note(cand_job.limits)
         if ref_failure and not failure:
             if ref_failure[0] == ErrorKind.MEMORY:
@@ -407,7 +440,10 @@ class Evaluator:
         breakdown = {"build_check_s": t_built - t0, **_job_breakdown("candidate", outcome),
                      **_job_breakdown("reference", ref), "jobs_s": t_jobs - t_built,
                      "compare_s": time.perf_counter() - t_jobs,
-                     "reference_first": float(chosen == "reference_first")}
+                     "reference_first": float(chosen == "reference_first"), "alone": float(_alone)}
+        if _alone:
+            result.reasons.append("verify ran again holding the device alone (reference first, new secrets): its "
+                                  "first try ran out of device memory beside other jobs")
         result = result.model_copy(update={"breakdown": breakdown, "seconds": time.perf_counter() - t0,
                                            "params_path": params})
         if params == "seed" and result.error_kind == ErrorKind.MISMATCH and (outcome.final or {}).get("params_retry"):

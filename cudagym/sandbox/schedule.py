@@ -138,7 +138,8 @@ class JobScheduler:
         outcome and a future that resolves once the worker is gone) on a worker from
         `ready(device)`, once its device can take it. The worker is made ready first: a job
         waiting for one holds no lease. "cuda" picks the GPU free for it now, or else the least
-        loaded one, and passes "cuda:N"."""
+        loaded one, and passes "cuda:N". A job marked `alone` holds its device alone, as a timing
+        job does (on the CPU: no timing job and no other check beside it)."""
         exclusive = job.kind in TIMING_KINDS
         t0 = time.perf_counter()
         if device == "cuda":
@@ -148,7 +149,7 @@ class JobScheduler:
             lease, device = self._gpu_leases[i], f"cuda:{i}"
             worker = await ready(device)
             t_ready = time.perf_counter()
-            alone = exclusive and self.exclusive_from == "job"  # else a timing job starts shared
+            alone = (exclusive and self.exclusive_from == "job") or job.alone  # else a timing job starts shared
             ticket = lease.ask(alone, urgent=job.kind == "reference")
             try:
                 while not lease.try_acquire(ticket):
@@ -167,7 +168,7 @@ class JobScheduler:
                     timing.release()
                 elif hold.released_s is None:
                     hold.released_s = time.perf_counter()
-                    lease.release(exclusive)
+                    lease.release(hold.exclusive)
 
             gone: asyncio.Future[None] | None = None
             try:
@@ -181,24 +182,34 @@ class JobScheduler:
             if timing is not None:
                 outcome.lease_upgrade_s = timing.waited_s
             return _waits(outcome, t0, t_ready, t_leased)
+        cores = max(1, (os.cpu_count() or 2))
         if self._cpu_slots is None or self._cpu_timing is None:  # both are made at once
-            self._cpu_slots = asyncio.Semaphore(max(1, (os.cpu_count() or 2)))
+            self._cpu_slots = asyncio.Semaphore(cores)
             self._cpu_timing = asyncio.Lock()
         worker = await ready(device)
         t_ready = time.perf_counter()
-        slot: asyncio.Lock | asyncio.Semaphore = self._cpu_timing if exclusive else self._cpu_slots
+        # a job alone: no timing job, and every check's slot (taken behind the timing lock, one at a time)
+        slots: list[asyncio.Lock | asyncio.Semaphore] = (
+            [self._cpu_timing, *[self._cpu_slots] * cores] if job.alone
+            else [self._cpu_timing if exclusive else self._cpu_slots])
+        taken = 0
         try:
-            await slot.acquire()
+            for slot in slots:
+                await slot.acquire()
+                taken += 1
         except BaseException:
+            for slot in slots[:taken]:
+                slot.release()
             unused(worker)
             raise
         t_leased = time.perf_counter()
         try:
             outcome, gone = await run_on(job, device, responder, worker)
-            if exclusive:
+            if exclusive or job.alone:
                 await gone
         finally:
-            slot.release()
+            for slot in slots:
+                slot.release()
         return _waits(outcome, t0, t_ready, t_leased)
 
 

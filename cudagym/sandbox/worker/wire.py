@@ -127,6 +127,9 @@ class Job(BaseModel):
     library_baselines: list[str] = Field(default_factory=list)
     library_tolerance: tuple[float, float] = (1e-2, 1e-2)
     probe: str | None = None  # probe jobs: python source run as the candidate (tests of the sandbox)
+    # the scheduler gives the job its device alone, as a timing job has it (verify's retry after it
+    # ran out of device memory beside other jobs: `Evaluator.averify`); the worker reads nothing of it
+    alone: bool = False
 
 
 # -- frames -----------------------------------------------------------------------------------
