@@ -232,3 +232,46 @@ def test_out_of_device_memory_beside_other_jobs_runs_again_alone(eval_cache: Pat
     for a in alone:
         beside = [s for s in spans if s is not a and s[3] < a[4] and a[3] < s[4]]
         assert not beside, (a, beside)
+
+
+def test_on_a_gpu_a_job_alone_holds_the_lease_alone() -> None:
+    """The GPU path of the scheduler (`JobScheduler.run`, one GPU, workers faked): a verify's job
+    marked `alone` waits for the checks that hold the GPU, holds its lease exclusive, and a check
+    that asks meanwhile waits for it; the lease is shared again once it is over."""
+    from cudagym.sandbox.schedule import JobScheduler
+    from cudagym.sandbox.worker.wire import Job, JobOutcome
+
+    async def main() -> JobScheduler:
+        sched = JobScheduler(release_at_result=True)
+
+        async def ready(device: str) -> str:
+            return device
+
+        async def run_on(job: Job, device: str, responder: Any, worker: Any) -> Any:
+            await asyncio.sleep(0.05)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return JobOutcome(final={}), done
+
+        def job(kind: str, alone: bool = False) -> Job:
+            return Job(kind=kind, nonce="n", task_id="t", device="cuda", alone=alone)  # type: ignore[arg-type]
+
+        def run(j: Job) -> Any:
+            return asyncio.ensure_future(sched.run(j, "cuda", None, ready, run_on, lambda w: None))
+
+        first = [run(job("verify")), run(job("reference"))]
+        await asyncio.sleep(0.01)
+        alone = run(job("reference", alone=True))
+        await asyncio.sleep(0.01)
+        later = run(job("verify"))
+        await asyncio.wait_for(asyncio.gather(*first, alone, later), 10)
+        return sched
+
+    holds = list(asyncio.run(main()).holds)
+    assert [(h.kind, h.exclusive) for h in holds] == [("verify", False), ("reference", False), ("reference", True),
+                                                      ("verify", False)], holds
+    alone = holds[2]
+    assert alone.released_s is not None
+    for h in holds[:2]:
+        assert h.released_s is not None and h.released_s <= alone.acquired_s, holds
+    assert alone.released_s <= holds[3].acquired_s, holds
