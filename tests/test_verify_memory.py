@@ -217,11 +217,11 @@ def test_out_of_device_memory_beside_other_jobs_runs_again_alone(eval_cache: Pat
     assert r_honest.ok and r_honest.breakdown["alone"] == 0.0, r_honest.error
     assert r_once.ok, r_once.error
     assert r_once.breakdown["alone"] == 1.0 and r_once.breakdown["reference_first"] == 1.0
-    assert r_once.breakdown["shared_out_of_memory_s"] > 0
+    assert r_once.breakdown["side_by_side_out_of_memory_s"] > 0  # its first try: unmeasured, side by side
     assert any("holding the device alone" in r for r in r_once.reasons), r_once.reasons
     assert not r_always.ok and r_always.error_kind == ErrorKind.MEMORY, r_always.error
     assert "out of memory" in (r_always.error or "") and "held it alone" in (r_always.error or "")
-    assert r_always.breakdown["alone"] == 1.0 and r_always.breakdown["shared_out_of_memory_s"] > 0
+    assert r_always.breakdown["alone"] == 1.0 and r_always.breakdown["side_by_side_out_of_memory_s"] > 0
     tries = {str(ws.root): [s for s in spans if s[0] == "verify" and s[2] == str(ws.root)]
              for ws in (once, always, honest)}
     assert [s[1] for s in tries[str(once.root)]] == [False, True], spans
@@ -232,6 +232,17 @@ def test_out_of_device_memory_beside_other_jobs_runs_again_alone(eval_cache: Pat
     for a in alone:
         beside = [s for s in spans if s is not a and s[3] < a[4] and a[3] < s[4]]
         assert not beside, (a, beside)
+
+
+def test_out_of_device_memory_reference_first_runs_again_alone(eval_cache: Path, build_ws) -> None:
+    """Not only a blind first try: a verify laid out reference first (no retry for the layout's
+    sake) whose candidate ran out of device memory while the GPU was shared runs once more alone."""
+    cfg = cpu_config(eval_cache, mode="permissive", verify=VerifyConfig(min_own_share=0.0, layout="reference_first"))
+    with Evaluator(cfg) as ev:
+        r = ev.verify(SMALL, build_ws(SMALL, OUT_OF_DEVICE_MEMORY.replace("EVERY_TIME", "False")))
+    assert r.ok, r.error
+    assert r.breakdown["alone"] == 1.0 and r.breakdown["shared_out_of_memory_s"] > 0, r.breakdown
+    assert "side_by_side_out_of_memory_s" not in r.breakdown
 
 
 def test_on_a_gpu_a_job_alone_holds_the_lease_alone() -> None:

@@ -411,8 +411,7 @@ class Evaluator:
             release_later(outcome, ref)
             spent_s = time.perf_counter() - t0
             again = await self.averify(task, workspace, params, _layout="reference_first", _alone=shared_out)
-            why = ("side_by_side_out_of_memory_s" if chosen == "side_by_side" and not shared_out
-                   else "shared_out_of_memory_s")
+            why = "side_by_side_out_of_memory_s" if chosen == "side_by_side" else "shared_out_of_memory_s"
             return again.model_copy(update={"seconds": time.perf_counter() - t0,
                                             "breakdown": {**again.breakdown, why: spent_s}})
         if failure and not tampered and _alone and _device_out_of_memory(outcome):
