@@ -59,7 +59,7 @@ import os as _os
 _torch_cpu = _ct.CDLL(_os.path.join(_os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
 try:
     _gelu = _torch_cpu["_ZN2at3cpu5gelu_ERNS_6TensorEN3c1017basic_string_viewIcEE"]
-except AttributeError:
+except (AttributeError, PermissionError):  # the worker refuses the lookup itself
     _gelu = None
 '''
 

@@ -32,12 +32,14 @@ from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
+from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
 from cudagym.sandbox.worker.wire import TIMING_KINDS, FrameReader, Job, collect_outcome, result_memory, write_all
 
 log = logging.getLogger(__name__)
 _OUTPUT_LIMIT = 20_000
+_CODE_READ_KINDS = ("verify", "profile")  # jobs that run the candidate's code and report unbuilt code
 _NICE = shutil.which("nice")
 
 
@@ -451,6 +453,8 @@ class LocalSandbox(SpareWorkerSandbox):
                 await asyncio.sleep(1.0)
             foreign_since = int(time.time() * 1e6)  # NVML's sample clock: µs of the wall clock
         outcome.device_busy = refused
+        # what the worker maps executable, read from outside it, before any candidate code runs
+        code_before = exec_mappings(p.pid for p in self._tree(w.proc.pid)) if job.kind in _CODE_READ_KINDS else None
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
         quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
                                      shares=lease is not None and lease.shares) if timing and not refused else None)
@@ -526,7 +530,12 @@ class LocalSandbox(SpareWorkerSandbox):
                 self._pause_running([running], False)
             dog.cancel()
             after_check = bool(foreign_since and not refused)  # did another process use the GPU meanwhile?
-            job_pids = {p.pid for p in self._tree(w.proc.pid)} if after_check else set()
+            tree = self._tree(w.proc.pid)
+            job_pids = {p.pid for p in tree} if after_check else set()
+            # the native code that appeared meanwhile, read before the kill (`cudagym.sandbox.maps`)
+            code_seen = (unbuilt(code_before, exec_mappings(p.pid for p in tree), job.workspace,
+                                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""])
+                         if result_in and job.kind in _CODE_READ_KINDS else [])
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
             # process with it; nothing the candidate started can write anything after this.
@@ -559,6 +568,9 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t_ready
         collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
+        if code_seen and outcome.final is not None:  # beside what the worker reported of itself
+            outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
+                                                                *code_seen]))
         gone = asyncio.ensure_future(self._reap(w, cgroup, out_task, device if timing else None))
         self._reaping.add(gone)
         gone.add_done_callback(self._reaping.discard)

@@ -195,5 +195,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
         ch.final({"ok": False, "kind": kind, "error": msg[-MAX_ERROR_CHARS:]})
     sys.stdout.flush()
     sys.stderr.flush()
+    if job.kind in ("verify", "profile"):  # alive until killed: the sandbox reads what it has mapped
+        state.stdin.readline()  # executable once the result is in (`cudagym.sandbox.maps`)
     os._exit(0)
 

@@ -16,6 +16,7 @@ What was seen is kept in the `WorkerState`; the verdicts are the parent's.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import secrets
@@ -114,9 +115,50 @@ def watched_now() -> dict[str, Any]:
     return {name: getattr(obj, attr) for name, (obj, attr) in WATCHED.items()}
 
 
-# Dispatch keys whose kernels compute (or route to the kernel that does) on the job's devices
-COMPUTE_KEYS = ("CPU:", "CUDA:", "BackendSelect:", "CompositeExplicitAutograd:", "CompositeImplicitAutograd:",
-                "CompositeExplicitAutogradNonFunctional:", "Autograd:", "AutogradCPU:", "AutogradCUDA:")
+# Dispatch keys whose kernels compute (or route to the kernel that does) on the job's devices; the
+# dispatcher's dump prints the alias keys among them as "CompositeExplicitAutograd[alias]:"
+COMPUTE_KEYS = frozenset(("CPU", "CUDA", "BackendSelect", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
+                          "CompositeExplicitAutogradNonFunctional", "Autograd", "AutogradCPU", "AutogradCUDA"))
+
+
+def _dump_key(line: str) -> str:
+    """The dispatch key a line of the dispatcher's dump is about ("" for other lines): alias keys
+    print as "Autograd[alias]:", a kernel an override replaced as "... (inactive):"."""
+    head, sep, _ = line.partition(":")
+    return head.split("[")[0].split(" ")[0] if sep else ""
+
+
+class InputKernels:
+    """The kernels registered, at every dispatch key, for the ops the harness runs to make a
+    call's inputs (the task's `get_inputs` under a seed, then the copy into the call's buffers),
+    as they were before any candidate code ran. A kernel of the candidate's for one of them
+    (`torch.library.Library("aten", "IMPL")`, at any key: an alias key, ADInplaceOrView, ...) would
+    see every call's inputs as they are made, before the call's clock starts. `changed()` reads
+    those ops' entries again (~10 us each): `Problem.inputs` does before and after every
+    generation, and the timed loop sends `digest()` to the parent with every call."""
+
+    def __init__(self, ops: Iterable[str], dump: Callable[[str], str]) -> None:
+        self._dump = dump
+        self.before = {op: self.kernels(op) for op in sorted(set(ops))}
+        self.expected = self.digest()
+
+    def kernels(self, op: str) -> tuple[str, ...]:
+        return tuple(line.split(" :: ")[0] for line in self._dump(op).splitlines() if _dump_key(line))
+
+    def changed(self) -> list[str]:
+        return [op for op, lines in self.before.items() if self.kernels(op) != lines]
+
+    def digest(self) -> str:
+        """A digest of those ops' entries as they are now."""
+        import hashlib
+
+        return hashlib.sha256("\n".join(f"{op}\n" + "\n".join(self.kernels(op)) for op in self.before).encode(),
+                              usedforsecurity=False).hexdigest()[:32]
+
+    def check(self) -> None:
+        if changed := self.changed():
+            raise CandidateError("tamper", f"the candidate registered kernels of its own for {', '.join(changed[:4])}, "
+                                 "which the harness runs to make the next call's inputs")
 
 # Python's hooks that run someone's code at the harness's next call or line (profile, trace,
 # monitoring callbacks) or at its next audited event: a worker refuses them all, through an audit
@@ -133,8 +175,8 @@ _HOOK_EVENTS = ("sys.setprofile", "sys.settrace", "sys.addaudithook", "sys.monit
 
 
 def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
-    """The worker's audit hook: refuses Python's hooks and notes torch's C++ names looked up
-    through ctypes, in `state` (bound now: the lists, not the attributes)."""
+    """The worker's audit hook: refuses Python's hooks and torch's C++ names looked up through
+    ctypes, and notes both in `state` (bound now: the lists, not the attributes)."""
     seen, lookups = state.hook_attempts, state.torch_lookups
 
     def refuse_hooks(event: str, args: tuple) -> None:
@@ -145,7 +187,10 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
         if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
             name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
             if isinstance(name, str) and name.startswith(TORCH_MANGLED):
-                lookups.append(name)
+                lookups.append(name)  # noted for the reason; the lookup itself fails, whatever
+                # becomes of the note (a Python list in the candidate's process)
+                raise PermissionError(f"looking up torch's C++ function {name[:120]} through ctypes is refused "
+                                      "in a cudagym worker (torch's compute below the dispatcher)")
 
     return refuse_hooks
 
@@ -155,6 +200,7 @@ def snapshot_originals(state: WorkerState) -> None:
     torch.manual_seed, for one): the identity snapshot is retaken after each prewarm step, still
     before any candidate code runs; the dispatcher's table with it."""
     state.originals.update(watched_now())
+    state.gc_callbacks = tuple(gc.callbacks)
     state.dispatch.clear()
     state.dispatch.update(dispatch_table(state.originals))
 
@@ -168,8 +214,23 @@ def dispatch_table(originals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     `check_tamper` compares this table with the one taken before candidate code ran (new ops of
     the candidate's own namespaces are its business)."""
     dump, names = originals["torch._C._dispatch_dump"], originals["torch._C._dispatch_get_all_op_names"]
-    return {n: tuple(line.split(" :: ")[0] for line in dump(n).splitlines() if line.startswith(COMPUTE_KEYS))
+    return {n: tuple(line.split(" :: ")[0] for line in dump(n).splitlines() if _dump_key(line) in COMPUTE_KEYS)
             for n in names()}
+
+
+def read_dispatch_table(originals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """`dispatch_table` with the garbage collector off and its callbacks set aside, so that no
+    candidate code runs inside the read (a gc callback, run by a collection the read's own
+    allocations start, could unregister a kernel once it sees this read on the stack)."""
+    enabled, saved = gc.isenabled(), list(gc.callbacks)
+    gc.disable()
+    gc.callbacks.clear()
+    try:
+        return dispatch_table(originals)
+    finally:
+        gc.callbacks.extend(saved)
+        if enabled:
+            gc.enable()
 
 
 # -- the harness's own code ----------------------------------------------------------------------
@@ -188,7 +249,14 @@ def take_snapshot(modules: Iterable[types.ModuleType], other_modules: Iterable[t
     functions = {k: v for m in [*modules, *other_modules] for k, v in own_functions(m).items()}
     methods = {(cls, k): v for cls in classes for k, v in vars(cls).items() if callable(v)}
     code = {key: fn.__code__ for key, fn in methods.items() if isinstance(fn, types.FunctionType)}
-    return Snapshot(names, functions, methods, code)
+    return Snapshot(names, functions, methods, code, {m: frozenset(vars(m)) for m in modules})
+
+
+def added_names(snap: Snapshot) -> list[str]:
+    """Names added to a harness module since the snapshot, but for its own submodules (an import
+    of `package.sub` binds `sub` in the package)."""
+    return [f"{m.__name__}.{k}" for m, keys in snap.keys.items() for k, v in list(vars(m).items())
+            if k not in keys and not (isinstance(v, types.ModuleType) and v.__name__ == f"{m.__name__}.{k}")]
 
 
 def check_torch_lookups(state: WorkerState) -> None:
@@ -208,6 +276,9 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     check_torch_lookups(state)
     if hooks := foreign_hooks():
         raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
+    if callbacks := [cb for cb in list(gc.callbacks) if not any(cb is old for old in state.gc_callbacks)]:
+        raise CandidateError("tamper", "a garbage collector callback the harness did not set is active: "
+                             f"{callbacks[0]!r:.120} (it would run the candidate's code inside the harness's checks)")
     if state.pause_attempts:
         raise CandidateError("tamper", "the candidate tried to pause the profiler's op recording "
                              f"({state.pause_attempts[0]})")
@@ -216,11 +287,14 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
         if getattr(obj, attr, None) is not originals[name]:
             raise CandidateError("tamper", f"{name} was replaced by the candidate")
     before = state.dispatch if dispatcher else None
-    if before and (changed := sorted(n for n, k in dispatch_table(originals).items()
+    if before and (changed := sorted(n for n, k in read_dispatch_table(originals).items()
                                      if n in before and before[n] != k)):
         raise CandidateError("tamper", "the candidate registered kernels of its own for torch's ops with the "
                              f"dispatcher ({', '.join(changed[:4])}): the harness runs torch's ops between calls")
     snap = state.snapshot
+    if added := added_names(snap):
+        raise CandidateError("tamper", f"the candidate added {', '.join(added[:4])} to the harness's modules "
+                             "(a name there shadows a builtin or an import for the harness's own functions)")
     for (mod, name), obj in snap.names.items():
         if vars(mod).get(name) is not obj:
             raise CandidateError("tamper", f"the harness's {name} was replaced by the candidate")

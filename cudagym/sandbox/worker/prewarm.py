@@ -21,7 +21,7 @@ from cudagym.sandbox.opwatch import OpWatch
 from cudagym.sandbox.origin import KernelWatch
 from cudagym.sandbox.worker import integrity
 from cudagym.sandbox.worker.failures import CandidateError
-from cudagym.sandbox.worker.integrity import OpRecorder, live_helpers, snapshot_originals
+from cudagym.sandbox.worker.integrity import InputKernels, OpRecorder, live_helpers, snapshot_originals
 from cudagym.sandbox.worker.jobs import HARNESS_MODULES
 from cudagym.sandbox.worker.problem import Problem
 from cudagym.sandbox.worker.state import WorkerState
@@ -29,8 +29,8 @@ from cudagym.sandbox.worker.telemetry import DeviceTelemetry, Phases
 from cudagym.sandbox.worker.wire import Channel, LineReader, map_shared
 
 # the classes whose methods the integrity snapshot covers
-HARNESS_CLASSES = (Channel, LineReader, OpRecorder, Problem, CandidateError, Phases, DeviceTelemetry, WorkerState,
-                   timing.DeviceTimer, OpWatch, KernelWatch)
+HARNESS_CLASSES = (Channel, LineReader, OpRecorder, InputKernels, Problem, CandidateError, Phases, DeviceTelemetry,
+                   WorkerState, timing.DeviceTimer, OpWatch, KernelWatch)
 
 
 def profiler_available() -> bool:

@@ -18,7 +18,7 @@ import torch
 from cudagym import runtime
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import check_tamper
+from cudagym.sandbox.worker.integrity import InputKernels, check_tamper
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.wire import Job
 
@@ -89,6 +89,7 @@ class Problem:
         torch.manual_seed(self.init_seed)
         self.ref = self.ref_mod.Model(*self._init).to(self.device)
         self.cand: Any = None  # ModelNew, once built (`load_candidate`)
+        self.input_kernels: InputKernels | None = None  # set before candidate code loads
         self.params = ""
         self.params_retry = False
         if with_candidate:
@@ -97,6 +98,7 @@ class Problem:
     def load_candidate(self) -> None:
         """Import model_new.py and build ModelNew (see the class's text)."""
         job = self.job
+        self.input_kernels = self._input_kernels()
         cand_mod = load_candidate(job, self.state)
         cls = cand_mod.ModelNew
         if issubclass(cls, self.ref_mod.Model) or any(
@@ -118,6 +120,28 @@ class Problem:
                                  + candidate_traceback(e, [job.workspace])) from None
         self.params = self._settle_parameters()
         check_tamper(self.state)
+
+    def _input_kernels(self) -> InputKernels:
+        """What the dispatcher runs to make a call's inputs, before any candidate code: the ops
+        (every one, nested ones too: the op counter's RecordFunction callback) of one generation
+        and of the copies the timed loop refills its buffers with."""
+        watch = self.state.opwatch
+        ops = {"aten::copy_", "aten::clone", "aten::_to_copy", "aten::empty_like", "aten::empty_strided",
+               "aten::empty.memory_format"}
+        if watch is not None:
+            watch.reset()
+            watch.arm()
+            try:
+                args = self.inputs(secrets.randbits(62))
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.numel():
+                        a.view(-1)[:1].clone().copy_(a.view(-1)[:1])
+            finally:
+                watch.disarm()
+            ops |= {f"{o.name}.{o.overload}" if o.overload else o.name for o in watch.ops()}
+            watch.reset()
+            del args
+        return InputKernels(ops, self.state.originals["torch._C._dispatch_dump"])
 
     def _settle_parameters(self) -> str:
         """Compare ModelNew's state_dict with Model's; load Model's on a second try. The description."""
@@ -158,6 +182,9 @@ class Problem:
             raise CandidateError("tamper", "the reference module's functions were replaced by the candidate")
 
     def inputs(self, seed: int, scale: float = 1.0) -> list[Any]:
+        guard = self.input_kernels  # once candidate code may have run: torch's own kernels make them
+        if guard is not None:
+            guard.check()
         torch.manual_seed(seed)
         with torch.device(self.device):
             args = list(self.ref_mod.get_inputs())
@@ -168,6 +195,8 @@ class Problem:
                 if scale != 1.0 and a.is_floating_point():
                     a = a * scale
             out.append(a)
+        if guard is not None:
+            guard.check()
         return out
 
     def sync(self) -> None:

@@ -28,13 +28,16 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class Snapshot:
     """The harness's code as bound before any candidate code ran: every callable its modules name
-    (their own and imported ones), their own functions (cached ones too) with their code, and the
-    methods of its classes with theirs."""
+    (their own and imported ones) and the set of all their names, their own functions (cached ones
+    too) with their code, and the methods of its classes with theirs."""
 
     names: dict[tuple[types.ModuleType, str], Any]
     functions: dict[tuple[types.ModuleType, str], tuple[Any, Any]]
     methods: dict[tuple[type, str], Any]
     method_code: dict[tuple[type, str], Any]
+    # every name each harness module had: a name added later shadows a builtin (`open`) or an
+    # import for every function of that module
+    keys: dict[types.ModuleType, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -45,6 +48,7 @@ class WorkerState:
     stdin: LineReader = field(default_factory=lambda: LineReader(0))  # the job's line, then the parent's answers
     # -- integrity (`integrity`)
     originals: dict[str, Any] = field(default_factory=dict)  # the watched functions (`integrity.WATCHED`)
+    gc_callbacks: tuple[Any, ...] = ()  # `gc.callbacks` before candidate code (torch's own, if any)
     dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
     pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls
     hook_attempts: list[str] = field(default_factory=list)  # profile/trace/audit hooks refused
