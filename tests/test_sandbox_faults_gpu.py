@@ -116,7 +116,9 @@ def test_a_spinning_kernel_times_out_leaves_the_gpu_and_the_next_timing_is_clean
         assert p.ok and p.candidate is not None, p
     finally:
         ev.close()
-    assert wait_for(lambda: nvml()[0] == [], GRACE_S), f"left on the GPU: {nvml()}"
+    # nothing of the evaluator's left on the GPU (this test process's own context, where in-process
+    # GPU tests ran before it in the same session, is not the evaluator's)
+    assert wait_for(lambda: set(nvml()[0]) <= {os.getpid()}, GRACE_S), f"left: {nvml()} (test: {os.getpid()})"
 
 
 EVALUATOR_SCRIPT = """\
