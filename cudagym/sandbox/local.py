@@ -534,7 +534,8 @@ class LocalSandbox(SpareWorkerSandbox):
             job_pids = {p.pid for p in tree} if after_check else set()
             # the native code that appeared meanwhile, read before the kill (`cudagym.sandbox.maps`)
             code_seen = (unbuilt(code_before, exec_mappings(p.pid for p in tree), job.workspace,
-                                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""])
+                                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
+                                 anonymous=job.mode == "strict" and job.device == "cpu")
                          if result_in and job.kind in _CODE_READ_KINDS else [])
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover

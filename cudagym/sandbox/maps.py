@@ -9,11 +9,12 @@ adds what appeared in between (`unbuilt`) to the job's result: a file the job co
 its workspace, outside the candidate's build artifacts and the harness's own inline builds), or an
 image with no file (memfd), as the worker reports too, but out of the candidate's reach.
 
-Not judged: anonymous executable memory. torch's own CPU ops write code there at run time (oneDNN's
-JIT: a GELU on the CPU maps 256 KiB of it), in the candidate's worker too (the reference runs
-there), so a generated library's pages copied into anonymous memory and remapped over the file's
-cannot be told from torch's by the memory map (docs/protection.md). Code mapped and unmapped again
-between the two reads is not seen either.
+Anonymous executable memory that appeared is named only where the job asks (`anonymous`: strict
+mode on the CPU target, whose workers run torch with oneDNN off): torch's own CPU ops write code
+there at run time (oneDNN's JIT: a GELU on the CPU maps 256 KiB of it), in the candidate's worker
+too (the reference runs there), so elsewhere a generated library's pages copied into anonymous
+memory and remapped over the file's cannot be told from torch's by the memory map
+(docs/protection.md). Code mapped and unmapped again between the two reads is not seen.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from collections.abc import Iterable
 
 MAX_REPORTED = 32
 UNREADABLE = "<the worker's memory map could not be read from outside it>"
+
+
+def _anonymous(path: str) -> bool:
+    """Memory with no file of its own: private or shared anonymous mappings (the latter show as
+    /dev/zero, deleted), named ones, System V segments."""
+    return path.startswith(("[anon", "/dev/zero", "/SYSV"))
 
 
 def exec_mappings(pids: Iterable[int]) -> set[tuple[int, str, str]] | None:
@@ -36,7 +43,7 @@ def exec_mappings(pids: Iterable[int]) -> set[tuple[int, str, str]] | None:
                     parts = line.split(maxsplit=5)
                     if len(parts) >= 5 and "x" in parts[1]:
                         path = parts[5].strip() if len(parts) == 6 else ""
-                        out.add((pid, parts[0], "" if path.startswith("[anon") else path))
+                        out.add((pid, parts[0], "" if _anonymous(path) else path))
         except FileNotFoundError:
             continue  # a process of the tree that has exited meanwhile
         except OSError:
@@ -45,18 +52,21 @@ def exec_mappings(pids: Iterable[int]) -> set[tuple[int, str, str]] | None:
 
 
 def unbuilt(before: set[tuple[int, str, str]] | None, after: set[tuple[int, str, str]] | None,
-            workspace: str, built: Iterable[str]) -> list[str]:
+            workspace: str, built: Iterable[str], anonymous: bool = False) -> list[str]:
     """What `after` maps executable that `before` did not and the harness did not build (see the
-    module's text: files and memfd images, not anonymous memory); `built`: the directories of the
-    harness's builds for the job."""
+    module's text: files and memfd images; anonymous memory with `anonymous`); `built`: the
+    directories of the harness's builds for the job."""
     if after is None:
         return [UNREADABLE]
     before = before or set()
     roots = [os.path.realpath(r) + "/" for r in built if r]
     ws = os.path.realpath(workspace) + "/" if workspace else None
     found: list[str] = []
-    for _pid, _span, path in sorted(after - before):
-        if not path or path.startswith("[") or any(path.startswith(r) for r in roots):
+    for _pid, span, path in sorted(after - before):
+        if not path and anonymous:
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            found.append(f"<anonymous executable memory {span} ({(hi - lo) >> 10} KiB), written at run time>")
+        elif not path or path.startswith("[") or any(path.startswith(r) for r in roots):
             continue  # [vdso] and the like, the harness's builds
         elif path.startswith("/memfd:") or (ws and path.startswith(ws)):
             found.append(path)
