@@ -180,3 +180,16 @@ def test_executable_memory_written_at_run_time_is_refused_in_strict_mode_on_the_
     assert_rejected(v, ErrorKind.AUDIT, "anonymous executable memory")
     honest = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(HONEST), GELU_KERNELS))
     assert honest.reward >= 1, honest.reasons  # the reference's torch ops in the same worker write none
+
+
+def test_executable_memory_written_at_run_time_earns_no_own_share_in_permissive_mode_on_the_cpu(
+        eval_cache, build_ws) -> None:
+    """Red team 5's a3: the same memory in permissive mode, where the CPU share counts every compute
+    outside torch's ops as the candidate's: no own share beside it (min_own_share > 0 fails)."""
+    from conftest import cpu_config
+
+    with Evaluator(cpu_config(eval_cache, mode="permissive")) as ev:
+        v = ev.evaluate(GELU, build_ws(GELU, gelu_model(HONEST, extra=ANON_CODE), GELU_KERNELS))
+        honest = ev.evaluate(GELU, build_ws(GELU, gelu_model(HONEST), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.AUDIT, "anonymous executable memory")
+    assert honest.reward >= 1, honest.reasons

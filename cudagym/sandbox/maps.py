@@ -9,8 +9,8 @@ adds what appeared in between (`unbuilt`) to the job's result: a file the job co
 its workspace, outside the candidate's build artifacts and the harness's own inline builds), or an
 image with no file (memfd), as the worker reports too, but out of the candidate's reach.
 
-Anonymous executable memory that appeared is named only where the job asks (`anonymous`: strict
-mode on the CPU target, whose workers run torch with oneDNN off): torch's own CPU ops write code
+Anonymous executable memory that appeared is named only where the job asks (`anonymous`: the CPU
+target, whose verify and profile workers run torch with oneDNN off): torch's own CPU ops write code
 there at run time (oneDNN's JIT: a GELU on the CPU maps 256 KiB of it), in the candidate's worker
 too (the reference runs there), so elsewhere a generated library's pages copied into anonymous
 memory and remapped over the file's cannot be told from torch's by the memory map

@@ -81,10 +81,11 @@ class Problem:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-        elif job.mode == "strict" and job.kind in ("verify", "profile"):
+        elif job.kind in ("verify", "profile"):
             # oneDNN's JIT writes torch's own code into anonymous executable memory (the reference
-            # runs in this worker too); off, any that appears is the candidate's, which strict mode
-            # refuses (`cudagym.sandbox.maps`: generated code copied out of its file)
+            # runs in this worker too); off, any that appears is the candidate's: generated code
+            # copied out of its file (`cudagym.sandbox.maps`), refused in strict mode, credited no
+            # own share in permissive mode
             torch.backends.mkldnn.enabled = False
         self.ref_mod = load_reference(job)
         self._ref_api = {k: getattr(self.ref_mod, k) for k in ("Model", "get_inputs", "get_init_inputs")}
