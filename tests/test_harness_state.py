@@ -124,20 +124,26 @@ def test_a_lookup_of_torchs_cpp_functions_fails_whatever_becomes_of_its_note(eva
     assert_rejected(v, {ErrorKind.EXCEPTION, ErrorKind.AUDIT}, "no torch gelu", "is refused")
 
 
-@pytest.mark.parametrize("where", ["workspace", "memfd", "built"])
+@pytest.mark.parametrize("where", ["workspace", "memfd", "built", "cache", "not_executable", "data"])
 def test_the_sandbox_reads_a_workers_native_code_from_outside_it(tmp_path, where: str) -> None:
-    """`cudagym.sandbox.maps`: what a process maps executable, read through /proc from another
-    process, before and after; a file of the workspace or a memfd image that appeared is named,
-    the harness's builds are not."""
+    """`cudagym.sandbox.maps`: what a process maps, read through /proc from another process, before
+    and after. Named: a file of the workspace or of a directory jobs can write (the evaluator's cache,
+    where the baselines' inductor libraries lie: red team 6's b1) mapped executable, a memfd image
+    mapped executable, an ELF image of the workspace mapped without execute (pages made executable
+    only while they run: b2). Not named: the harness's builds, a data file mapped without execute."""
     import subprocess
     import sys
 
     from cudagym.sandbox.maps import exec_mappings, unbuilt
 
-    ws, built = tmp_path / "ws", tmp_path / "ws" / ".build" / "artifacts"
+    ws, cache = tmp_path / "ws", tmp_path / "cache"
+    built = cache / "build" / "artifacts"
     built.mkdir(parents=True)
-    lib = (built if where == "built" else ws) / "code.bin"
-    lib.write_bytes(b"\xc3" * 4096)
+    ws.mkdir()
+    lib = {"built": built, "cache": cache / "inductor"}.get(where, ws) / "code.so"
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    lib.write_bytes((b"DATA" if where == "data" else b"\x7fELF") + b"\xc3" * 4092)
+    prot = "mmap.PROT_READ" + ("" if where in ("not_executable", "data") else " | mmap.PROT_EXEC")
     child = subprocess.Popen([sys.executable, "-c", f"""
 import mmap, os, sys
 sys.stdin.readline()
@@ -146,7 +152,7 @@ if {where!r} == "memfd":
     os.write(fd, open({str(lib)!r}, "rb").read())
 else:
     fd = os.open({str(lib)!r}, os.O_RDONLY)
-m = mmap.mmap(fd, 4096, prot=mmap.PROT_READ | mmap.PROT_EXEC, flags=mmap.MAP_PRIVATE)
+m = mmap.mmap(fd, 4096, prot={prot}, flags=mmap.MAP_PRIVATE)
 print("mapped", flush=True)
 sys.stdin.readline()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -156,13 +162,82 @@ sys.stdin.readline()
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "mapped"
-        found = unbuilt(before, exec_mappings([child.pid]), str(ws), [str(built)])
+        found = unbuilt(before, exec_mappings([child.pid]), str(ws), [str(built)], reachable=[str(cache)])
     finally:
         child.kill()
         child.wait()
-    assert found == ({"workspace": [str(lib)], "built": []}.get(where) or [p for p in found if p.startswith("/memfd:")])
-    assert where != "memfd" or found
+    if where in ("built", "data"):
+        assert found == []
+    elif where == "memfd":
+        assert len(found) == 1 and found[0].startswith("/memfd:generated"), found
+    else:
+        assert found == [str(lib)]
     assert unbuilt(before, None, str(ws), []) == ["<the worker's memory map could not be read from outside it>"]
+
+
+# Once the timed loop runs (no dispatch recorder in forward), the candidate reaches the harness's
+# problem object (found through gc) and changes what makes the next call's inputs.
+REACH_PROBLEM = """\
+import gc as _gc
+import torch.utils._device as _device
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+
+def _problem():
+    _gc.unfreeze()
+    found = [o for o in _gc.get_objects() if type(o).__name__ == "Problem" and hasattr(o, "input_kernels")]
+    return found[0] if found else None
+
+
+class _Proxy:
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _tamper(how):
+    p = _problem()
+    if how == "guard_off" and p is not None:
+        p.input_kernels = None
+    elif how == "task_module" and p is not None:
+        p.ref_mod.torch = _Proxy(torch)
+    elif how == "device_mode":
+        real = _device.DeviceContext.__torch_function__
+
+        def seen(self, func, types, args=(), kwargs=None):
+            return real(self, func, types, args, kwargs)
+        _device.DeviceContext.__torch_function__ = seen
+"""
+
+
+@pytest.mark.parametrize("how,needle", [("guard_off", "input generation was modified"),
+                                        ("task_module", "task module's names"),
+                                        ("device_mode", "DeviceContext")])
+def test_what_makes_the_inputs_changed_once_timed_is_tamper(evaluator: Evaluator, build_ws, how: str,
+                                                           needle: str) -> None:
+    """Red team 6's b6 (the guard set aside), b3 (the task module's `torch` replaced by a proxy whose
+    factories see the inputs), b4 (torch's device mode, which the generation runs under, rebound)."""
+    body = f"if not _len_torch_dispatch_stack():\n    _tamper({how!r})\n" + HONEST
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=REACH_PROBLEM), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, needle)
+
+
+def test_a_ctypes_call_into_torchs_code_is_refused() -> None:
+    """Red team 6's b5: torch's function at an address read from its library's symbol table, called
+    through ctypes with no lookup. The worker's audit hook sees every ctypes call's address and
+    refuses one inside torch's libraries (`ctypes.call_function`); a call elsewhere passes."""
+    from cudagym.sandbox.worker.integrity import audit_hook, torch_code_ranges
+    from cudagym.sandbox.worker.state import Snapshot, WorkerState
+
+    state = WorkerState(snapshot=Snapshot({}, {}, {}, {}))
+    hook = audit_hook(state)
+    lo, hi = torch_code_ranges()[0]
+    with pytest.raises(PermissionError, match="torch's C\\+\\+ code"):
+        hook("ctypes.call_function", ((lo + hi) // 2, ()))
+    hook("ctypes.call_function", (0x1000, ()))  # not torch's
+    assert state.torch_lookups and "call into torch" in state.torch_lookups[0]
 
 
 # executable memory with no file, mapped once the candidate runs: a generated library's pages copied

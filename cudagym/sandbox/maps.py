@@ -32,18 +32,31 @@ def _anonymous(path: str) -> bool:
     return path.startswith(("[anon", "/dev/zero", "/SYSV"))
 
 
-def exec_mappings(pids: Iterable[int]) -> set[tuple[int, str, str]] | None:
-    """(pid, address range, path) of every executable mapping of the processes `pids` ("" for
-    anonymous memory); None where one of them could not be read (it hid its map or is gone)."""
-    out: set[tuple[int, str, str]] = set()
+# Directories a job (or another job) can write besides its workspace: a library found there that
+# the harness did not build is code the harness did not build (red team 6's b1 loaded the
+# compile-baseline job's inductor library from the evaluator's cache)
+SCRATCH_ROOTS = ("/tmp/", "/var/tmp/", "/dev/shm/")
+
+Mapping = tuple[int, str, str, bool]  # pid, address range, path ("" for anonymous memory), executable
+
+
+def exec_mappings(pids: Iterable[int]) -> set[Mapping] | None:
+    """Every executable mapping of the processes `pids`, and every mapping of a file that is not
+    executable now (pages of a library can be made executable only while they run); None where one
+    of them could not be read (it hid its map or is gone)."""
+    out: set[Mapping] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
                 for line in f:
                     parts = line.split(maxsplit=5)
-                    if len(parts) >= 5 and "x" in parts[1]:
-                        path = parts[5].strip() if len(parts) == 6 else ""
-                        out.add((pid, parts[0], "" if _anonymous(path) else path))
+                    if len(parts) < 5:
+                        continue
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    path = "" if _anonymous(path) else path
+                    executable = "x" in parts[1]
+                    if executable or path.startswith("/"):
+                        out.add((pid, parts[0], path, executable))
         except FileNotFoundError:
             continue  # a process of the tree that has exited meanwhile
         except OSError:
@@ -51,23 +64,40 @@ def exec_mappings(pids: Iterable[int]) -> set[tuple[int, str, str]] | None:
     return out
 
 
-def unbuilt(before: set[tuple[int, str, str]] | None, after: set[tuple[int, str, str]] | None,
-            workspace: str, built: Iterable[str], anonymous: bool = False) -> list[str]:
-    """What `after` maps executable that `before` did not and the harness did not build (see the
-    module's text: files and memfd images; anonymous memory with `anonymous`); `built`: the
-    directories of the harness's builds for the job."""
+def _is_elf(path: str) -> bool:
+    """Whether `path` is an ELF image (a mapped file deleted since counts as one: it cannot be told)."""
+    try:
+        with open(path.removesuffix(" (deleted)"), "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return path.endswith(" (deleted)")
+
+
+def unbuilt(before: set[Mapping] | None, after: set[Mapping] | None, workspace: str, built: Iterable[str],
+            anonymous: bool = False, reachable: Iterable[str] = ()) -> list[str]:
+    """What `after` maps that `before` did not and the harness did not build (see the module's
+    text): memfd images mapped executable; files of the workspace or of a directory jobs can write
+    (`reachable`, `SCRATCH_ROOTS`) mapped executable, or ELF images mapped there at all; anonymous
+    executable memory with `anonymous`. `built`: the directories of the harness's builds for the job."""
     if after is None:
         return [UNREADABLE]
     before = before or set()
     roots = [os.path.realpath(r) + "/" for r in built if r]
-    ws = os.path.realpath(workspace) + "/" if workspace else None
+    writable = [os.path.realpath(r) + "/" for r in (workspace, *reachable) if r] + list(SCRATCH_ROOTS)
+    seen_before = {(pid, span, path) for pid, span, path, x in before if x}
     found: list[str] = []
-    for _pid, span, path in sorted(after - before):
-        if not path and anonymous:
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            found.append(f"<anonymous executable memory {span} ({(hi - lo) >> 10} KiB), written at run time>")
-        elif not path or path.startswith("[") or any(path.startswith(r) for r in roots):
+    for pid, span, path, executable in sorted(after):
+        if (pid, span, path) in seen_before or (pid, span, path, executable) in before:
+            continue
+        if not path:
+            if anonymous and executable:
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                found.append(f"<anonymous executable memory {span} ({(hi - lo) >> 10} KiB), written at run time>")
+        elif path.startswith("[") or any(path.startswith(r) for r in roots):
             continue  # [vdso] and the like, the harness's builds
-        elif path.startswith("/memfd:") or (ws and path.startswith(ws)):
+        elif path.startswith("/memfd:"):
+            if executable:
+                found.append(path)
+        elif any(path.startswith(r) for r in writable) and (executable or _is_elf(path)):
             found.append(path)
     return list(dict.fromkeys(found))[:MAX_REPORTED]

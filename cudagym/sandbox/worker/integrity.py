@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._device
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagym.sandbox.timing import foreign_hooks
@@ -94,6 +95,9 @@ WATCHED: dict[str, tuple[Any, str]] = {
     "random._urandom": (random, "_urandom"),
     "torch.Tensor.sum": (torch.Tensor, "sum"),
     # input generation: a hook here would reveal a timed call's inputs before its timer starts
+    # (the harness makes them under `with torch.device(...)`, whose mode is torch's DeviceContext)
+    "torch.utils._device.DeviceContext.__torch_function__": (
+        torch.utils._device.DeviceContext, "__torch_function__"),  # noqa: SLF001 - torch.device(...)'s mode
     "torch.manual_seed": (torch, "manual_seed"),
     "torch.random.manual_seed": (torch.random, "manual_seed"),
     "torch.randn": (torch, "randn"),
@@ -108,6 +112,24 @@ WATCHED: dict[str, tuple[Any, str]] = {
     "torch._C._dispatch_dump": (_TORCH_C, "_dispatch_dump"),
     "torch._C._dispatch_get_all_op_names": (_TORCH_C, "_dispatch_get_all_op_names"),
 }
+
+
+def rebound(originals: dict[str, Any]) -> list[str]:
+    """The watched names bound to something else than before candidate code (a few us)."""
+    return [name for name, (obj, attr) in WATCHED.items() if getattr(obj, attr, None) is not originals[name]]
+
+
+def torch_code_ranges() -> list[tuple[int, int]]:
+    """The address ranges of torch's own libraries' executable code in this process."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib") + "/"
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and "x" in parts[1] and parts[5].startswith(lib):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return sorted(out)
 
 
 def watched_now() -> dict[str, Any]:
@@ -178,8 +200,14 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
     """The worker's audit hook: refuses Python's hooks and torch's C++ names looked up through
     ctypes, and notes both in `state` (bound now: the lists, not the attributes)."""
     seen, lookups = state.hook_attempts, state.torch_lookups
+    ranges = tuple(torch_code_ranges())  # torch's code, mapped before any candidate code
 
     def refuse_hooks(event: str, args: tuple) -> None:
+        if event == "ctypes.call_function" and args and isinstance(args[0], int) \
+                and any(lo <= args[0] < hi for lo, hi in ranges):
+            lookups.append(f"<a call into torch's code at {args[0]:#x}>")
+            raise PermissionError("calling torch's C++ code through ctypes is refused in a cudagym worker "
+                                  "(torch's compute below the dispatcher)")
         if event in _HOOK_EVENTS:
             seen.append(event)
             raise RuntimeError(f"{event} is refused in a cudagym worker "

@@ -18,7 +18,7 @@ import torch
 from cudagym import runtime
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import InputKernels, check_tamper
+from cudagym.sandbox.worker.integrity import InputKernels, check_tamper, rebound
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.wire import Job
 
@@ -86,7 +86,7 @@ class Problem:
             # runs in this worker too); off, any that appears is the candidate's: generated code
             # copied out of its file (`cudagym.sandbox.maps`), refused in strict mode, credited no
             # own share in permissive mode
-            torch.backends.mkldnn.enabled = False
+            torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp, set as documented
         self.ref_mod = load_reference(job)
         self._ref_api = {k: getattr(self.ref_mod, k) for k in ("Model", "get_inputs", "get_init_inputs")}
         self.init_seed = job.init_seed or secrets.randbits(62)
@@ -96,6 +96,7 @@ class Problem:
         self.ref = self.ref_mod.Model(*self._init).to(self.device)
         self.cand: Any = None  # ModelNew, once built (`load_candidate`)
         self.input_kernels: InputKernels | None = None  # set before candidate code loads
+        self._ref_names: dict[str, Any] = {}
         self.params = ""
         self.params_retry = False
         if with_candidate:
@@ -105,6 +106,7 @@ class Problem:
         """Import model_new.py and build ModelNew (see the class's text)."""
         job = self.job
         self.input_kernels = self._input_kernels()
+        self._ref_names = dict(vars(self.ref_mod))  # what the task's get_inputs reaches (`torch`, helpers)
         cand_mod = load_candidate(job, self.state)
         cls = cand_mod.ModelNew
         if issubclass(cls, self.ref_mod.Model) or any(
@@ -182,15 +184,16 @@ class Problem:
     def intact(self) -> None:
         """Raise if the candidate rebound the reference's functions or this object's methods."""
         if type(self) is not Problem or any(k in vars(self)
-                                            for k in ("inputs", "sync", "sync_caller_stream", "intact")):
+                                            for k in ("inputs", "sync", "sync_caller_stream", "intact")) \
+                or type(self.ref_mod) is not types.ModuleType:
             raise CandidateError("tamper", "the harness's problem object was modified by the candidate")
         if any(getattr(self.ref_mod, k, None) is not v for k, v in self._ref_api.items()):
             raise CandidateError("tamper", "the reference module's functions were replaced by the candidate")
 
     def inputs(self, seed: int, scale: float = 1.0) -> list[Any]:
         guard = self.input_kernels  # once candidate code may have run: torch's own kernels make them
-        if guard is not None:
-            guard.check()
+        if guard is not None or self.cand is not None:
+            self._inputs_untouched(guard)
         torch.manual_seed(seed)
         with torch.device(self.device):
             args = list(self.ref_mod.get_inputs())
@@ -201,9 +204,24 @@ class Problem:
                 if scale != 1.0 and a.is_floating_point():
                     a = a * scale
             out.append(a)
-        if guard is not None:
-            guard.check()
+        if guard is not None or self.cand is not None:
+            self._inputs_untouched(guard)
         return out
+
+    def _inputs_untouched(self, guard: InputKernels | None) -> None:
+        """Raise if what makes a call's inputs was changed since the candidate loaded: the kernels
+        of its ops (`InputKernels`), the watched functions (torch's factories, the device mode the
+        generation runs under), the names of the task's module that `get_inputs` reaches."""
+        if type(guard) is not InputKernels or type(self.ref_mod) is not types.ModuleType:
+            raise CandidateError("tamper", "the harness's input generation was modified by the candidate")
+        InputKernels.check(guard)
+        if changed := rebound(self.state.originals):
+            raise CandidateError("tamper", f"{changed[0]} was replaced by the candidate (it runs as the harness makes "
+                                 "the next call's inputs)")
+        names = vars(self.ref_mod)
+        if len(names) != len(self._ref_names) or any(names.get(k) is not v for k, v in self._ref_names.items()):
+            raise CandidateError("tamper", "the task module's names were rebound by the candidate (its get_inputs "
+                                 "makes the next call's inputs)")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
