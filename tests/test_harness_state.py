@@ -224,22 +224,6 @@ def test_what_makes_the_inputs_changed_once_timed_is_tamper(evaluator: Evaluator
     assert_rejected(v, ErrorKind.TAMPER, needle)
 
 
-def test_a_ctypes_call_into_torchs_code_is_refused() -> None:
-    """Red team 6's b5: torch's function at an address read from its library's symbol table, called
-    through ctypes with no lookup. The worker's audit hook sees every ctypes call's address and
-    refuses one inside torch's libraries (`ctypes.call_function`); a call elsewhere passes."""
-    from cudagym.sandbox.worker.integrity import audit_hook, torch_code_ranges
-    from cudagym.sandbox.worker.state import Snapshot, WorkerState
-
-    state = WorkerState(snapshot=Snapshot({}, {}, {}, {}))
-    hook = audit_hook(state)
-    lo, hi = torch_code_ranges()[0]
-    with pytest.raises(PermissionError, match="torch's C\\+\\+ code"):
-        hook("ctypes.call_function", ((lo + hi) // 2, ()))
-    hook("ctypes.call_function", (0x1000, ()))  # not torch's
-    assert state.torch_lookups and "call into torch" in state.torch_lookups[0]
-
-
 # executable memory with no file, mapped once the candidate runs: a generated library's pages copied
 # there and remapped over the file's would run from it, out of the file's name (red team 5's a2)
 ANON_CODE = """\

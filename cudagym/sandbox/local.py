@@ -535,7 +535,8 @@ class LocalSandbox(SpareWorkerSandbox):
             # the native code that appeared meanwhile, read before the kill (`cudagym.sandbox.maps`)
             code_seen = (unbuilt(code_before, exec_mappings(p.pid for p in tree), job.workspace,
                                  [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
-                                 anonymous=job.device == "cpu", reachable=[job.cache_dir])
+                                 anonymous=job.device == "cpu",
+                                 reachable=[str(Path(job.cache_dir).parent) if job.cache_dir else "", str(self.home)])
                          if result_in and job.kind in _CODE_READ_KINDS else [])
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover

@@ -119,19 +119,6 @@ def rebound(originals: dict[str, Any]) -> list[str]:
     return [name for name, (obj, attr) in WATCHED.items() if getattr(obj, attr, None) is not originals[name]]
 
 
-def torch_code_ranges() -> list[tuple[int, int]]:
-    """The address ranges of torch's own libraries' executable code in this process."""
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib") + "/"
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and "x" in parts[1] and parts[5].startswith(lib):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi))
-    return sorted(out)
-
-
 def watched_now() -> dict[str, Any]:
     """What each watched name is bound to now."""
     return {name: getattr(obj, attr) for name, (obj, attr) in WATCHED.items()}
@@ -157,12 +144,11 @@ class InputKernels:
     (`torch.library.Library("aten", "IMPL")`, at any key: an alias key, ADInplaceOrView, ...) would
     see every call's inputs as they are made, before the call's clock starts. `changed()` reads
     those ops' entries again (~10 us each): `Problem.inputs` does before and after every
-    generation, and the timed loop sends `digest()` to the parent with every call."""
+    generation. The record lives in the candidate's process (docs/protection.md says what that leaves)."""
 
     def __init__(self, ops: Iterable[str], dump: Callable[[str], str]) -> None:
         self._dump = dump
         self.before = {op: self.kernels(op) for op in sorted(set(ops))}
-        self.expected = self.digest()
 
     def kernels(self, op: str) -> tuple[str, ...]:
         return tuple(line.split(" :: ")[0] for line in self._dump(op).splitlines() if _dump_key(line))
@@ -170,17 +156,11 @@ class InputKernels:
     def changed(self) -> list[str]:
         return [op for op, lines in self.before.items() if self.kernels(op) != lines]
 
-    def digest(self) -> str:
-        """A digest of those ops' entries as they are now."""
-        import hashlib
-
-        return hashlib.sha256("\n".join(f"{op}\n" + "\n".join(self.kernels(op)) for op in self.before).encode(),
-                              usedforsecurity=False).hexdigest()[:32]
-
     def check(self) -> None:
         if changed := self.changed():
             raise CandidateError("tamper", f"the candidate registered kernels of its own for {', '.join(changed[:4])}, "
                                  "which the harness runs to make the next call's inputs")
+
 
 # Python's hooks that run someone's code at the harness's next call or line (profile, trace,
 # monitoring callbacks) or at its next audited event: a worker refuses them all, through an audit
@@ -200,14 +180,8 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
     """The worker's audit hook: refuses Python's hooks and torch's C++ names looked up through
     ctypes, and notes both in `state` (bound now: the lists, not the attributes)."""
     seen, lookups = state.hook_attempts, state.torch_lookups
-    ranges = tuple(torch_code_ranges())  # torch's code, mapped before any candidate code
 
     def refuse_hooks(event: str, args: tuple) -> None:
-        if event == "ctypes.call_function" and args and isinstance(args[0], int) \
-                and any(lo <= args[0] < hi for lo, hi in ranges):
-            lookups.append(f"<a call into torch's code at {args[0]:#x}>")
-            raise PermissionError("calling torch's C++ code through ctypes is refused in a cudagym worker "
-                                  "(torch's compute below the dispatcher)")
         if event in _HOOK_EVENTS:
             seen.append(event)
             raise RuntimeError(f"{event} is refused in a cudagym worker "
