@@ -51,6 +51,17 @@ FOLDED = solution("self.linear = nn.Linear(in_features, out_features)\nwith torc
 # an extra random draw before the weights: its own weights differ from Model's, Model's state_dict fits
 EXTRA_DRAW = solution("self.probe = torch.randn(16)\nself.linear = nn.Linear(in_features, out_features)\n"
                       "self.divisor = divisor\n", "1.0 / self.divisor")
+# the legacy constructor (`torch.Tensor(...)`, then the init nn.Linear runs): torch.Tensor stays on
+# the CPU under `with torch.device("cuda")`, so it works only where models are built, then moved
+LEGACY_INIT = ("import math\n"
+               "self.linear = nn.Module()\n"
+               "self.linear.weight = nn.Parameter(torch.Tensor(out_features, in_features))\n"
+               "self.linear.bias = nn.Parameter(torch.Tensor(out_features))\n"
+               "self.linear.out_features = out_features\n"
+               "nn.init.kaiming_uniform_(self.linear.weight, a=math.sqrt(5))\n"
+               "nn.init.uniform_(self.linear.bias, -1 / math.sqrt(in_features), 1 / math.sqrt(in_features))\n"
+               "self.divisor = divisor\n")
+LEGACY = solution(LEGACY_INIT, "1.0 / self.divisor")
 # folded twice: wrong with its own parameters and with Model's
 WRONG = solution("self.linear = nn.Linear(in_features, out_features)\nwith torch.no_grad():\n"
                  "    self.linear.weight /= divisor * divisor\n    self.linear.bias /= divisor * divisor\n", "1.0")
@@ -73,6 +84,31 @@ def _verify(ev: Evaluator, tmp_path: Path, source: str):
 
 def test_same_seed_build_equal_to_the_reference(ev: Evaluator, tmp_path: Path) -> None:
     v = _verify(ev, tmp_path, PLAIN)
+    assert v.ok and v.params_path == "seed" and "equal to Model's" in (v.params or ""), (v.error, v.params)
+
+
+def test_parameters_made_with_the_legacy_constructor(ev: Evaluator, tmp_path: Path) -> None:
+    v = _verify(ev, tmp_path, LEGACY)
+    assert v.ok and v.params_path == "seed" and "equal to Model's" in (v.params or ""), (v.error, v.params)
+
+
+LEGACY_TORCH_FORWARD = (LEGACY.split("\n\nclass ModelNew")[0].split("\n_lib")[0] + "\n\nclass ModelNew"
+                        + LEGACY.split("\n\nclass ModelNew")[1].split("    def forward")[0]
+                        + "    def forward(self, x):\n        linear = self.linear\n"
+                        "        return torch.nn.functional.linear(x, linear.weight, linear.bias) / self.divisor\n")
+
+
+@pytest.mark.gpu
+def test_parameters_made_with_the_legacy_constructor_on_the_gpu(tmp_path: Path) -> None:
+    """The same construction on a GPU, forward in torch's ops (permissive mode, no share asked):
+    what is judged is where and how the parameters are built."""
+    from cudagym.sandbox.protocol import VerifyConfig
+
+    cfg = EvaluatorConfig(target="cuda", mode="permissive", compile_baseline=False, cache_dir=tmp_path / "cache",
+                          verify=VerifyConfig(min_own_share=0.0))
+    with Evaluator(cfg) as gpu:
+        task = resolve_task(str(ASSETS / "task.py")).for_target(gpu.target)
+        v = gpu.verify(task, Workspace.create(tmp_path / "ws", task, model_new=LEGACY_TORCH_FORWARD))
     assert v.ok and v.params_path == "seed" and "equal to Model's" in (v.params or ""), (v.error, v.params)
 
 
