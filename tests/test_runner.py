@@ -31,9 +31,15 @@ async def slow_policy(messages, tools, context):
 
 def _cli(*args, env_extra=None, **kw):
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", **(env_extra or {})}
+    # SIGINT as a user's terminal delivers it: a test run started in the background (a shell's `&`)
+    # passes it on ignored, and an ignored SIGINT would decide the Ctrl-C test, not the runner
     return subprocess.Popen([sys.executable, "-c", "from cudagym.cli import main; main()", *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kw)
+                            start_new_session=True, preexec_fn=_default_sigint, **kw)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _episode_records(out: Path):
