@@ -285,9 +285,8 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
         raise CandidateError("tamper", "the candidate tried to pause the profiler's op recording "
                              f"({state.pause_attempts[0]})")
     originals = state.originals
-    for name, (obj, attr) in WATCHED.items():
-        if getattr(obj, attr, None) is not originals[name]:
-            raise CandidateError("tamper", f"{name} was replaced by the candidate")
+    if replaced := rebound(originals):
+        raise CandidateError("tamper", f"{replaced[0]} was replaced by the candidate")
     before = state.dispatch if dispatcher else None
     if before and (changed := sorted(n for n, k in read_dispatch_table(originals).items()
                                      if n in before and before[n] != k)):
