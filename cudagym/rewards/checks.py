@@ -29,6 +29,7 @@ from cudagym.core.audit import (
 from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
 from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
 from cudagym.sandbox.worker.wire import JobOutcome
+from cudagym.sandbox.cpusamples import CPU_KEY, CpuOrigin
 from cudagym.sandbox.feed import CallFeed
 from cudagym.sandbox.jit import JitImages, jit_attribution
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, ImportAudit, candidate_objects, import_audit, records_from_counts
@@ -43,6 +44,45 @@ UNBUILT_CODE = ("ModelNew ran native code the harness did not build from your so
                 "time, e.g. torch.compile's C++ kernels): ")
 # a profile's unbuilt files among its timed calls' counts (`TimedRun.timed_ops`): no op, no kernel record
 UNBUILT_KEY = "kernel\tunbuilt\t"
+# CPU target, strict mode: foreign code (torch's compute, any other library's) may take this much
+# of forward's sampled CPU time (`cudagym.sandbox.cpusamples`) before it is refused: at least
+# `CPU_FOREIGN_MIN_SAMPLES` samples, `CPU_FOREIGN_SHARE` of forward's, or `CPU_FOREIGN_US_PER_CALL`
+# per call (torch's dispatch and allocation around an own kernel: a few µs per call)
+CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE, CPU_FOREIGN_US_PER_CALL = 3, 0.05, 20.0
+
+
+def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
+    """Strict mode on the CPU target: why forward's sampled CPU time (`CpuOrigin`, under
+    `CPU_KEY` in `counts`) shows foreign compute beyond the allowance, or None. The samples are
+    the kernel's, taken out of the candidate's process, so code reached below the dispatcher
+    (a function pointer into libtorch called with ctypes) is seen where it runs. `calls`: the
+    forward calls the worker made, which its reported windows must match."""
+    origin = CpuOrigin.from_counts(counts)
+    if origin is None or origin.error:
+        return None  # not sampled (off, another backend) or the host refuses sampling: `cpu_origin_note`
+    if origin.windows < calls:
+        return (f"the worker reported {origin.windows} forward windows for {calls} calls (the CPU samples of "
+                "forward cannot be told from the harness's)")
+    foreign = sum(origin.foreign.values()) + origin.lost
+    allowed = max(CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE * origin.forward,
+                  calls * CPU_FOREIGN_US_PER_CALL * 1e3 / max(origin.period_ns, 1))
+    if foreign <= allowed:
+        return None
+    top = "; ".join(f"{k} ({v})" for k, v in origin.foreign.most_common(4))
+    lost = f"; {origin.lost} samples lost" if origin.lost else ""
+    return (f"ModelNew.forward ran code that is not your own for {foreign / max(origin.forward, 1):.0%} of its "
+            f"sampled CPU time ({foreign} of {origin.forward} samples, every {origin.period_ns / 1e3:.0f} µs): "
+            f"{top}{lost}")
+
+
+def cpu_origin_note(counts: dict[str, Any]) -> str | None:
+    """Why forward's CPU time could not be sampled, where it could not (a note, not a refusal:
+    the host's `kernel.perf_event_paranoid` decides, not the candidate)."""
+    origin = CpuOrigin.from_counts(counts)
+    if origin is None or not origin.error:
+        return None
+    return ("the CPU-origin audit could not run (torch's compute reached below the dispatcher is not seen): "
+            + origin.error)
 
 
 def unbuilt_files(final: dict[str, Any]) -> list[str]:
@@ -144,6 +184,13 @@ class Audit:
             forbidden += unbuilt
             reasons.append("strict mode: " + UNBUILT_CODE + "; ".join(unbuilt[:4]))
         if self.target != Target.CUDA:
+            cpu = final.get("cpu_origin") or {}
+            if self.config.mode == "strict" and (why := cpu_foreign_work(cpu, _COUNT.validate_python(
+                    final.get("trials") or 0))):
+                forbidden.append("<foreign CPU code>")
+                reasons.append("strict mode: " + why)
+            if notes is not None and (note := cpu_origin_note(cpu)):
+                notes.append(note)
             if self.config.mode == "permissive" and unbuilt:
                 uncredited, uncredited_why = self.uncredited_share(unbuilt)
                 return forbidden, reasons + uncredited_why, uncredited
@@ -207,6 +254,9 @@ class Audit:
                         + ", ".join(forbidden) + " (only your own kernels plus allocation/view ops are allowed)")
             if unbuilt:
                 return "strict mode: during timed calls, " + UNBUILT_CODE + "; ".join(unbuilt[:4])
+            if self.target != Target.CUDA and (why := cpu_foreign_work(timed_ops, int(timed_ops.get(MODEL_CALLS_KEY,
+                                                                                                      0)))):
+                return "strict mode: during timed calls, " + why
             if self.target == Target.CUDA:
                 if not records:  # the probes among the calls launch kernels: none recorded, no watcher
                     return "the kernel-origin audit could not run in the timed calls: no kernel records came back"
@@ -293,7 +343,8 @@ class TimedRun:
         """What `Audit.timed_calls` judges, here and where the profile is reused: the candidate's
         timed calls' op counts and kernel records (`CallFeed.ops`), and the native code the
         harness did not build that its worker reported at the loop's end (`UNBUILT_KEY`)."""
-        return {**self.feed.ops("candidate"), **{UNBUILT_KEY + f: 1 for f in unbuilt_files(self.final)}}
+        return {**self.feed.ops("candidate"), **{UNBUILT_KEY + f: 1 for f in unbuilt_files(self.final)},
+                **{k: int(v) for k, v in (self.final.get("cpu_origin") or {}).items() if str(k).startswith(CPU_KEY)}}
 
     @cached_property
     def times(self) -> list[float]:

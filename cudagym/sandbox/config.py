@@ -78,6 +78,10 @@ class LocalSandboxConfig(SpareWorkerConfig):
     # beside which one appeared; "report" times anyway and says what it saw (host_load's
     # "gpu_foreign"); "allow" does not look (GPUs shared on purpose: MIG, MPS).
     gpu_sharing: Literal["refuse", "report", "allow"] = "refuse"
+    # CPU target: sample where verify's and the profile's workers spend their time, every this
+    # many µs of CPU time, out of the candidate's reach (`cudagym.sandbox.cpusamples`; strict mode
+    # refuses torch's compute found there); 0: off
+    cpu_sample_us: float = Field(default=250.0, ge=0.0)
     device_busy_wait_s: float = 30.0
     gpu_sharing_allow: tuple[str, ...] = ()  # process names that count as ours (e.g. "nvidia-cuda-mps-server")
 

@@ -32,6 +32,7 @@ from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
+from cudagym.sandbox.cpusamples import CpuSampler, attribute, read_maps
 from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
@@ -455,6 +456,9 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.device_busy = refused
         # what the worker maps executable, read from outside it, before any candidate code runs
         code_before = exec_mappings(p.pid for p in self._tree(w.proc.pid)) if job.kind in _CODE_READ_KINDS else None
+        # where a CPU worker's time goes, sampled by the kernel out of its reach (`cudagym.sandbox.cpusamples`)
+        sampler = (CpuSampler([p.pid for p in self._tree(w.proc.pid)], self.config.cpu_sample_us)
+                   if job.device == "cpu" and job.kind in _CODE_READ_KINDS and self.config.cpu_sample_us > 0 else None)
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
         quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
                                      shares=lease is not None and lease.shares) if timing and not refused else None)
@@ -497,7 +501,13 @@ class LocalSandbox(SpareWorkerSandbox):
                     output.append(chunk)
                     size += len(chunk)
 
+        async def drain_samples() -> None:
+            while sampler is not None:
+                await asyncio.sleep(0.05)
+                sampler.drain()
+
         dog = asyncio.ensure_future(watchdog())
+        drains = asyncio.ensure_future(drain_samples())
         out_task = asyncio.ensure_future(collect_output())
         result_in = False
         try:
@@ -529,6 +539,7 @@ class LocalSandbox(SpareWorkerSandbox):
                 self._running.remove(running)
                 self._pause_running([running], False)
             dog.cancel()
+            drains.cancel()
             after_check = bool(foreign_since and not refused)  # did another process use the GPU meanwhile?
             tree = self._tree(w.proc.pid)
             job_pids = {p.pid for p in tree} if after_check else set()
@@ -538,6 +549,8 @@ class LocalSandbox(SpareWorkerSandbox):
                                  anonymous=job.device == "cpu",
                                  reachable=[str(Path(job.cache_dir).parent) if job.cache_dir else "", str(self.home)])
                          if result_in and job.kind in _CODE_READ_KINDS else [])
+            cpu_maps = read_maps([p.pid for p in tree]) if sampler is not None and result_in else {}
+            samples = sampler.close() if sampler is not None else None
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
             # process with it; nothing the candidate started can write anything after this.
@@ -570,6 +583,13 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t_ready
         collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
+        if samples is not None and outcome.final is not None and outcome.final.get("ok"):
+            windows = outcome.final.get("model_windows") or []
+            origin = await asyncio.to_thread(
+                attribute, samples, cpu_maps, [(float(a), float(b)) for a, b in windows],
+                [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
+                [str(self.opwatch_dir / "opwatch")])
+            outcome.final["cpu_origin"] = origin.as_counts()
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
                                                                 *code_seen]))

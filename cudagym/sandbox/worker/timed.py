@@ -84,7 +84,7 @@ def alone(p: Problem, ch: Channel) -> None:
 
 
 def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer,
-               state: WorkerState) -> int:
+               state: WorkerState, windows: list[tuple[float, float]] | None = None) -> int:
     """Make the calls of `role` that the parent asks for, under the timing protocol
     (`cudagym.sandbox.timing`); returns how many were made.
 
@@ -94,7 +94,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     after the call returned; on a GPU, with projections of the whole output, by the close kernel
     while it holds every SM) and sent on the pipe, out of the worker's reach, before the next
     call is asked for. The calls the parent marks as probes call a tiny kernel of the harness
-    instead, through the same steps.
+    instead, through the same steps. `windows` gets each call's start and end (the worker's
+    clock), where the sandbox samples where a CPU worker's time goes (`cudagym.sandbox.cpusamples`).
     """
     rng = secrets.SystemRandom()
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
@@ -118,11 +119,14 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     probe = probe_fn(p)
 
+    clock = state.originals["time.perf_counter"]
+
     def call(*args: Any) -> Any:
         model_calls[0] += 1
         watch.arm()
         if kwatch:
             kwatch.arm()
+        began = clock() if windows is not None else 0.0
         try:
             return fn(*args)
         except CandidateError:
@@ -131,6 +135,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
+            if windows is not None:
+                windows.append((began, clock()))
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -256,7 +262,9 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     alone(p, ch)
     ph.mark("wait_alone")
     tele0 = state.telemetry.read() if p.device.type == "cuda" else {}
-    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state)
+    windows: list[tuple[float, float]] = []
+    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state,
+                       windows if p.device.type == "cpu" else None)
     check(state)
     tele1 = state.telemetry.read() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
@@ -266,7 +274,8 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
 
     ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry,
               "telemetry": {"before": tele0, "after": tele1},
-              "phases": ph.times, "diagnostics": ph.extra, "unbuilt_code": unbuilt_code(job)})
+              "phases": ph.times, "diagnostics": ph.extra, "unbuilt_code": unbuilt_code(job),
+              "model_windows": windows})
 
 
 def run_baseline(job: Job, ch: Channel, state: WorkerState) -> None:

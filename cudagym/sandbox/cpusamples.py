@@ -1,0 +1,401 @@
+"""Where a CPU worker's time went, sampled by the kernel from outside the candidate's process.
+
+On the GPU every kernel the candidate's forward launches is recorded with its origin (CUPTI). The
+CPU target has no kernel records, and the dispatcher audit does not see torch's compute reached
+below the dispatcher: through a function pointer read from libtorch's symbol table and called
+with ctypes (red team 6's b5), nothing the candidate's process can observe itself. So the local
+sandbox asks the kernel to sample the worker: `perf_event_open` on each of its threads
+(inherited by the threads and processes they start), task-clock every `period_us` of CPU time,
+the user-space instruction pointer, thread and CLOCK_MONOTONIC time of each sample, written to a
+ring buffer that this process reads. The candidate can neither see nor change the samples.
+
+`attribute` then counts the samples taken while forward ran (the windows the worker reports:
+`model_windows`, in the worker's `time.perf_counter` clock, which is CLOCK_MONOTONIC) by where the
+instruction pointer was, read from the worker's memory map at the job's end: the candidate's own
+builds, the system (interpreter, C library, OpenMP runtime), torch's glue (dispatch, allocation,
+the copies and fills strict mode allows), or foreign compute (any other code of torch's or of
+another library: `foreign`, by symbol). `cudagym.rewards.checks.Audit` holds strict mode to it.
+
+What it does not see: work done outside forward's windows (other checks cover that: outputs
+complete at return, no thread left running), and code between samples (a sample every 250 µs of
+CPU time: foreign compute shorter than that per trial may pass unsampled, and gains as little).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import fcntl
+import mmap
+import os
+import re
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
+_TYPE_SOFTWARE, _SW_TASK_CLOCK = 1, 1
+_SAMPLE_IP, _SAMPLE_TID, _SAMPLE_TIME = 1 << 0, 1 << 1, 1 << 2
+# perf_event_attr flag bits: disabled, inherit, exclude_kernel, exclude_hv, use_clockid
+_INHERIT, _EXCLUDE_KERNEL, _EXCLUDE_HV, _USE_CLOCKID = 1 << 1, 1 << 5, 1 << 6, 1 << 25
+_CLOCK_MONOTONIC = 1
+_RECORD_LOST, _RECORD_SAMPLE = 2, 9
+_IOC_SET_OUTPUT = 0x2405  # PERF_EVENT_IOC_SET_OUTPUT
+_ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7
+_PAGE = mmap.PAGESIZE
+_DATA_PAGES = 32  # 128 KiB of samples (32 bytes each) per CPU: 4,000, drained every 50 ms
+
+
+@dataclass
+class Samples:
+    """What the sampler collected: (pid, tid, time ns, ip) per sample; samples the kernel lost
+    (the ring buffer was full); why sampling could not start, if it could not."""
+
+    period_ns: int
+    taken: list[tuple[int, int, int, int]] = field(default_factory=list)
+    lost: int = 0
+    error: str = ""
+
+
+class _Event:
+    def __init__(self, fd: int, buf: mmap.mmap) -> None:
+        self.fd, self.buf = fd, buf
+
+
+class CpuSampler:
+    """Task-clock samples of every thread of the processes `pids` (and of what they start).
+    `drain` moves what the kernel wrote to `samples`; call it often enough that the ring buffers
+    do not fill (the local sandbox: every 50 ms, and once before the worker is killed)."""
+
+    def __init__(self, pids: list[int], period_us: float = 250.0) -> None:
+        self.samples = Samples(period_ns=int(period_us * 1000))
+        self._events: list[_Event] = []  # one per CPU, with its ring buffer
+        self._fds: list[int] = []  # the other threads' events, writing into those
+        self._lock = threading.Lock()
+        number = _PERF_EVENT_OPEN.get(os.uname().machine)
+        if number is None:
+            self.samples.error = f"CPU sampling is not supported on {os.uname().machine}"
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        attr = bytearray(_ATTR_SIZE)
+        struct.pack_into("IIQQQ", attr, 0, _TYPE_SOFTWARE, _ATTR_SIZE, _SW_TASK_CLOCK, self.samples.period_ns,
+                         _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME)
+        struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _USE_CLOCKID)
+        struct.pack_into("i", attr, 92, _CLOCK_MONOTONIC)
+        raw = ctypes.create_string_buffer(bytes(attr), _ATTR_SIZE)
+        tids = []
+        for pid in pids:
+            try:
+                tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                continue  # gone meanwhile
+        try:
+            cpus = sorted(set().union(*(os.sched_getaffinity(pid) for pid in pids)))
+        except OSError:
+            cpus = list(range(os.cpu_count() or 1))
+        # an inherited event's ring buffer is per CPU (the kernel maps none of a per-task one):
+        # one buffer per CPU, every thread's event on that CPU writing into it
+        for cpu in cpus:
+            leader: _Event | None = None
+            for tid in tids:
+                fd = libc.syscall(number, raw, tid, cpu, -1, 8)  # PERF_FLAG_FD_CLOEXEC
+                if fd < 0:
+                    err = ctypes.get_errno()
+                    if err == 3:  # ESRCH: the thread exited meanwhile
+                        continue
+                    self.samples.error = (f"perf_event_open refused ({os.strerror(err)}; kernel.perf_event_paranoid "
+                                          f"is {_paranoid()})")
+                    self.close()
+                    return
+                try:
+                    if leader is None:
+                        leader = _Event(fd, mmap.mmap(fd, (1 + _DATA_PAGES) * _PAGE, mmap.MAP_SHARED,
+                                                      mmap.PROT_READ | mmap.PROT_WRITE))
+                        self._events.append(leader)
+                        continue
+                    fcntl.ioctl(fd, _IOC_SET_OUTPUT, leader.fd)
+                    self._fds.append(fd)
+                except OSError as e:
+                    os.close(fd)
+                    self.samples.error = f"the sampler's ring buffer could not be set up: {e}"
+                    self.close()
+                    return
+
+    def drain(self) -> None:
+        """Move the samples written so far out of the ring buffers."""
+        with self._lock:
+            for ev in self._events:
+                self._drain_one(ev.buf)
+
+    def _drain_one(self, buf: mmap.mmap) -> None:
+        head, = struct.unpack_from("Q", buf, 1024)
+        tail, = struct.unpack_from("Q", buf, 1032)
+        size = _DATA_PAGES * _PAGE
+        if head == tail:
+            return
+        start, end = tail % size, head % size
+        data = buf[_PAGE + start:_PAGE + end] if start < end else buf[_PAGE + start:] + buf[_PAGE:_PAGE + end]
+        at = 0
+        taken = self.samples.taken
+        while at + 8 <= len(data):
+            kind, _misc, length = struct.unpack_from("IHH", data, at)
+            if length < 8:
+                break
+            if kind == _RECORD_SAMPLE and length >= 32:
+                ip, pid, tid, when = struct.unpack_from("QIIQ", data, at + 8)
+                taken.append((pid, tid, when, ip))
+            elif kind == _RECORD_LOST and length >= 24:
+                self.samples.lost += struct.unpack_from("Q", data, at + 16)[0]
+            at += length
+        struct.pack_into("Q", buf, 1032, head)
+
+    def close(self) -> Samples:
+        """Stop sampling; the samples (drained a last time)."""
+        self.drain()
+        with self._lock:
+            for ev in self._events:
+                ev.buf.close()
+                os.close(ev.fd)
+            for fd in self._fds:
+                os.close(fd)
+            self._events, self._fds = [], []
+        return self.samples
+
+
+def _paranoid() -> str:
+    try:
+        return Path("/proc/sys/kernel/perf_event_paranoid").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+# -- the worker's memory map, and symbols ---------------------------------------------------------
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    offset: int
+    path: str
+
+
+def read_maps(pids: list[int]) -> dict[int, list[Mapping]]:
+    """The executable mappings of each process, by pid (sorted by address); a process whose map
+    cannot be read is left out."""
+    out: dict[int, list[Mapping]] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        spans = []
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 5 or "x" not in parts[1]:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            spans.append(Mapping(lo, hi, int(parts[2], 16), parts[5].strip() if len(parts) == 6 else ""))
+        out[pid] = sorted(spans, key=lambda m: m.start)
+    return out
+
+
+class SymbolTable:
+    """A shared object's function symbols (`.symtab`, else `.dynsym`), sorted by address, and the
+    file-offset to address shift of its loadable segments."""
+
+    def __init__(self, path: str) -> None:
+        from elftools.elf.elffile import ELFFile
+
+        self.values = np.zeros(0, np.uint64)
+        self.sizes = np.zeros(0, np.uint64)
+        self.names = np.zeros(0, np.uint32)
+        self._strtab = b""
+        self.loads: list[tuple[int, int, int]] = []  # (file offset, size, vaddr)
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            self.loads = [(s["p_offset"], s["p_filesz"], s["p_vaddr"]) for s in elf.iter_segments()
+                          if s["p_type"] == "PT_LOAD"]
+            table = elf.get_section_by_name(".symtab") or elf.get_section_by_name(".dynsym")
+            if table is None or not elf.elfclass == 64 or not elf.little_endian:
+                return
+            strings = elf.get_section(table["sh_link"])
+            dtype = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                              ("value", "<u8"), ("size", "<u8")])
+            f.seek(table["sh_offset"])
+            syms = np.frombuffer(f.read(table["sh_size"]), dtype=dtype)
+            f.seek(strings["sh_offset"])
+            self._strtab = f.read(strings["sh_size"])
+        funcs = syms[((syms["info"] & 0xF) == 2) & (syms["value"] > 0)]  # STT_FUNC, defined
+        order = np.argsort(funcs["value"], kind="stable")
+        self.values, self.sizes, self.names = funcs["value"][order], funcs["size"][order], funcs["name"][order]
+
+    def address(self, file_offset: int) -> int | None:
+        for off, size, vaddr in self.loads:
+            if off <= file_offset < off + size:
+                return file_offset - off + vaddr
+        return None
+
+    def name_at(self, address: int) -> str | None:
+        """The function containing `address` (None: none known there)."""
+        i = int(np.searchsorted(self.values, np.uint64(address), side="right")) - 1
+        if i < 0:
+            return None
+        value, size = int(self.values[i]), int(self.sizes[i])
+        if size and address >= value + size:
+            return None
+        start = int(self.names[i])
+        return self._strtab[start:self._strtab.find(b"\0", start)].decode(errors="replace")
+
+
+@lru_cache(maxsize=64)
+def _symbols(path: str, mtime_ns: int, size: int) -> SymbolTable | None:
+    try:
+        return SymbolTable(path)
+    except Exception:  # noqa: BLE001 - not an ELF image, or one pyelftools cannot read
+        return None
+
+
+def symbols(path: str) -> SymbolTable | None:
+    """`path`'s symbol table, read once per file version."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _symbols(path, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4096)
+def demangle(name: str) -> str:
+    """A C++ symbol as its source names it (libstdc++'s demangler), shortened; else as given."""
+    try:
+        lib = ctypes.CDLL("libstdc++.so.6")
+        fn = lib.__cxa_demangle  # noqa: SLF001 - the demangler's C name
+        fn.restype, fn.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
+                                                    ctypes.POINTER(ctypes.c_int)]
+        status = ctypes.c_int()
+        out = fn(name.encode(), None, None, ctypes.byref(status))
+        if not out or status.value != 0:
+            return name
+        text = ctypes.string_at(out).decode(errors="replace")
+        ctypes.CDLL(None).free(ctypes.c_void_p(out))
+    except OSError:
+        return name
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# -- attribution ----------------------------------------------------------------------------------
+OWN, SYSTEM, GLUE, FOREIGN, UNMAPPED = "own", "system", "glue", "foreign", "unmapped"
+CPU_KEY = "kernel\tcpu\t"  # `CpuOrigin.as_counts`: beside the kernel records (`is_record_key`)
+
+# the interpreter, the C/C++ and OpenMP runtimes, the loader: what any forward runs on
+_SYSTEM = re.compile(r"/(python3?[\d.]*|libpython[\d.]+\.so[.\d]*|ld-linux[^/]*|libc\.so[.\d]*|libm\.so[.\d]*"
+                     r"|libstdc\+\+\.so[.\d]*|libgcc_s\.so[.\d]*|libpthread\.so[.\d]*|libdl\.so[.\d]*"
+                     r"|librt\.so[.\d]*|libgomp[-\w.]*\.so[.\d]*|libiomp5\.so|libz\.so[.\d]*)$")
+# torch's libraries that do no compute of their own: allocation, dispatch keys, the Python bindings
+_TORCH_GLUE_LIBRARY = re.compile(r"/torch/lib/(libc10|libtorch_python|libtorch_global_deps|libshm)\.so$")
+# torch's functions that strict mode's allowed copies and fills run (`STRICT_ALLOWED`: clone,
+# contiguous, copy_, fill_, zeros, ...): their loops are named after the kernel that makes them
+# (`direct_copy_kernel`, `fill_kernel`); any other function of torch's libraries is torch's compute
+# (its dispatch and allocation take a few µs per call: `foreign_allowance` leaves room for them)
+_TORCH_COPY_FILL_SYMBOL = re.compile(r"copy(?!sign)|fill|memset|memcpy|memmove")
+
+
+@dataclass
+class CpuOrigin:
+    """The samples taken while forward ran, by origin; `foreign` by library and function."""
+
+    forward: int = 0
+    by_origin: Counter[str] = field(default_factory=Counter)
+    foreign: Counter[str] = field(default_factory=Counter)
+    period_ns: int = 0
+    lost: int = 0
+    windows: int = 0
+    error: str = ""
+
+    def as_counts(self) -> dict[str, int]:
+        """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
+        out = {CPU_KEY + k: v for k, v in (("forward", self.forward), ("period_ns", self.period_ns),
+                                           ("lost", self.lost), ("windows", self.windows))}
+        out.update({CPU_KEY + "origin\t" + k: v for k, v in self.by_origin.items()})
+        out.update({CPU_KEY + "foreign\t" + k: v for k, v in self.foreign.most_common(24)})
+        if self.error:
+            out[CPU_KEY + "error\t" + self.error] = 1
+        return out
+
+    @classmethod
+    def from_counts(cls, counts: dict[str, Any]) -> CpuOrigin | None:
+        """What `as_counts` wrote (None: no samples were taken)."""
+        mine = {str(k)[len(CPU_KEY):]: int(v) for k, v in counts.items() if str(k).startswith(CPU_KEY)}
+        if not mine:
+            return None
+        origin = cls(forward=mine.get("forward", 0), period_ns=mine.get("period_ns", 0), lost=mine.get("lost", 0),
+                     windows=mine.get("windows", 0))
+        for k, v in mine.items():
+            kind, _, rest = k.partition("\t")
+            if kind == "origin":
+                origin.by_origin[rest] = v
+            elif kind == "foreign":
+                origin.foreign[rest] = v
+            elif kind == "error":
+                origin.error = rest
+        return origin
+
+
+def classify(path: str, address_in_file: int, own_roots: list[str]) -> tuple[str, str]:
+    """(origin, label) of an instruction at `address_in_file` (a file offset) of `path`."""
+    if not path or path.startswith("["):
+        return (UNMAPPED if not path else SYSTEM), path or "<anonymous memory>"
+    real = path.removesuffix(" (deleted)")
+    if any(real.startswith(r) for r in own_roots):
+        return OWN, real
+    if _SYSTEM.search(real) or "/lib-dynload/" in real or real.startswith(("/usr/lib/", "/lib/", "/lib64/")) \
+            and "python3" not in real:
+        return SYSTEM, real
+    if _TORCH_GLUE_LIBRARY.search(real):
+        return GLUE, real
+    table = symbols(real)
+    name = None
+    if table is not None:
+        address = table.address(address_in_file)
+        name = table.name_at(address) if address is not None else None
+    if name and "/torch/lib/" in real and _TORCH_COPY_FILL_SYMBOL.search(name):
+        return GLUE, real
+    return FOREIGN, f"{Path(real).name}: {demangle(name) if name else f'+{address_in_file:#x}'}"
+
+
+def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tuple[float, float]],
+              own_roots: list[str], harness_roots: list[str] = ()) -> CpuOrigin:  # type: ignore[assignment]
+    """The samples inside `windows` (seconds of CLOCK_MONOTONIC), by origin (`classify`);
+    `harness_roots`: where the harness's own libraries lie (the op counter's callback runs in
+    forward), counted with the system."""
+    origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
+    spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
+    starts = [a for a, _ in spans]
+    roots = [os.path.realpath(r) + "/" for r in own_roots if r]
+    harness = tuple(os.path.realpath(r) + "/" for r in harness_roots if r)
+    starts_by_pid = {pid: [m.start for m in ms] for pid, ms in maps.items()}
+    for pid, _tid, when, ip in samples.taken:
+        i = bisect.bisect_right(starts, when) - 1
+        if i < 0 or when > spans[i][1]:
+            continue
+        origin.forward += 1
+        ms = maps.get(pid, [])
+        j = bisect.bisect_right(starts_by_pid.get(pid, []), ip) - 1
+        if j >= 0 and ip < ms[j].end:
+            path = ms[j].path
+            if harness and path.startswith(harness) and not any(path.startswith(r) for r in roots):
+                kind, label = SYSTEM, path
+            else:
+                kind, label = classify(path, ip - ms[j].start + ms[j].offset, roots)
+        else:
+            kind, label = UNMAPPED, "<code no longer mapped at the job's end>"
+        origin.by_origin[kind] += 1
+        if kind in (FOREIGN, UNMAPPED):
+            origin.foreign[label] += 1
+    return origin

@@ -1,0 +1,151 @@
+"""Where forward's CPU time goes, sampled by the kernel from outside the candidate's process
+(`cudagym.sandbox.cpusamples`; CPU target, real perf events, real workers and builds).
+
+torch's own CPU kernel reached below the dispatcher, through a function pointer computed from
+libtorch's symbol table and called with ctypes (no op recorded, no lookup the audit hook sees),
+is refused in strict mode, in verify's trials and in the timed calls alone; the same forward
+with both steps in the candidate's own code passes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cudagym.core.verdict import ErrorKind
+from cudagym.rewards.checks import cpu_foreign_work
+from cudagym.rewards.evaluator import Evaluator
+from cudagym.sandbox.cpusamples import CpuSampler, attribute, read_maps
+
+from test_reward_hacking import GELU, assert_rejected
+
+pytestmark = pytest.mark.slow
+
+# two steps of the task, each a C function: scale and bias, then GELU in place
+TWO_STEPS_CPP = """\
+#include <cmath>
+#include <cstdint>
+extern "C" void scale_bias(const float* x, const float* bias, float* out, int64_t rows, int64_t cols, float scale) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = x[r * cols + c] * scale + bias[c];
+}
+extern "C" void gelu_inplace(float* v, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) v[i] = 0.5f * v[i] * (1.0f + std::erf(v[i] * 0.70710678118654752f));
+}
+"""
+
+def _model(torch_gelu: str) -> str:
+    """ModelNew: scale and bias in its own kernel, then GELU by its own kernel or, by
+    `torch_gelu` ("never", "always", "timed": only where no dispatch recorder is on, the timed
+    loop), by torch's CPU kernel through a function pointer."""
+    return f'''\
+import ctypes
+import os
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+from cudagym.runtime import kernel_library, ptr
+
+_lib = kernel_library()
+_lib.scale_bias.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+_lib.gelu_inplace.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+_SYMBOL = b"_ZN2at3cpu5gelu_ERNS_6TensorESt17basic_string_viewIcSt11char_traitsIcEE"
+
+
+class _View(ctypes.Structure):  # std::string_view, passed by value
+    _fields_ = [("size", ctypes.c_size_t), ("data", ctypes.c_char_p)]
+
+
+def _torch_gelu():
+    from elftools.elf.elffile import ELFFile
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    with open(path, "rb") as f:
+        value = ELFFile(f).get_section_by_name(".dynsym").get_symbol_by_name(_SYMBOL.decode())[0]["st_value"]
+    with open("/proc/self/maps") as f:
+        base = min(int(line.split("-")[0], 16) - int(line.split()[2], 16) for line in f
+                   if line.rstrip().endswith("/libtorch_cpu.so"))
+    fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, _View)(base + value)
+
+    unwrap = ctypes.pythonapi.PyCapsule_GetPointer
+    unwrap.restype, unwrap.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+    def gelu_(t):  # an at::Tensor is its TensorImpl*
+        handle = ctypes.c_void_p(unwrap(torch._C._tensor_impl_raw_handle(t), None))
+        fn(ctypes.addressof(handle), _View(4, b"none"))
+
+    return gelu_
+
+
+_GELU = _torch_gelu()
+
+
+class ModelNew(nn.Module):
+    def __init__(self, features, scale):
+        super().__init__()
+        self.scale = scale
+        self.bias = nn.Parameter(torch.empty(features))
+
+    def forward(self, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _lib.scale_bias(ptr(x), ptr(self.bias), ptr(out), x.numel() // x.size(-1), x.size(-1), self.scale)
+        if {torch_gelu!r} == "always" or ({torch_gelu!r} == "timed" and not _len_torch_dispatch_stack()):
+            _GELU(out)
+        else:
+            _lib.gelu_inplace(ptr(out), out.numel())
+        return out
+'''
+
+
+def test_own_kernels_in_two_steps_pass(evaluator: Evaluator, build_ws) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, _model("never"), {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert v.reward >= 1, v.reasons
+
+
+@pytest.mark.parametrize("when,needle", [("always", "not your own"), ("timed", "during timed calls")])
+def test_torchs_cpu_kernel_through_a_function_pointer_is_refused_in_strict_mode(evaluator: Evaluator, build_ws,
+                                                                                  when: str, needle: str) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, _model(when), {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert_rejected(v, ErrorKind.AUDIT, needle, "gelu")
+
+
+CHILD = """\
+import sys, time, torch
+torch.backends.mkldnn.enabled = False
+x = torch.randn(2_000_000)
+print("ready", flush=True)
+sys.stdin.readline()
+windows = []
+for op in (torch.nn.functional.gelu, lambda t: t.clone()):
+    spans = []
+    for _ in range(10):
+        a = time.perf_counter(); op(x); spans.append((a, time.perf_counter()))
+    windows.append(spans)
+print(repr(windows), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_sampler_names_torchs_compute_and_allows_its_copies() -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        sampler = CpuSampler([child.pid], period_us=100)
+        assert not sampler.samples.error, sampler.samples.error
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        gelu, copies = eval(child.stdout.readline())  # noqa: S307 - our own child's repr of floats
+        maps = read_maps([child.pid])
+        samples = sampler.close()
+    finally:
+        child.kill()
+        child.wait()
+    computed = attribute(samples, maps, gelu, [])
+    copied = attribute(samples, maps, copies, [])
+    assert computed.forward > 20 and copied.forward > 5, (computed, copied)
+    assert any("gelu" in k for k in computed.foreign), computed.foreign
+    why = cpu_foreign_work(computed.as_counts(), len(gelu))
+    assert why and "not your own" in why, why
+    assert cpu_foreign_work(copied.as_counts(), len(copies)) is None, copied
