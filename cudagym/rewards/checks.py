@@ -60,19 +60,26 @@ def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
     origin = CpuOrigin.from_counts(counts)
     if origin is None or origin.error:
         return None  # not sampled (off, another backend) or the host refuses sampling: `cpu_origin_note`
+    if origin.tamper:
+        return "the marks of forward's calls on the worker's pipe are not the harness's: " + origin.tamper
     if origin.windows < calls:
-        return (f"the worker reported {origin.windows} forward windows for {calls} calls (the CPU samples of "
+        return (f"the worker marked {origin.windows} forward calls of the {calls} it made (the CPU samples of "
                 "forward cannot be told from the harness's)")
-    foreign = sum(origin.foreign.values()) + origin.lost
-    allowed = max(CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE * origin.forward,
+    unseen = origin.unseen_ns / max(origin.period_ns, 1)
+    foreign = sum(origin.foreign.values()) + origin.lost + round(unseen)
+    allowed = max(CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE * (origin.forward + unseen),
                   calls * CPU_FOREIGN_US_PER_CALL * 1e3 / max(origin.period_ns, 1))
     if foreign <= allowed:
         return None
     top = "; ".join(f"{k} ({v})" for k, v in origin.foreign.most_common(4))
     lost = f"; {origin.lost} samples lost" if origin.lost else ""
-    return (f"ModelNew.forward ran code that is not your own for {foreign / max(origin.forward, 1):.0%} of its "
-            f"sampled CPU time ({foreign} of {origin.forward} samples, every {origin.period_ns / 1e3:.0f} µs): "
-            f"{top}{lost}")
+    unseen_why = (f"; {origin.unseen_threads} threads started and ended inside calls ran "
+                  f"{origin.unseen_ns / 1e6:.1f} ms too briefly to be sampled (whose code they ran cannot be "
+                  "told: keep worker threads alive across calls)") if origin.unseen_ns and unseen >= 1 else ""
+    total = origin.forward + round(unseen)
+    return (f"ModelNew.forward ran code that is not your own for {foreign / max(total, 1):.0%} of its "
+            f"sampled CPU time ({foreign} of {total} samples, every {origin.period_ns / 1e3:.0f} µs): "
+            f"{top}{lost}{unseen_why}")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:

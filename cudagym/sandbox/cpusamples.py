@@ -9,16 +9,21 @@ sandbox asks the kernel to sample the worker: `perf_event_open` on each of its t
 the user-space instruction pointer, thread and CLOCK_MONOTONIC time of each sample, written to a
 ring buffer that this process reads. The candidate can neither see nor change the samples.
 
-`attribute` then counts the samples taken while forward ran (the windows the worker reports:
-`model_windows`, in the worker's `time.perf_counter` clock, which is CLOCK_MONOTONIC) by where the
-instruction pointer was, read from the worker's memory map at the job's end: the candidate's own
-builds, the system (interpreter, C library, OpenMP runtime), torch's glue (dispatch, allocation,
-the copies and fills strict mode allows), or foreign compute (any other code of torch's or of
-another library: `foreign`, by symbol). `cudagym.rewards.checks.Audit` holds strict mode to it.
+`attribute` then counts the samples taken while forward ran (`windows_from_marks`: from a mark
+the worker writes on its pipe right before each forward call, stamped with its clock and checked
+against this process's, to the arrival of the mark or request it writes once the call returned,
+stamped with this process's clock) by where the instruction pointer was, read from the worker's
+memory map at the job's end: the candidate's own builds, the system (interpreter, C library,
+OpenMP runtime), torch's glue (dispatch, allocation, the copies and fills strict mode allows),
+or foreign compute (any other code of torch's or of another library: `foreign`, by symbol).
+`cudagym.rewards.checks.Audit` holds strict mode to it.
 
 What it does not see: work done outside forward's windows (other checks cover that: outputs
 complete at return, no thread left running), and code between samples (a sample every 250 µs of
 CPU time: foreign compute shorter than that per trial may pass unsampled, and gains as little).
+A thread that starts and ends inside one call with less CPU time than a period is never sampled
+(red team 7's a4c ran torch's GELU in 128 such threads per call): its CPU time, counted by the
+kernel at its exit, is `unseen_ns`, which strict mode counts as foreign.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ import numpy as np
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _TYPE_SOFTWARE, _SW_TASK_CLOCK = 1, 1
 _SAMPLE_IP, _SAMPLE_TID, _SAMPLE_TIME = 1 << 0, 1 << 1, 1 << 2
-# perf_event_attr flag bits: disabled, inherit, exclude_kernel, exclude_hv, use_clockid
-_INHERIT, _EXCLUDE_KERNEL, _EXCLUDE_HV, _USE_CLOCKID = 1 << 1, 1 << 5, 1 << 6, 1 << 25
+# perf_event_attr flag bits: inherit, exclude_kernel, exclude_hv, inherit_stat (a thread's count
+# when it exits), task (its start and exit), use_clockid
+_INHERIT, _EXCLUDE_KERNEL, _EXCLUDE_HV, _INHERIT_STAT, _TASK, _USE_CLOCKID = (1 << 1, 1 << 5, 1 << 6, 1 << 11, 1 << 13,
+                                                                              1 << 25)
 _CLOCK_MONOTONIC = 1
-_RECORD_LOST, _RECORD_SAMPLE = 2, 9
+_RECORD_LOST, _RECORD_EXIT, _RECORD_FORK, _RECORD_READ, _RECORD_SAMPLE = 2, 4, 7, 8, 9
 _IOC_SET_OUTPUT = 0x2405  # PERF_EVENT_IOC_SET_OUTPUT
 _ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7
 _PAGE = mmap.PAGESIZE
@@ -55,11 +62,16 @@ _DATA_PAGES = 32  # 128 KiB of samples (32 bytes each) per CPU: 4,000, drained e
 @dataclass
 class Samples:
     """What the sampler collected: (pid, tid, time ns, ip) per sample; samples the kernel lost
-    (the ring buffer was full); why sampling could not start, if it could not."""
+    (the ring buffer was full); each thread started meanwhile, its start and exit (ns) and the
+    CPU time it ran (ns, summed over CPUs, known once it exited); why sampling could not start,
+    if it could not."""
 
     period_ns: int
     taken: list[tuple[int, int, int, int]] = field(default_factory=list)
     lost: int = 0
+    started: dict[int, int] = field(default_factory=dict)
+    exited: dict[int, int] = field(default_factory=dict)
+    ran_ns: Counter[int] = field(default_factory=Counter)
     error: str = ""
 
 
@@ -86,7 +98,7 @@ class CpuSampler:
         attr = bytearray(_ATTR_SIZE)
         struct.pack_into("IIQQQ", attr, 0, _TYPE_SOFTWARE, _ATTR_SIZE, _SW_TASK_CLOCK, self.samples.period_ns,
                          _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME)
-        struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _USE_CLOCKID)
+        struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _INHERIT_STAT | _TASK | _USE_CLOCKID)
         struct.pack_into("i", attr, 92, _CLOCK_MONOTONIC)
         raw = ctypes.create_string_buffer(bytes(attr), _ATTR_SIZE)
         tids = []
@@ -152,6 +164,12 @@ class CpuSampler:
                 taken.append((pid, tid, when, ip))
             elif kind == _RECORD_LOST and length >= 24:
                 self.samples.lost += struct.unpack_from("Q", data, at + 16)[0]
+            elif kind in (_RECORD_FORK, _RECORD_EXIT) and length >= 32:
+                _pid, _ppid, tid, _ptid, when = struct.unpack_from("IIIIQ", data, at + 8)
+                (self.samples.started if kind == _RECORD_FORK else self.samples.exited)[tid] = when
+            elif kind == _RECORD_READ and length >= 24:
+                _pid, tid, value = struct.unpack_from("IIQ", data, at + 8)
+                self.samples.ran_ns[tid] += value
             at += length
         struct.pack_into("Q", buf, 1032, head)
 
@@ -316,16 +334,22 @@ class CpuOrigin:
     period_ns: int = 0
     lost: int = 0
     windows: int = 0
+    unseen_ns: int = 0  # CPU time of threads started and ended inside forward, too short to be sampled
+    unseen_threads: int = 0
     error: str = ""
+    tamper: str = ""  # the windows' marks contradict the sandbox's clock
 
     def as_counts(self) -> dict[str, int]:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
         out = {CPU_KEY + k: v for k, v in (("forward", self.forward), ("period_ns", self.period_ns),
-                                           ("lost", self.lost), ("windows", self.windows))}
+                                           ("lost", self.lost), ("windows", self.windows),
+                                           ("unseen_ns", self.unseen_ns), ("unseen_threads", self.unseen_threads))}
         out.update({CPU_KEY + "origin\t" + k: v for k, v in self.by_origin.items()})
         out.update({CPU_KEY + "foreign\t" + k: v for k, v in self.foreign.most_common(24)})
         if self.error:
             out[CPU_KEY + "error\t" + self.error] = 1
+        if self.tamper:
+            out[CPU_KEY + "tamper\t" + self.tamper] = 1
         return out
 
     @classmethod
@@ -335,7 +359,8 @@ class CpuOrigin:
         if not mine:
             return None
         origin = cls(forward=mine.get("forward", 0), period_ns=mine.get("period_ns", 0), lost=mine.get("lost", 0),
-                     windows=mine.get("windows", 0))
+                     windows=mine.get("windows", 0), unseen_ns=mine.get("unseen_ns", 0),
+                     unseen_threads=mine.get("unseen_threads", 0))
         for k, v in mine.items():
             kind, _, rest = k.partition("\t")
             if kind == "origin":
@@ -344,13 +369,17 @@ class CpuOrigin:
                 origin.foreign[rest] = v
             elif kind == "error":
                 origin.error = rest
+            elif kind == "tamper":
+                origin.tamper = rest
         return origin
 
 
 def classify(path: str, address_in_file: int, own_roots: list[str]) -> tuple[str, str]:
     """(origin, label) of an instruction at `address_in_file` (a file offset) of `path`."""
-    if not path or path.startswith("["):
-        return (UNMAPPED if not path else SYSTEM), path or "<anonymous memory>"
+    if path in ("[vdso]", "[vsyscall]"):
+        return SYSTEM, path
+    if not path or path.startswith("["):  # anonymous memory, the heap, a stack made executable
+        return UNMAPPED, f"<executable {path or 'anonymous memory'}>"
     real = path.removesuffix(" (deleted)")
     if any(real.startswith(r) for r in own_roots):
         return OWN, real
@@ -377,12 +406,18 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
     spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
     starts = [a for a, _ in spans]
+
+    def window_of(when: int) -> int:
+        i = bisect.bisect_right(starts, when) - 1
+        return i if i >= 0 and when <= spans[i][1] else -1
+
+    sampled: Counter[int] = Counter()
     roots = [os.path.realpath(r) + "/" for r in own_roots if r]
     harness = tuple(os.path.realpath(r) + "/" for r in harness_roots if r)
     starts_by_pid = {pid: [m.start for m in ms] for pid, ms in maps.items()}
-    for pid, _tid, when, ip in samples.taken:
-        i = bisect.bisect_right(starts, when) - 1
-        if i < 0 or when > spans[i][1]:
+    for pid, tid, when, ip in samples.taken:
+        sampled[tid] += 1
+        if window_of(when) < 0:
             continue
         origin.forward += 1
         ms = maps.get(pid, [])
@@ -398,4 +433,42 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         origin.by_origin[kind] += 1
         if kind in (FOREIGN, UNMAPPED):
             origin.foreign[label] += 1
+    # A thread's event starts a whole period after the thread does: one that runs less never
+    # yields a sample. Threads started and ended inside one forward call: their CPU time (the
+    # kernel's count at their exit) beyond what their samples stand for is unseen code.
+    for tid, began in samples.started.items():
+        ended = samples.exited.get(tid)
+        if ended is None or (i := window_of(began)) < 0 or window_of(ended) != i:
+            continue
+        unseen = samples.ran_ns.get(tid, 0) - sampled[tid] * samples.period_ns
+        if unseen > 0:
+            origin.unseen_ns += unseen
+            origin.unseen_threads += 1
     return origin
+
+
+# A forward mark's own time may precede its arrival by this much (the pipe, this process's reader thread)
+MARK_DELAY_S = 1.0
+
+
+def windows_from_marks(marks: list[tuple[str, Any, float]]) -> tuple[list[tuple[float, float]], str]:
+    """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark's
+    time (the worker's clock, read before it wrote the mark; the same CLOCK_MONOTONIC as this
+    process's) to the arrival of the next mark or request (this process's clock: the worker
+    waits there, so none of its time falls between). Why the marks cannot be the harness's
+    (a time after its arrival or over `MARK_DELAY_S` before it: a clock the candidate replaced;
+    a second start before an end), else ""."""
+    windows: list[tuple[float, float]] = []
+    opened: float | None = None
+    for what, at, arrived in marks:
+        if what == "forward":
+            if opened is not None:
+                return windows, "a forward call was marked as started twice"
+            if not isinstance(at, (int, float)) or not arrived - MARK_DELAY_S <= float(at) <= arrived:
+                return windows, (f"a forward call's start was marked at {at!r}, not within {MARK_DELAY_S:.0f} s before "
+                                 f"the evaluator received the mark ({arrived:.6f}): the worker's clock was replaced")
+            opened = float(at)
+        elif opened is not None:
+            windows.append((opened, arrived))
+            opened = None
+    return windows, ""

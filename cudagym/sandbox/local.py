@@ -32,7 +32,7 @@ from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
-from cudagym.sandbox.cpusamples import CpuSampler, attribute, read_maps
+from cudagym.sandbox.cpusamples import CpuSampler, attribute, read_maps, windows_from_marks
 from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
@@ -584,11 +584,12 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.seconds = time.perf_counter() - t_ready
         collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
-            windows = outcome.final.get("model_windows") or []
+            windows, forged = windows_from_marks(w.frames.marks)
             origin = await asyncio.to_thread(
-                attribute, samples, cpu_maps, [(float(a), float(b)) for a, b in windows],
+                attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
                 [str(self.opwatch_dir / "opwatch")])
+            origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),

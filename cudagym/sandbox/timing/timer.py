@@ -219,7 +219,8 @@ class DeviceTimer:
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
              after: Callable[[Any], object] | None = None, copies: torch.Tensor | None = None,
-             refill: Callable[[], object] | None = None, send: Callable[[], object] | None = None) -> tuple[Any, float]:
+             refill: Callable[[], object] | None = None, send: Callable[[], object] | None = None,
+             mark: Callable[[], object] | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         once the call has returned, to register its outputs with `read_at_end`, inside the
         interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
@@ -229,7 +230,8 @@ class DeviceTimer:
         cache flush, right before the interval opens, as the open gate does on a GPU, so that
         no thread of the candidate's can work on them while the flush runs. `send()` (CPU):
         sends the evidence `after` registered, after the close and still inside the interval, so
-        that whatever rewrites it before it leaves is timed. CPU: raises `TimerTamperedError`
+        that whatever rewrites it before it leaves is timed. `mark()` (CPU): runs right before the
+        interval opens (the start of the sandbox's CPU-sample window). CPU: raises `TimerTamperedError`
         after the interval if a Python hook that is not the harness's was active when the call
         returned."""
         if not self.cuda:
@@ -241,6 +243,8 @@ class DeviceTimer:
             if refill is not None:
                 refill()
             reading = Reading(0, None)
+            if mark is not None:
+                mark()
             t0 = self._perf()
             out = fn(*args)
             hooks = foreign_hooks()  # read inside the interval: a hook found here is never trusted
@@ -548,6 +552,7 @@ def drive_calls(
     after: Callable[[int, Any], dict[str, Any]] | None = None,
     probe: Callable[..., Any] | None = None,
     send: Callable[[], object] | None = None,
+    mark: Callable[[], object] | None = None,
 ) -> int:
     """Make the calls the parent asks for; returns how many were made.
 
@@ -564,8 +569,8 @@ def drive_calls(
     land elsewhere from one round of input sets to the next. `after(i, out)` runs once call
     i has returned (`DeviceTimer.call`'s `after`: it reads outputs with `read_at_end`) and returns
     what to report about it; on the CPU target `send()` sends what it read from inside the
-    interval (`DeviceTimer.call`'s `send`). The garbage collector is paused so that a collection does not land
-    inside a call.
+    interval (`DeviceTimer.call`'s `send`), and `mark()` runs right before each interval opens.
+    The garbage collector is paused so that a collection does not land inside a call.
     """
     k = len(input_sets)
     # GPU: the fresh values go to a staging copy, which the open gate copies into the call's
@@ -600,7 +605,7 @@ def drive_calls(
                       if timer.cuda else None)
             out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k],
                                  refill=None if timer.cuda else functools.partial(refill_, targets, fresh),
-                                 send=None if timer.cuda else send)
+                                 send=None if timer.cuda else send, mark=None if timer.cuda else mark)
             del spacer
             span_ms, read_ns, dense, strided = timer.last_raw
             report = {"ms": ms, "host_ms": timer.host_ms, "span_ms": span_ms, "read_ns": read_ns, "dense": dense,

@@ -84,7 +84,7 @@ def alone(p: Problem, ch: Channel) -> None:
 
 
 def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer,
-               state: WorkerState, windows: list[tuple[float, float]] | None = None) -> int:
+               state: WorkerState, marks: bool = False) -> int:
     """Make the calls of `role` that the parent asks for, under the timing protocol
     (`cudagym.sandbox.timing`); returns how many were made.
 
@@ -94,8 +94,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     after the call returned; on a GPU, with projections of the whole output, by the close kernel
     while it holds every SM) and sent on the pipe, out of the worker's reach, before the next
     call is asked for. The calls the parent marks as probes call a tiny kernel of the harness
-    instead, through the same steps. `windows` gets each call's start and end (the worker's
-    clock), where the sandbox samples where a CPU worker's time goes (`cudagym.sandbox.cpusamples`).
+    instead, through the same steps. With `marks` (the candidate on the CPU target), each call's
+    start is marked on the pipe right before its interval opens and its end is the next call's
+    request (`Channel.mark`): the windows of the sandbox's CPU samples (`cudagym.sandbox.cpusamples`).
     """
     rng = secrets.SystemRandom()
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
@@ -121,12 +122,14 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     clock = state.originals["time.perf_counter"]
 
+    def mark() -> None:
+        ch.mark("forward", at=clock())
+
     def call(*args: Any) -> Any:
         model_calls[0] += 1
         watch.arm()
         if kwatch:
             kwatch.arm()
-        began = clock() if windows is not None else 0.0
         try:
             return fn(*args)
         except CandidateError:
@@ -135,8 +138,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
-            if windows is not None:
-                windows.append((began, clock()))
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -217,7 +218,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     with torch.no_grad():
         try:
-            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed, send=send_evidence)
+            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed, send=send_evidence,
+                            mark=mark if marks else None)
         except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
         except Exception:
@@ -262,9 +264,7 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     alone(p, ch)
     ph.mark("wait_alone")
     tele0 = state.telemetry.read() if p.device.type == "cuda" else {}
-    windows: list[tuple[float, float]] = []
-    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state,
-                       windows if p.device.type == "cpu" else None)
+    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state, marks=p.device.type == "cpu")
     check(state)
     tele1 = state.telemetry.read() if p.device.type == "cuda" else {}
     ph.mark("telemetry")
@@ -274,8 +274,7 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
 
     ch.final({"ok": True, "calls": calls, "params": p.params, "params_retry": p.params_retry,
               "telemetry": {"before": tele0, "after": tele1},
-              "phases": ph.times, "diagnostics": ph.extra, "unbuilt_code": unbuilt_code(job),
-              "model_windows": windows})
+              "phases": ph.times, "diagnostics": ph.extra, "unbuilt_code": unbuilt_code(job)})
 
 
 def run_baseline(job: Job, ch: Channel, state: WorkerState) -> None:

@@ -117,7 +117,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
     elif p.device.type == "cuda":  # the harness's start-up failed (e.g. the GPU's memory was full then)
         raise CandidateError("internal", f"the harness's kernel watcher could not start in this worker: "
                                          f"{state.kwatch_error or 'not loaded'}")
-    windows: list[tuple[float, float]] = []  # forward's, where the sandbox samples a CPU worker
+    marks = p.device.type == "cpu"
     for t in range(trials):
         plan = ch.request("trial", index=t)  # this trial's secret, only now
         order = plan.get("order")
@@ -149,10 +149,12 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
                 if kwatch:
                     kwatch.arm()
                 try:
-                    began = clock()
+                    if marks:  # where forward runs, for the sandbox's CPU samples (`Channel.mark`)
+                        ch.mark("forward", at=clock())
                     out = p.cand(*args)
                 finally:
-                    windows.append((began, clock()))
+                    if marks:
+                        ch.mark("returned", wait=True)
                     if kwatch:
                         kwatch.disarm()
                     watch.disarm()
@@ -222,8 +224,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
               "own_kernel_share": own_share, "params": p.params, "params_retry": p.params_retry, "phases": ph.times,
               "kernels": kernels,
               "share_kernels": share_kernels, "kernel_watch_error": state.kwatch_error,
-              "own_objects": own_objects(job), "unbuilt_code": unbuilt_code(job),
-              "model_windows": windows if p.device.type == "cpu" else []})
+              "own_objects": own_objects(job), "unbuilt_code": unbuilt_code(job)})
 
 
 def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:

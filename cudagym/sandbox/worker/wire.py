@@ -267,9 +267,21 @@ class Channel:
     def final(self, body: dict[str, Any]) -> None:
         self.send({"type": "final", "nonce": self._nonce, **body})
 
+    def mark(self, what: str, wait: bool = False, **body: Any) -> None:
+        """A mark the parent notes with its own clock as it arrives (`FrameReader.marks`): where
+        forward starts (`at`: this process's clock, read just before) and, with `wait`, where it
+        returned (this process then waits until the parent has read it: no CPU time of its own
+        falls between the two). The CPU sampler's windows (`cudagym.sandbox.cpusamples`)."""
+        self.send({"type": "mark", "what": what, "wait": wait, **body})
+        if wait:
+            self._answer()
+
     def request(self, what: str, **body: Any) -> dict[str, Any]:
         """Ask the parent for the next step (see `cudagym.sandbox.feed`); its answer."""
         self.send({"type": "request", "what": what, **body})
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any]:
         line = self._stdin.readline()
         try:
             answer = json.loads(line)
@@ -332,6 +344,9 @@ class FrameReader:
         self.responder: Responder | None = None  # set when the job starts
         self.answer_fd: int | None = None
         self.requests = 0
+        # (what, the worker's clock it reported, arrival on this process's clock) of each mark
+        # and request (`Channel.mark`): where the job's forward calls began and ended
+        self.marks: list[tuple[str, Any, float]] = []
         self.startup_s: dict[str, float] = {}
         self._started = time.perf_counter() if started is None else started
         self._stop = threading.Event()
@@ -396,7 +411,16 @@ class FrameReader:
                     break
                 self._budget -= len(frame[1])
                 kind = frame[0].get("type")
+                if kind == "mark":  # answered here: no responder sees it
+                    self.marks.append((str(frame[0].get("what")), frame[0].get("at"), arrived))
+                    if frame[0].get("wait") and self.answer_fd is not None:
+                        try:
+                            write_all(self.answer_fd, b"{}\n")
+                        except OSError:
+                            pass
+                    continue
                 if kind == "request":
+                    self.marks.append(("request", None, arrived))
                     self._answer(frame[0], arrived)
                     continue
                 self.frames.append(frame)
