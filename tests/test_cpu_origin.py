@@ -4,7 +4,8 @@
 torch's own CPU kernel reached below the dispatcher, through a function pointer computed from
 libtorch's symbol table and called with ctypes (no op recorded, no lookup the audit hook sees),
 is refused in strict mode, in verify's trials and in the timed calls alone; the same forward
-with both steps in the candidate's own code passes."""
+with both steps in the candidate's own code passes. Forward's windows come from marks the parent
+stamps (a replaced clock is caught); threads too short to be sampled are not counted as own."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from cudagym.core.verdict import ErrorKind
 from cudagym.rewards.checks import cpu_foreign_work
 from cudagym.rewards.evaluator import Evaluator
-from cudagym.sandbox.cpusamples import CpuSampler, attribute, read_maps
+from cudagym.sandbox.cpusamples import SYSTEM, UNMAPPED, CpuSampler, attribute, classify, read_maps, windows_from_marks
 
 from test_reward_hacking import GELU, assert_rejected
 
@@ -149,3 +150,81 @@ def test_the_sampler_names_torchs_compute_and_allows_its_copies() -> None:
     why = cpu_foreign_work(computed.as_counts(), len(gelu))
     assert why and "not your own" in why, why
     assert cpu_foreign_work(copied.as_counts(), len(copies)) is None, copied
+
+
+# -- forward's windows, out of the worker's reach -----------------------------------------------
+def test_windows_come_from_marks_the_parent_stamped() -> None:
+    marks = [("request", None, 9.0), ("forward", 10.0, 10.001), ("request", None, 10.5),
+             ("forward", 11.0, 11.002), ("returned", None, 11.25)]
+    assert windows_from_marks(marks) == ([(10.0, 10.5), (11.0, 11.25)], "")
+    # a start after the parent read it, or long before: the worker's clock is not the harness's
+    assert "clock was replaced" in windows_from_marks([("forward", 10.2, 10.001)])[1]
+    assert "clock was replaced" in windows_from_marks([("forward", 5.0, 10.001)])[1]
+    assert "twice" in windows_from_marks([("forward", 10.0, 10.001), ("forward", 10.1, 10.2)])[1]
+
+
+def test_executable_heap_is_not_the_systems() -> None:
+    assert classify("[heap]", 0, [])[0] == UNMAPPED
+    assert classify("[vdso]", 0, [])[0] == SYSTEM
+
+
+# the clock the timed loop marks its calls with, replaced along with the harness's record of it
+# (the worker's state, found up the stack): every mark's time moves back by an hour
+SHIFTED_CLOCK = """\
+import sys as _sys
+import time as _time
+
+
+def _shift():
+    f = _sys._getframe(1)
+    while f is not None and not hasattr(f.f_locals.get("state"), "originals"):
+        f = f.f_back
+    if f is None:
+        return
+    originals = f.f_locals["state"].originals
+    real = originals["time.perf_counter"]
+
+    def shifted():
+        return real() - 3600.0
+
+    originals["time.perf_counter"] = _time.perf_counter = shifted
+"""
+
+
+def test_a_replaced_clock_is_caught_by_the_marks(evaluator: Evaluator, build_ws) -> None:
+    model = _model("never").replace("class ModelNew(nn.Module):", SHIFTED_CLOCK + "\n\nclass ModelNew(nn.Module):")
+    model = model.replace("        self.bias = nn.Parameter(torch.empty(features))",
+                          "        self.bias = nn.Parameter(torch.empty(features))\n        _shift()")
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, "clock")
+
+
+# the task's two steps, each row block in a thread of its own, started and joined inside the call:
+# each thread runs for less than a sampling period
+SHORT_THREADS_CPP = """\
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+extern "C" void scale_bias(const float* x, const float* bias, float* out, int64_t rows, int64_t cols, float scale) {
+    const int64_t block = 4, width = 4;  // a wave of 4 threads at a time, 4 rows each
+    for (int64_t w0 = 0; w0 < rows; w0 += block * width) {
+        std::vector<std::thread> wave;
+        for (int64_t r0 = w0; r0 < w0 + block * width && r0 < rows; r0 += block)
+            wave.emplace_back([=] {
+                for (int64_t r = r0; r < r0 + block && r < rows; ++r)
+                    for (int64_t c = 0; c < cols; ++c) {
+                        float v = x[r * cols + c] * scale + bias[c];
+                        out[r * cols + c] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+                    }
+            });
+        for (auto& t : wave) t.join();
+    }
+}
+extern "C" void gelu_inplace(float*, int64_t) {}
+"""
+
+
+def test_threads_too_short_to_be_sampled_are_not_counted_as_own(evaluator: Evaluator, build_ws) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, _model("never"), {"kernels/steps.cpp": SHORT_THREADS_CPP}))
+    assert_rejected(v, ErrorKind.AUDIT, "too briefly to be sampled")
