@@ -228,3 +228,11 @@ extern "C" void gelu_inplace(float*, int64_t) {}
 def test_threads_too_short_to_be_sampled_are_not_counted_as_own(evaluator: Evaluator, build_ws) -> None:
     v = evaluator.evaluate(GELU, build_ws(GELU, _model("never"), {"kernels/steps.cpp": SHORT_THREADS_CPP}))
     assert_rejected(v, ErrorKind.AUDIT, "too briefly to be sampled")
+
+
+def test_an_unsampled_job_says_so() -> None:
+    from cudagym.rewards.checks import cpu_origin_note
+
+    assert "does not sample" in (cpu_origin_note({}) or "")
+    assert "paranoid" in (cpu_origin_note({"kernel\tcpu\terror\tperf_event_open refused (paranoid 3)": 1}) or "")
+    assert cpu_origin_note({"kernel\tcpu\tforward": 10}) is None

@@ -86,10 +86,11 @@ def cpu_origin_note(counts: dict[str, Any]) -> str | None:
     """Why forward's CPU time could not be sampled, where it could not (a note, not a refusal:
     the host's `kernel.perf_event_paranoid` decides, not the candidate)."""
     origin = CpuOrigin.from_counts(counts)
-    if origin is None or not origin.error:
+    if origin is not None and not origin.error:
         return None
     return ("the CPU-origin audit could not run (torch's compute reached below the dispatcher is not seen): "
-            + origin.error)
+            + (origin.error if origin is not None else "this sandbox does not sample forward's CPU time (the docker "
+               "backend, or the local one with cpu_sample_us 0)"))
 
 
 def unbuilt_files(final: dict[str, Any]) -> list[str]:
@@ -196,7 +197,7 @@ class Audit:
                     final.get("trials") or 0))):
                 forbidden.append("<foreign CPU code>")
                 reasons.append("strict mode: " + why)
-            if notes is not None and (note := cpu_origin_note(cpu)):
+            if notes is not None and self.config.mode == "strict" and (note := cpu_origin_note(cpu)):
                 notes.append(note)
             if self.config.mode == "permissive" and unbuilt:
                 uncredited, uncredited_why = self.uncredited_share(unbuilt)
