@@ -154,18 +154,61 @@ def test_the_sampler_names_torchs_compute_and_allows_its_copies() -> None:
 
 # -- forward's windows, out of the worker's reach -----------------------------------------------
 def test_windows_come_from_marks_the_parent_stamped() -> None:
-    marks = [("request", None, 9.0), ("forward", 10.0, 10.001), ("request", None, 10.5),
-             ("forward", 11.0, 11.002), ("returned", None, 11.25)]
-    assert windows_from_marks(marks) == ([(10.0, 10.5), (11.0, 11.25)], "")
+    verify = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", None, 10.5),
+              ("request:evidence", None, 10.6), ("request:trial", None, 10.9), ("forward", 11.0, 11.002),
+              ("returned", None, 11.25)]
+    assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.5), (11.0, 11.25)], "")
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", None, 10.5),
+             ("forward", 11.0, 11.002), ("request:call", None, 11.25)]
+    assert windows_from_marks(timed, "request:call", "request:call", stop=True)[1] == ""
+
+    def why(marks: list) -> str:
+        return windows_from_marks(marks, "returned", "request:trial")[1]
+
     # a start after the parent read it, or long before: the worker's clock is not the harness's
-    assert "clock was replaced" in windows_from_marks([("forward", 10.2, 10.001)])[1]
-    assert "clock was replaced" in windows_from_marks([("forward", 5.0, 10.001)])[1]
-    assert "twice" in windows_from_marks([("forward", 10.0, 10.001), ("forward", 10.1, 10.2)])[1]
+    assert "clock was replaced" in why([("request:trial", None, 9.0), ("forward", 10.2, 10.001)])
+    assert "clock was replaced" in why([("request:trial", None, 9.0), ("forward", 5.0, 10.001)])
+    assert "twice" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("forward", 10.1, 10.2)])
+    # an end written by the candidate inside forward (the harness's own then arrives with none open)
+    assert "no forward call running" in why(verify[:3] + [("returned", None, 10.55)] + verify[3:])
+    # ... or a forged end and a forged start: one call, two windows
+    assert "2 forward calls were marked for 1 calls" in why(
+        verify[:3] + [("forward", 10.3, 10.31), ("returned", None, 10.52)])
+    assert "not by 'returned'" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001),
+                                       ("request:evidence", None, 10.5)])
 
 
 def test_executable_heap_is_not_the_systems() -> None:
     assert classify("[heap]", 0, [])[0] == UNMAPPED
     assert classify("[vdso]", 0, [])[0] == SYSTEM
+
+
+WRITTEN_OVER = """\
+import mmap, sys
+lib = [line.split()[-1] for line in open("/proc/self/maps") if "libm.so" in line][0]
+with open(lib, "rb") as f:
+    m = mmap.mmap(f.fileno(), 4096, flags=mmap.MAP_PRIVATE,
+                  prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m[0] = m[0]  # the page is the process's own copy now: code written at run time
+print(lib, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_code_written_over_a_librarys_pages_is_not_that_library() -> None:
+    child = subprocess.Popen([sys.executable, "-c", WRITTEN_OVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None
+        lib = child.stdout.readline().strip()
+        spans = read_maps([child.pid])[child.pid]
+    finally:
+        child.kill()
+        child.wait()
+    written = [m for m in spans if m.path == f"<code written at run time over {lib}>"]
+    assert len(written) == 1, [m.path for m in spans if "libm" in m.path]
+    assert classify(written[0].path, 0, [])[0] == UNMAPPED
+    assert any(m.path == lib for m in spans)  # libm's own code, as loaded, stays the system's
 
 
 # the clock the timed loop marks its calls with, replaced along with the harness's record of it
@@ -236,3 +279,37 @@ def test_an_unsampled_job_says_so() -> None:
     assert "does not sample" in (cpu_origin_note({}) or "")
     assert "paranoid" in (cpu_origin_note({"kernel\tcpu\terror\tperf_event_open refused (paranoid 3)": 1}) or "")
     assert cpu_origin_note({"kernel\tcpu\tforward": 10}) is None
+
+
+# a forward that ends its own window early: the harness's channel, found up the stack, marks the
+# call returned before torch's kernel runs; or the channel's write rebound to drop the harness's marks
+FORGED_END = """\
+import sys as _sys
+
+
+def _channel():
+    f = _sys._getframe(1)
+    while f is not None and not hasattr(f.f_locals.get("ch"), "mark"):
+        f = f.f_back
+    return f.f_locals["ch"] if f is not None else None
+
+
+def _forge(how):
+    ch = _channel()
+    if ch is None:
+        return
+    if how == "end":
+        ch.mark("returned", wait=True)
+    else:
+        write = ch._write
+        ch._write = lambda fd, data: write(fd, data)
+"""
+
+
+@pytest.mark.parametrize("how,needle", [("end", "not the harness's"), ("rebind", "result channel was modified")])
+def test_marks_the_candidate_writes_or_drops_are_caught(evaluator: Evaluator, build_ws, how: str,
+                                                        needle: str) -> None:
+    model = _model("always").replace("class ModelNew(nn.Module):", FORGED_END + "\n\nclass ModelNew(nn.Module):")
+    model = model.replace("            _GELU(out)", f"            _forge({how!r})\n            _GELU(out)")
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, needle)

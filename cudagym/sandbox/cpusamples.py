@@ -34,6 +34,7 @@ import fcntl
 import mmap
 import os
 import re
+import secrets
 import struct
 import threading
 from collections import Counter
@@ -95,12 +96,7 @@ class CpuSampler:
             self.samples.error = f"CPU sampling is not supported on {os.uname().machine}"
             return
         libc = ctypes.CDLL(None, use_errno=True)
-        attr = bytearray(_ATTR_SIZE)
-        struct.pack_into("IIQQQ", attr, 0, _TYPE_SOFTWARE, _ATTR_SIZE, _SW_TASK_CLOCK, self.samples.period_ns,
-                         _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME)
-        struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _INHERIT_STAT | _TASK | _USE_CLOCKID)
-        struct.pack_into("i", attr, 92, _CLOCK_MONOTONIC)
-        raw = ctypes.create_string_buffer(bytes(attr), _ATTR_SIZE)
+        rng = secrets.SystemRandom()
         tids = []
         for pid in pids:
             try:
@@ -112,8 +108,19 @@ class CpuSampler:
         except OSError:
             cpus = list(range(os.cpu_count() or 1))
         # an inherited event's ring buffer is per CPU (the kernel maps none of a per-task one):
-        # one buffer per CPU, every thread's event on that CPU writing into it
+        # one buffer per CPU, every thread's event on that CPU writing into it. Each CPU's period
+        # is drawn at random within +-40% of `period_us` (a thread inherits its creator's): code
+        # that knew the period could keep foreign work between the points where samples fall
+        # (red team 8's a3 ran torch's code mid-period and its own around each sample)
         for cpu in cpus:
+            period = int(self.samples.period_ns * rng.uniform(0.6, 1.4))
+            attr = bytearray(_ATTR_SIZE)
+            struct.pack_into("IIQQQ", attr, 0, _TYPE_SOFTWARE, _ATTR_SIZE, _SW_TASK_CLOCK, period,
+                             _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME)
+            struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _INHERIT_STAT | _TASK
+                             | _USE_CLOCKID)
+            struct.pack_into("i", attr, 92, _CLOCK_MONOTONIC)
+            raw = ctypes.create_string_buffer(bytes(attr), _ATTR_SIZE)
             leader: _Event | None = None
             for tid in tids:
                 fd = libc.syscall(number, raw, tid, cpu, -1, 8)  # PERF_FLAG_FD_CLOEXEC
@@ -203,22 +210,35 @@ class Mapping:
 
 
 def read_maps(pids: list[int]) -> dict[int, list[Mapping]]:
-    """The executable mappings of each process, by pid (sorted by address); a process whose map
-    cannot be read is left out."""
+    """The executable mappings of each process, by pid (sorted by address), from its `smaps`: a
+    file mapping whose pages were written (`Private_Dirty` or `Anonymous` above 0: code copied
+    over a library's pages at run time; red team 8's a4 wrote torch's code over a private mapping
+    of libc) is named `<code written at run time over PATH>`. A process whose map cannot be read
+    is left out."""
     out: dict[int, list[Mapping]] = {}
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
                 lines = f.readlines()
         except OSError:
             continue
-        spans = []
-        for line in lines:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 5 or "x" not in parts[1]:
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            spans.append(Mapping(lo, hi, int(parts[2], 16), parts[5].strip() if len(parts) == 6 else ""))
+        spans: list[Mapping] = []
+        current: list[Any] | None = None  # [lo, hi, offset, path, written]
+        for line in lines + ["0-0 ---p 0 0:0 0\n"]:  # a last header closes the last mapping
+            head = line.split(maxsplit=5)
+            if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                if current is not None:
+                    lo, hi, offset, path, written = current
+                    if written and path.startswith("/"):
+                        path = f"<code written at run time over {path}>"
+                    spans.append(Mapping(lo, hi, offset, path))
+                current = None
+                if "x" in head[1]:
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    current = [lo, hi, int(head[2], 16), head[5].strip() if len(head) == 6 else "", False]
+            elif current is not None and head[:1] in (["Private_Dirty:"], ["Anonymous:"]) and len(head) >= 2 \
+                    and head[1] != "0":
+                current[4] = True
         out[pid] = sorted(spans, key=lambda m: m.start)
     return out
 
@@ -380,6 +400,8 @@ def classify(path: str, address_in_file: int, own_roots: list[str]) -> tuple[str
         return SYSTEM, path
     if not path or path.startswith("["):  # anonymous memory, the heap, a stack made executable
         return UNMAPPED, f"<executable {path or 'anonymous memory'}>"
+    if path.startswith("<"):  # `read_maps`: code written over a file's pages
+        return UNMAPPED, path
     real = path.removesuffix(" (deleted)")
     if any(real.startswith(r) for r in own_roots):
         return OWN, real
@@ -434,11 +456,13 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         if kind in (FOREIGN, UNMAPPED):
             origin.foreign[label] += 1
     # A thread's event starts a whole period after the thread does: one that runs less never
-    # yields a sample. Threads started and ended inside one forward call: their CPU time (the
-    # kernel's count at their exit) beyond what their samples stand for is unseen code.
+    # yields a sample. Threads started during the job that ended before it, where their start or
+    # their end fell inside a forward call (red team 8's a2 started them in one call and ended them
+    # in the next): their CPU time (the kernel's count at their exit) beyond what their samples
+    # stand for is unseen code.
     for tid, began in samples.started.items():
         ended = samples.exited.get(tid)
-        if ended is None or (i := window_of(began)) < 0 or window_of(ended) != i:
+        if ended is None or (window_of(began) < 0 and window_of(ended) < 0):
             continue
         unseen = samples.ran_ns.get(tid, 0) - sampled[tid] * samples.period_ns
         if unseen > 0:
@@ -451,17 +475,24 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
 MARK_DELAY_S = 1.0
 
 
-def windows_from_marks(marks: list[tuple[str, Any, float]]) -> tuple[list[tuple[float, float]], str]:
+def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: str,
+                       stop: bool = False) -> tuple[list[tuple[float, float]], str]:
     """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark's
     time (the worker's clock, read before it wrote the mark; the same CLOCK_MONOTONIC as this
-    process's) to the arrival of the next mark or request (this process's clock: the worker
-    waits there, so none of its time falls between). Why the marks cannot be the harness's
-    (a time after its arrival or over `MARK_DELAY_S` before it: a clock the candidate replaced;
-    a second start before an end), else ""."""
+    process's) to the arrival of the job's `end` mark or request (this process's clock: the
+    worker waits there, so none of its time falls between). The harness writes exactly one
+    forward mark per `per_call` request (verify: "request:trial"; the timed loop:
+    "request:call", whose last one is answered `stop`), each followed by its `end` before
+    anything else is marked ("returned" in verify, the next call's request in the timed loop).
+    Anything else is marks the candidate wrote itself (red team 8's a1 closed a window early with
+    a forged end): why the marks cannot be the harness's, else ""."""
     windows: list[tuple[float, float]] = []
     opened: float | None = None
+    forwards = calls = 0
     for what, at, arrived in marks:
+        calls += what == per_call
         if what == "forward":
+            forwards += 1
             if opened is not None:
                 return windows, "a forward call was marked as started twice"
             if not isinstance(at, (int, float)) or not arrived - MARK_DELAY_S <= float(at) <= arrived:
@@ -469,6 +500,14 @@ def windows_from_marks(marks: list[tuple[str, Any, float]]) -> tuple[list[tuple[
                                  f"the evaluator received the mark ({arrived:.6f}): the worker's clock was replaced")
             opened = float(at)
         elif opened is not None:
+            if what != end:
+                return windows, f"a forward call was ended by {what!r}, not by {end!r}"
             windows.append((opened, arrived))
             opened = None
+        elif not what.startswith("request:"):
+            return windows, f"{what!r} was marked with no forward call running"
+    if opened is not None:
+        return windows, "a forward call was marked as started and never ended"
+    if forwards != calls - stop:
+        return windows, f"{forwards} forward calls were marked for {calls - stop} calls"
     return windows, ""

@@ -584,7 +584,8 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.seconds = time.perf_counter() - t_ready
         collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
-            windows, forged = windows_from_marks(w.frames.marks)
+            windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
+                               else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
             origin = await asyncio.to_thread(
                 attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],

@@ -138,6 +138,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
     from cudagym.sandbox.limits import apply_rlimits, restrict_writes
     from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback
     from cudagym.sandbox.worker.jobs import JOBS
+    from cudagym.sandbox.worker.integrity import channel_parts
     from cudagym.sandbox.worker.prewarm import premap_results, prewarm_device
     from cudagym.sandbox.worker.wire import Channel, Job, encode_frame
 
@@ -156,6 +157,7 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
         os._exit(0)
     job = Job.model_validate_json(line)
     ch = Channel(fd, job.nonce, state.stdin, shm_fd, state.premapped)
+    state.channel, state.channel_parts = ch, channel_parts(ch)
     try:
         scratch = job.workspace or (job.writable[0] if job.writable else "")
         if scratch:

@@ -268,6 +268,26 @@ def check_torch_lookups(state: WorkerState) -> None:
                              f"{state.torch_lookups[0][:120]} through ctypes: torch's compute below the dispatcher")
 
 
+def channel_parts(ch: Any) -> dict[str, Any]:
+    """What the result channel writes with and reads the parent's answers with (its and its
+    reader's fixed attributes, by identity): a candidate that rebinds them could drop or forge
+    the frames that mark where forward runs (`Channel.mark`), or the answers."""
+    reader = vars(ch).get("_stdin")
+    return {**{k: v for k, v in vars(ch).items() if k != "_shm_off"},
+            **{f"_stdin.{k}": v for k, v in (vars(reader).items() if reader is not None else ()) if k != "_buf"},
+            "<type>": type(ch), "<reader type>": type(reader)}
+
+
+def check_channel(state: WorkerState) -> None:
+    """Raise if the job's channel is not as it was before candidate code (`channel_parts`)."""
+    ch = state.channel
+    if ch is None:
+        return
+    now = channel_parts(ch)
+    if now.keys() != state.channel_parts.keys() or any(now[k] is not v for k, v in state.channel_parts.items()):
+        raise CandidateError("tamper", "the harness's result channel was modified by the candidate")
+
+
 def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     """Raise if a watched function, a harness function (or its code) or method was replaced, or a
     Python profile, trace or audit hook was set or tried; with `dispatcher`, also if kernels of
@@ -287,6 +307,7 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     originals = state.originals
     if replaced := rebound(originals):
         raise CandidateError("tamper", f"{replaced[0]} was replaced by the candidate")
+    check_channel(state)
     before = state.dispatch if dispatcher else None
     if before and (changed := sorted(n for n, k in read_dispatch_table(originals).items()
                                      if n in before and before[n] != k)):

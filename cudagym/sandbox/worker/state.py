@@ -65,3 +65,5 @@ class WorkerState:
     # -- telemetry and the result memory
     telemetry: DeviceTelemetry = field(default_factory=DeviceTelemetry)
     premapped: mmap.mmap | None = None  # the start of the result memory (`prewarm.premap_results`)
+    channel: Any = None  # the job's `Channel`, and its state before candidate code (`integrity.check_channel`)
+    channel_parts: dict[str, Any] = field(default_factory=dict)

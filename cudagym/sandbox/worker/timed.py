@@ -21,8 +21,8 @@ from cudagym.sandbox.protocol import MAX_IDLE_MS
 from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (check_tamper, kernel_watch, kernels_alive, op_watch, watch_alive,
-                                              watch_changes)
+from cudagym.sandbox.worker.integrity import (check_channel, check_tamper, kernel_watch, kernels_alive, op_watch,
+                                              watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -123,6 +123,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     clock = state.originals["time.perf_counter"]
 
     def mark() -> None:
+        check_channel(state)  # what writes the mark is the harness's
         ch.mark("forward", at=clock())
 
     def call(*args: Any) -> Any:

@@ -26,9 +26,9 @@ from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.origin import records_as_counts
 from cudagym.sandbox.timing import PROJECTIONS, projection
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (OpRecorder, check_tamper, check_torch_lookups, check_torch_modes,
-                                              kernel_watch, kernels_alive, live_helpers, op_watch, poison_allocator,
-                                              watch_alive, watch_changes)
+from cudagym.sandbox.worker.integrity import (OpRecorder, check_channel, check_tamper, check_torch_lookups,
+                                              check_torch_modes, kernel_watch, kernels_alive, live_helpers, op_watch,
+                                              poison_allocator, watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args, same_bits
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -150,6 +150,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
                     kwatch.arm()
                 try:
                     if marks:  # where forward runs, for the sandbox's CPU samples (`Channel.mark`)
+                        check_channel(state)
                         ch.mark("forward", at=clock())
                     out = p.cand(*args)
                 finally:
