@@ -211,10 +211,11 @@ class Mapping:
 
 def read_maps(pids: list[int]) -> dict[int, list[Mapping]]:
     """The executable mappings of each process, by pid (sorted by address), from its `smaps`: a
-    file mapping whose pages were written (`Private_Dirty` or `Anonymous` above 0: code copied
-    over a library's pages at run time; red team 8's a4 wrote torch's code over a private mapping
-    of libc) is named `<code written at run time over PATH>`. A process whose map cannot be read
-    is left out."""
+    file mapping with pages of its own (`Anonymous` above 0: copied on write, code written over
+    a library's pages at run time; red team 8's a4 wrote torch's code over a private mapping of
+    libc) is named `<code written at run time over PATH>`. (`Private_Dirty` is no such sign: a
+    library built moments ago still has dirty pages in the page cache.) A process whose map
+    cannot be read is left out."""
     out: dict[int, list[Mapping]] = {}
     for pid in pids:
         try:
@@ -236,8 +237,7 @@ def read_maps(pids: list[int]) -> dict[int, list[Mapping]]:
                 if "x" in head[1]:
                     lo, hi = (int(x, 16) for x in head[0].split("-"))
                     current = [lo, hi, int(head[2], 16), head[5].strip() if len(head) == 6 else "", False]
-            elif current is not None and head[:1] in (["Private_Dirty:"], ["Anonymous:"]) and len(head) >= 2 \
-                    and head[1] != "0":
+            elif current is not None and head[:1] == ["Anonymous:"] and len(head) >= 2 and head[1] != "0":
                 current[4] = True
         out[pid] = sorted(spans, key=lambda m: m.start)
     return out
