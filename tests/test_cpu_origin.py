@@ -313,3 +313,24 @@ def test_marks_the_candidate_writes_or_drops_are_caught(evaluator: Evaluator, bu
     model = model.replace("            _GELU(out)", f"            _forge({how!r})\n            _GELU(out)")
     v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
     assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, needle)
+
+
+def test_each_sample_is_judged_by_the_mapping_it_ran_in() -> None:
+    """A decoy mapped over torch's code after its last call (red team 9), code mapped over other
+    code, or mapped and gone by the end, cannot be judged by the file the end-of-job map names."""
+    from cudagym.sandbox.cpusamples import Mapping, _History
+
+    torch_code = Mapping(0x1000, 0x9000, 0x0, "/site-packages/torch/lib/libtorch_cpu.so")
+    decoy = Mapping(0x2000, 0x3000, 0x0, "/usr/lib/x86_64-linux-gnu/libc.so.6")
+    own = Mapping(0x20000, 0x21000, 0x1000, "/cache/build/artifacts/x/libkernels.so")
+    late = _History([torch_code], [(100, decoy)], [torch_code, decoy])
+    assert late.live(0x2100, 50) == (torch_code, "<code replaced during the job: " + torch_code.path + ">")
+    assert "mapped over other code" in late.live(0x2100, 150)[1]
+    gone = _History([torch_code], [(10, own)], [torch_code])
+    assert "gone by its end" in gone.live(0x20100, 50)[1]
+    loaded = _History([torch_code], [(10, own)], [torch_code, own])
+    assert loaded.live(0x20100, 50) == (own, "")  # the candidate's library, loaded during the job
+    assert loaded.live(0x5000, 50) == (torch_code, "")
+    over = Mapping(0x1000, 0x9000, 0x0, f"<code written at run time over {torch_code.path}>")
+    written = _History([torch_code], [], [over])
+    assert "written at run time" in written.live(0x5000, 50)[1]

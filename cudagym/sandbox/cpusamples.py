@@ -48,12 +48,13 @@ import numpy as np
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _TYPE_SOFTWARE, _SW_TASK_CLOCK = 1, 1
 _SAMPLE_IP, _SAMPLE_TID, _SAMPLE_TIME = 1 << 0, 1 << 1, 1 << 2
-# perf_event_attr flag bits: inherit, exclude_kernel, exclude_hv, inherit_stat (a thread's count
-# when it exits), task (its start and exit), use_clockid
-_INHERIT, _EXCLUDE_KERNEL, _EXCLUDE_HV, _INHERIT_STAT, _TASK, _USE_CLOCKID = (1 << 1, 1 << 5, 1 << 6, 1 << 11, 1 << 13,
-                                                                              1 << 25)
+# perf_event_attr flag bits: inherit, exclude_kernel, exclude_hv, mmap (each executable mapping
+# made, mprotect's too), inherit_stat (a thread's count when it exits), task (its start and exit),
+# sample_id_all (every record's time), mmap2 (with the file's offset), use_clockid
+_INHERIT, _EXCLUDE_KERNEL, _EXCLUDE_HV, _MMAP, _INHERIT_STAT, _TASK = 1 << 1, 1 << 5, 1 << 6, 1 << 8, 1 << 11, 1 << 13
+_SAMPLE_ID_ALL, _MMAP2, _USE_CLOCKID = 1 << 18, 1 << 23, 1 << 25
 _CLOCK_MONOTONIC = 1
-_RECORD_LOST, _RECORD_EXIT, _RECORD_FORK, _RECORD_READ, _RECORD_SAMPLE = 2, 4, 7, 8, 9
+_RECORD_LOST, _RECORD_EXIT, _RECORD_FORK, _RECORD_READ, _RECORD_SAMPLE, _RECORD_MMAP2 = 2, 4, 7, 8, 9, 10
 _IOC_SET_OUTPUT = 0x2405  # PERF_EVENT_IOC_SET_OUTPUT
 _ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7
 _PAGE = mmap.PAGESIZE
@@ -73,6 +74,7 @@ class Samples:
     started: dict[int, int] = field(default_factory=dict)
     exited: dict[int, int] = field(default_factory=dict)
     ran_ns: Counter[int] = field(default_factory=Counter)
+    mapped: list[tuple[int, int, Mapping]] = field(default_factory=list)  # (time ns, pid, mapping) made meanwhile
     error: str = ""
 
 
@@ -117,8 +119,8 @@ class CpuSampler:
             attr = bytearray(_ATTR_SIZE)
             struct.pack_into("IIQQQ", attr, 0, _TYPE_SOFTWARE, _ATTR_SIZE, _SW_TASK_CLOCK, period,
                              _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME)
-            struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _INHERIT_STAT | _TASK
-                             | _USE_CLOCKID)
+            struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _MMAP | _INHERIT_STAT | _TASK
+                             | _SAMPLE_ID_ALL | _MMAP2 | _USE_CLOCKID)
             struct.pack_into("i", attr, 92, _CLOCK_MONOTONIC)
             raw = ctypes.create_string_buffer(bytes(attr), _ATTR_SIZE)
             leader: _Event | None = None
@@ -177,6 +179,11 @@ class CpuSampler:
             elif kind == _RECORD_READ and length >= 24:
                 _pid, tid, value = struct.unpack_from("IIQ", data, at + 8)
                 self.samples.ran_ns[tid] += value
+            elif kind == _RECORD_MMAP2 and length >= 88:
+                pid, _tid, addr, size, pgoff = struct.unpack_from("IIQQQ", data, at + 8)
+                name = data[at + 72:at + length - 16].split(b"\0", 1)[0].decode(errors="replace")
+                when, = struct.unpack_from("Q", data, at + length - 8)  # sample_id_all: pid, tid, time
+                self.samples.mapped.append((when, pid, Mapping(addr, addr + size, pgoff, name)))
             at += length
         struct.pack_into("Q", buf, 1032, head)
 
@@ -420,11 +427,60 @@ def classify(path: str, address_in_file: int, own_roots: list[str]) -> tuple[str
     return FOREIGN, f"{Path(real).name}: {demangle(name) if name else f'+{address_in_file:#x}'}"
 
 
+def _overlaps(a: Mapping, b: Mapping) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+class _History:
+    """The executable mappings of one process over the job: as they were before it (`before`),
+    those made meanwhile (`made`: the sampler's mmap records, mprotect's too, by time) and as they
+    were at its end (`after`, with what was written over files' pages). `live` names the mapping
+    an address had at a time, and whether its code can be judged by its file: not if, at any time
+    in the job, another mapping was put over it, it was put over other code, or (made meanwhile)
+    it is not there, unwritten, at the end. Red team 9's decoy put a clean mapping of libc over
+    torch's kernel after its last call, where the end-of-job map alone named libc."""
+
+    def __init__(self, before: list[Mapping], made: list[tuple[int, Mapping]], after: list[Mapping]) -> None:
+        self.before, self.made = before, sorted(made, key=lambda e: e[0])
+        self.after = {(m.start, m.end, m.path.removeprefix("<code written at run time over ").removesuffix(">")):
+                      m.path.startswith("<") for m in after}
+
+    def live(self, ip: int, when: int) -> tuple[Mapping | None, str]:
+        """(the mapping at `ip` at `when`, why its code cannot be judged by its file or "")."""
+        covering = [(t, m) for t, m in self.made if m.start <= ip < m.end]
+        current = next(((t, m) for t, m in reversed(covering) if t <= when), None)
+        if current is None:
+            m = next((m for m in self.before if m.start <= ip < m.end), None)
+            if m is None:
+                return None, ""
+            if covering:
+                return m, f"<code replaced during the job: {m.path or 'anonymous memory'}>"
+            if self.after.get((m.start, m.end, m.path)):
+                return m, f"<code written at run time over {m.path}>"
+            return m, ""
+        t, m = current
+        later = [u for u, n in covering if u > t and _overlaps(n, m)]
+        image = (m.path, m.start - m.offset)  # the file, and where it is loaded
+        earlier = [n for n in self.before if _overlaps(n, m) and (n.path, n.start - n.offset) != image]
+        earlier += [n for u, n in self.made if u < t and _overlaps(n, m) and (n.path, n.start - n.offset) != image]
+        if later or earlier:
+            return m, f"<code mapped over other code during the job: {m.path or 'anonymous memory'}>"
+        written = self.after.get((m.start, m.end, m.path))
+        if written is None:
+            return m, f"<code mapped during the job and gone by its end: {m.path or 'anonymous memory'}>"
+        if written:
+            return m, f"<code written at run time over {m.path}>"
+        return m, ""
+
+
 def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tuple[float, float]],
-              own_roots: list[str], harness_roots: list[str] = ()) -> CpuOrigin:  # type: ignore[assignment]
-    """The samples inside `windows` (seconds of CLOCK_MONOTONIC), by origin (`classify`);
-    `harness_roots`: where the harness's own libraries lie (the op counter's callback runs in
-    forward), counted with the system."""
+              own_roots: list[str], harness_roots: list[str] = (),  # type: ignore[assignment]
+              before: dict[int, list[Mapping]] | None = None) -> CpuOrigin:
+    """The samples inside `windows` (seconds of CLOCK_MONOTONIC), by origin (`classify`), each
+    by the mapping its address had when it was taken (`_History`: `before`, the worker's map
+    read before the job; the sampler's records of mappings made meanwhile; `maps`, read at the
+    end); `harness_roots`: where the harness's own libraries lie (the op counter's callback runs
+    in forward), counted with the system. Without `before` (tests), `maps` stands for it."""
     origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
     spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
     starts = [a for a, _ in spans]
@@ -436,22 +492,23 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     sampled: Counter[int] = Counter()
     roots = [os.path.realpath(r) + "/" for r in own_roots if r]
     harness = tuple(os.path.realpath(r) + "/" for r in harness_roots if r)
-    starts_by_pid = {pid: [m.start for m in ms] for pid, ms in maps.items()}
+    base = before if before is not None else maps
+    histories = {pid: _History(base.get(pid, maps.get(pid, [])), [(t, m) for t, p, m in samples.mapped if p == pid],
+                               maps.get(pid, [])) for pid in {p for p, _, _, _ in samples.taken}}
     for pid, tid, when, ip in samples.taken:
         sampled[tid] += 1
         if window_of(when) < 0:
             continue
         origin.forward += 1
-        ms = maps.get(pid, [])
-        j = bisect.bisect_right(starts_by_pid.get(pid, []), ip) - 1
-        if j >= 0 and ip < ms[j].end:
-            path = ms[j].path
-            if harness and path.startswith(harness) and not any(path.startswith(r) for r in roots):
-                kind, label = SYSTEM, path
-            else:
-                kind, label = classify(path, ip - ms[j].start + ms[j].offset, roots)
-        else:
+        mapping, doubt = histories[pid].live(ip, when)
+        if mapping is None:
             kind, label = UNMAPPED, "<code no longer mapped at the job's end>"
+        elif doubt:
+            kind, label = UNMAPPED, doubt
+        elif harness and mapping.path.startswith(harness) and not any(mapping.path.startswith(r) for r in roots):
+            kind, label = SYSTEM, mapping.path
+        else:
+            kind, label = classify(mapping.path, ip - mapping.start + mapping.offset, roots)
         origin.by_origin[kind] += 1
         if kind in (FOREIGN, UNMAPPED):
             origin.foreign[label] += 1

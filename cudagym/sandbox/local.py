@@ -459,6 +459,7 @@ class LocalSandbox(SpareWorkerSandbox):
         # where a CPU worker's time goes, sampled by the kernel out of its reach (`cudagym.sandbox.cpusamples`)
         sampler = (CpuSampler([p.pid for p in self._tree(w.proc.pid)], self.config.cpu_sample_us)
                    if job.device == "cpu" and job.kind in _CODE_READ_KINDS and self.config.cpu_sample_us > 0 else None)
+        cpu_before = read_maps([p.pid for p in self._tree(w.proc.pid)]) if sampler is not None else {}
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
         quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
                                      shares=lease is not None and lease.shares) if timing and not refused else None)
@@ -589,7 +590,7 @@ class LocalSandbox(SpareWorkerSandbox):
             origin = await asyncio.to_thread(
                 attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
-                [str(self.opwatch_dir / "opwatch")])
+                [str(self.opwatch_dir / "opwatch")], cpu_before)
             origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
