@@ -79,9 +79,12 @@ class LocalSandboxConfig(SpareWorkerConfig):
     # "gpu_foreign"); "allow" does not look (GPUs shared on purpose: MIG, MPS).
     gpu_sharing: Literal["refuse", "report", "allow"] = "refuse"
     # CPU target: sample where verify's and the profile's workers spend their time, every this
-    # many µs of CPU time, out of the candidate's reach (`cudagym.sandbox.cpusamples`; strict mode
-    # refuses torch's compute found there); 0: off
+    # many µs of CPU time on average, out of the candidate's reach (`cudagym.sandbox.cpusamples`;
+    # strict mode refuses torch's compute found there); 0: off. The profile's period is
+    # `cpu_sample_timed_us`: its timed loop makes many calls, and each sample costs its times a
+    # little (`benchmarks/bench_cpu_sampling.py`)
     cpu_sample_us: float = Field(default=250.0, ge=0.0)
+    cpu_sample_timed_us: float = Field(default=1000.0, gt=0.0)
     device_busy_wait_s: float = 30.0
     gpu_sharing_allow: tuple[str, ...] = ()  # process names that count as ours (e.g. "nvidia-cuda-mps-server")
 

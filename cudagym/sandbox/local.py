@@ -457,7 +457,8 @@ class LocalSandbox(SpareWorkerSandbox):
         # what the worker maps executable, read from outside it, before any candidate code runs
         code_before = exec_mappings(p.pid for p in self._tree(w.proc.pid)) if job.kind in _CODE_READ_KINDS else None
         # where a CPU worker's time goes, sampled by the kernel out of its reach (`cudagym.sandbox.cpusamples`)
-        sampler = (CpuSampler([p.pid for p in self._tree(w.proc.pid)], self.config.cpu_sample_us)
+        sampler = (CpuSampler([p.pid for p in self._tree(w.proc.pid)],
+                              self.config.cpu_sample_timed_us if job.kind == "profile" else self.config.cpu_sample_us)
                    if job.device == "cpu" and job.kind in _CODE_READ_KINDS and self.config.cpu_sample_us > 0 else None)
         cpu_before = read_maps([p.pid for p in self._tree(w.proc.pid)]) if sampler is not None else {}
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
