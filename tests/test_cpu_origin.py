@@ -154,9 +154,9 @@ def test_the_sampler_names_torchs_compute_and_allows_its_copies() -> None:
 
 # -- forward's windows, out of the worker's reach -----------------------------------------------
 def test_windows_come_from_marks_the_parent_stamped() -> None:
-    verify = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", None, 10.5),
+    verify = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.5, 10.501),
               ("request:evidence", None, 10.6), ("request:trial", None, 10.9), ("forward", 11.0, 11.002),
-              ("returned", None, 11.25)]
+              ("returned", 11.25, 11.2501)]
     assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.5), (11.0, 11.25)], "")
     timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", None, 10.5),
              ("forward", 11.0, 11.002), ("request:call", None, 11.25)]
@@ -170,10 +170,13 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
     assert "clock was replaced" in why([("request:trial", None, 9.0), ("forward", 5.0, 10.001)])
     assert "twice" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("forward", 10.1, 10.2)])
     # an end written by the candidate inside forward (the harness's own then arrives with none open)
-    assert "no forward call running" in why(verify[:3] + [("returned", None, 10.55)] + verify[3:])
+    assert "no forward call running" in why(verify[:3] + [("returned", 10.55, 10.551)] + verify[3:])
     # ... or a forged end and a forged start: one call, two windows
     assert "2 forward calls were marked for 1 calls" in why(
-        verify[:3] + [("forward", 10.3, 10.31), ("returned", None, 10.52)])
+        verify[:3] + [("forward", 10.3, 10.31), ("returned", 10.52, 10.521)])
+    # an end before its start, or after its arrival: a replaced clock
+    assert "end was marked" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 9.5, 10.5)])
+    assert "end was marked" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.6, 10.5)])
     assert "not by 'returned'" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001),
                                        ("request:evidence", None, 10.5)])
 
@@ -299,7 +302,8 @@ def _forge(how):
     if ch is None:
         return
     if how == "end":
-        ch.mark("returned", wait=True)
+        import time
+        ch.mark("returned", at=time.perf_counter())
     else:
         write = ch._write
         ch._write = lambda fd, data: write(fd, data)

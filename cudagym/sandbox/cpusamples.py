@@ -11,9 +11,9 @@ ring buffer that this process reads. The candidate can neither see nor change th
 
 `attribute` then counts the samples taken while forward ran (`windows_from_marks`: from a mark
 the worker writes on its pipe right before each forward call, stamped with its clock and checked
-against this process's, to the arrival of the mark or request it writes once the call returned,
-stamped with this process's clock) by where the instruction pointer was, read from the worker's
-memory map at the job's end: the candidate's own builds, the system (interpreter, C library,
+against this process's, to verify's mark once the call returned, checked the same way, or the
+timed loop's next request, stamped with this process's clock) by where the instruction pointer
+was (`_History`: the mapping its address had then): the candidate's own builds, the system (interpreter, C library,
 OpenMP runtime), torch's glue (dispatch, allocation, the copies and fills strict mode allows),
 or foreign compute (any other code of torch's or of another library: `foreign`, by symbol).
 `cudagym.rewards.checks.Audit` holds strict mode to it.
@@ -188,9 +188,21 @@ class CpuSampler:
         struct.pack_into("Q", buf, 1032, head)
 
     def close(self) -> Samples:
-        """Stop sampling; the samples (drained a last time)."""
+        """Stop sampling; the samples (drained a last time), with `period_ns` the CPU time each
+        stands for, as measured: every event's count (its threads', exited ones' included) over
+        the samples. A kernel whose timers are coarse samples less often than asked (this
+        project's CI hosts: every ~1.1 ms for 250 µs asked)."""
         self.drain()
         with self._lock:
+            total = 0
+            for fd in [ev.fd for ev in self._events] + self._fds:
+                try:
+                    total += struct.unpack("Q", os.read(fd, 8))[0]
+                except (OSError, struct.error):
+                    total = 0
+                    break
+            if total and len(self.samples.taken) >= 20:
+                self.samples.period_ns = max(self.samples.period_ns, total // len(self.samples.taken))
             for ev in self._events:
                 ev.buf.close()
                 os.close(ev.fd)
@@ -532,17 +544,24 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
 MARK_DELAY_S = 1.0
 
 
+def _plausible(at: Any, arrived: float) -> bool:
+    """Whether a mark's own time can be the harness's: read before the mark arrived, and not
+    over `MARK_DELAY_S` before."""
+    return isinstance(at, (int, float)) and arrived - MARK_DELAY_S <= float(at) <= arrived
+
+
 def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: str,
                        stop: bool = False) -> tuple[list[tuple[float, float]], str]:
     """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark's
     time (the worker's clock, read before it wrote the mark; the same CLOCK_MONOTONIC as this
-    process's) to the arrival of the job's `end` mark or request (this process's clock: the
-    worker waits there, so none of its time falls between). The harness writes exactly one
-    forward mark per `per_call` request (verify: "request:trial"; the timed loop:
-    "request:call", whose last one is answered `stop`), each followed by its `end` before
-    anything else is marked ("returned" in verify, the next call's request in the timed loop).
-    Anything else is marks the candidate wrote itself (red team 8's a1 closed a window early with
-    a forged end): why the marks cannot be the harness's, else ""."""
+    process's) to the job's `end`: verify's "returned" mark, by its own time (verify's clock is
+    bound before any candidate code), or the timed loop's next call request, by its arrival on
+    this process's clock (the worker waits there: none of its time falls between). The harness
+    writes exactly one forward mark per `per_call` request (verify: "request:trial"; the timed
+    loop: "request:call", whose last one is answered `stop`), each followed by its `end` before
+    anything else is marked. Anything else is marks the candidate wrote itself (red team 8's a1
+    closed a window early with a forged end), or a clock it replaced (a time after the mark's
+    arrival, or over `MARK_DELAY_S` before it): why the marks cannot be the harness's, else ""."""
     windows: list[tuple[float, float]] = []
     opened: float | None = None
     forwards = calls = 0
@@ -552,14 +571,20 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
             forwards += 1
             if opened is not None:
                 return windows, "a forward call was marked as started twice"
-            if not isinstance(at, (int, float)) or not arrived - MARK_DELAY_S <= float(at) <= arrived:
+            if not _plausible(at, arrived):
                 return windows, (f"a forward call's start was marked at {at!r}, not within {MARK_DELAY_S:.0f} s before "
                                  f"the evaluator received the mark ({arrived:.6f}): the worker's clock was replaced")
             opened = float(at)
         elif opened is not None:
             if what != end:
                 return windows, f"a forward call was ended by {what!r}, not by {end!r}"
-            windows.append((opened, arrived))
+            if what.startswith("request:"):
+                windows.append((opened, arrived))
+            elif not _plausible(at, arrived) or float(at) < opened:
+                return windows, (f"a forward call's end was marked at {at!r}, not between its start and the "
+                                 f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
+            else:
+                windows.append((opened, float(at)))
             opened = None
         elif not what.startswith("request:"):
             return windows, f"{what!r} was marked with no forward call running"
