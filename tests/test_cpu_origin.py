@@ -19,7 +19,7 @@ from cudagym.rewards.checks import cpu_foreign_work
 from cudagym.rewards.evaluator import Evaluator
 from cudagym.sandbox.cpusamples import SYSTEM, UNMAPPED, CpuSampler, attribute, classify, read_maps, windows_from_marks
 
-from test_reward_hacking import GELU, assert_rejected
+from test_reward_hacking import GELU, INIT, assert_rejected
 
 pytestmark = pytest.mark.slow
 
@@ -81,12 +81,7 @@ def _torch_gelu():
 _GELU = _torch_gelu()
 
 
-class ModelNew(nn.Module):
-    def __init__(self, features, scale):
-        super().__init__()
-        self.scale = scale
-        self.bias = nn.Parameter(torch.empty(features))
-
+{INIT}
     def forward(self, x):
         x = x.contiguous()
         out = torch.empty_like(x)
