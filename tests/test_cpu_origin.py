@@ -153,8 +153,8 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
               ("request:evidence", None, 10.6), ("request:trial", None, 10.9), ("forward", 11.0, 11.002),
               ("returned", 11.25, 11.2501)]
     assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.5), (11.0, 11.25)], "")
-    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", None, 10.5),
-             ("forward", 11.0, 11.002), ("request:call", None, 11.25)]
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
+             ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
     assert windows_from_marks(timed, "request:call", "request:call", stop=True)[1] == ""
 
     def why(marks: list) -> str:
@@ -232,12 +232,14 @@ def _shift():
 """
 
 
-def test_a_replaced_clock_is_caught_by_the_marks(evaluator: Evaluator, build_ws) -> None:
-    model = _model("never").replace("class ModelNew(nn.Module):", SHIFTED_CLOCK + "\n\nclass ModelNew(nn.Module):")
+def test_a_replaced_clock_does_not_move_the_windows(evaluator: Evaluator, build_ws) -> None:
+    """The clock is replaced before the timed loop binds anything: the marks use the job's own,
+    bound before candidate code, so torch's kernel in the timed calls is still seen there."""
+    model = _model("timed").replace("class ModelNew(nn.Module):", SHIFTED_CLOCK + "\n\nclass ModelNew(nn.Module):")
     model = model.replace("        self.bias = nn.Parameter(torch.empty(features))",
                           "        self.bias = nn.Parameter(torch.empty(features))\n        _shift()")
     v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
-    assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, "clock")
+    assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, "during timed calls")
 
 
 # the task's two steps, each row block in a thread of its own, started and joined inside the call:

@@ -554,9 +554,10 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
                        stop: bool = False) -> tuple[list[tuple[float, float]], str]:
     """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark's
     time (the worker's clock, read before it wrote the mark; the same CLOCK_MONOTONIC as this
-    process's) to the job's `end`: verify's "returned" mark, by its own time (verify's clock is
-    bound before any candidate code), or the timed loop's next call request, by its arrival on
-    this process's clock (the worker waits there: none of its time falls between). The harness
+    process's) to the job's `end`: verify's "returned" mark or the timed loop's next call request,
+    each by the time the worker read as the call returned (`returned_at`: the job's clock, bound
+    before any candidate code; the harness's own work after the call, the evidence's reads, stays
+    out of the window). The harness
     writes exactly one forward mark per `per_call` request (verify: "request:trial"; the timed
     loop: "request:call", whose last one is answered `stop`), each followed by its `end` before
     anything else is marked. Anything else is marks the candidate wrote itself (red team 8's a1
@@ -578,9 +579,7 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
         elif opened is not None:
             if what != end:
                 return windows, f"a forward call was ended by {what!r}, not by {end!r}"
-            if what.startswith("request:"):
-                windows.append((opened, arrived))
-            elif not _plausible(at, arrived) or float(at) < opened:
+            if not _plausible(at, arrived) or float(at) < opened:
                 return windows, (f"a forward call's end was marked at {at!r}, not between its start and the "
                                  f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
             else:

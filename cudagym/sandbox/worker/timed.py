@@ -120,7 +120,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     probe = probe_fn(p)
 
-    clock = state.originals["time.perf_counter"]
+    clock = ph._clock  # noqa: SLF001 - the job's clock, bound before candidate code (a mark's time is checked)
+    returned_at = [0.0]  # the last call's end, by that clock: reported with the next request
 
     def mark() -> None:
         check_channel(state)  # what writes the mark is the harness's
@@ -139,6 +140,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
+            if marks:
+                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -192,7 +195,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
         if kwatch:
             ops.update(records_as_counts(kwatch.records()))
-        answer = ch.request("call", role=role, index=made[0], ops=ops, **report)
+        answer = ch.request("call", role=role, index=made[0], ops=ops, **report,
+                            **({"returned_at": returned_at[0]} if marks and made[0] else {}))
         if answer.get("stop"):
             return None
         made[0] += 1
@@ -207,6 +211,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         try:
             return probe(*args)
         finally:
+            if marks:
+                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
