@@ -533,7 +533,7 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         ended = samples.exited.get(tid)
         if ended is None or (window_of(began) < 0 and window_of(ended) < 0):
             continue
-        unseen = samples.ran_ns.get(tid, 0) - sampled[tid] * samples.period_ns
+        unseen = samples.ran_ns.get(tid, 0) if not sampled[tid] else 0  # never sampled: its code unknown
         if unseen > 0:
             origin.unseen_ns += unseen
             origin.unseen_threads += 1
