@@ -581,7 +581,7 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
     def outside(c: dict[str, Any]) -> float | None:  # the job's seconds not in the worker's own phases
         b = c.get("breakdown") or {}
         own = [v for k, v in b.items() if k.startswith("candidate.") and not k.startswith(
-            ("candidate.startup_", "candidate.wait_")) and k != "candidate.worker_s"]
+            ("candidate.startup_", "candidate.wait_", "candidate.parent_")) and k != "candidate.worker_s"]
         return b["candidate.worker_s"] - sum(own) if "candidate.worker_s" in b and own else None
 
     submits = [c for c in calls if c["kind"] == "submit"]
@@ -601,7 +601,10 @@ def timing_job_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
             "timed_loop_p95_s": percentile(phase("candidate.candidate_timed_loop_s"), 95),
             "worker_p50_s": percentile(phase("candidate.worker_s"), 50),
             "outside_phases_p50_s": percentile([x for c in jobs if (x := outside(c)) is not None], 50),
-            "submits": len(submits), "submits_reused": sum(bool(c.get("timing_reused")) for c in submits)}
+            "submits": len(submits), "submits_reused": sum(bool(c.get("timing_reused")) for c in submits),
+            "parent_steps_p50_s": {k.removeprefix("candidate.parent_").removesuffix("_s"): percentile(phase(k), 50)
+                                   for k in dict.fromkeys(k for c in jobs for k in (c.get("breakdown") or {})
+                                                          if k.startswith("candidate.parent_"))}}
 
 
 def _per_row_table(title: str, rows: list[dict[str, Any]], key: str, cols: tuple[str, ...],
@@ -636,6 +639,21 @@ def timing_job_table(rows: list[dict[str, Any]]) -> Table:
                           "episode's profile",
                           rows, "timing_jobs", cols, lambda c, v: fmt_pct2(v) if c == "median_ci_rel_p50"
                           else str(v) if c in ("jobs", "submits", "submits_reused") else fmt_s(v))
+
+
+def parent_steps_table(rows: list[dict[str, Any]]) -> Table:
+    """The parent's own steps of each row's timing jobs (p50 s, `JobOutcome.phases` "parent_*"):
+    each from the one before it, from the ready worker to the collected result."""
+    steps = list(dict.fromkeys(k for r in rows for k in (r.get("timing_jobs") or {}).get("parent_steps_p50_s", {})))
+    t = Table(title="the parent's steps of a timing job (p50 s, each from the step before; 'worker' holds its run)")
+    for c in ("row", *steps):
+        t.add_column(c.replace("_", " "), overflow="fold")
+    for r in rows:
+        if r.get("skipped") or "timing_jobs" not in r:
+            continue
+        got = r["timing_jobs"].get("parent_steps_p50_s", {})
+        t.add_row(r["name"], *(fmt_s(got.get(k)) for k in steps))
+    return t
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -1073,6 +1091,7 @@ def main() -> None:
     console.print(ratios_table(report["rows"], base))
     console.print(lease_table(report["rows"]))
     console.print(timing_job_table(report["rows"]))
+    console.print(parent_steps_table(report["rows"]))
     console.print(startup_table(report["rows"]))
     console.print(spread_table(verdicts))
     console.print(goal_table(report["goal"]))

@@ -334,3 +334,85 @@ def test_a_timing_job_gives_the_gpu_back_between_its_calibration_and_its_loop():
         assert (lease.shared, lease.exclusive, lease.waiting) == (0, False, {})
 
     asyncio.run(main())
+
+
+def test_a_timing_job_keeps_its_turn_until_its_worker_is_gone():
+    """With `exclusive_from="loop"` a timing job keeps its GPU's timing turn from its start until
+    its worker is gone: a second timing job does not calibrate (its "exclusive") while the
+    first's candidate is loaded under a shared lease, nor while the first's worker, past its
+    loop, has not exited; checks run beside the first's load and beside its end (its loop's
+    "stop" gave the GPU back to them)."""
+
+    async def main() -> list[str]:
+        sched = JobScheduler(exclusive_from="loop")
+        events: list[str] = []
+        first_loaded, first_stopped, second_started = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        first_gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def ready(device: str) -> str:
+            return "worker"
+
+        def inner(request: dict, arrived: float) -> dict:
+            if request.get("what") != "call":
+                return {}
+            return {"seed": 1, "stop": request.get("index") == 1}
+
+        def run_on(script, gone):
+            async def run(job: Job, device: str, responder, worker):
+                async def ask(request: dict) -> dict:
+                    return await asyncio.to_thread(responder, request, 0.0)
+
+                await script(ask)
+                return JobOutcome(final={}), gone
+            return run
+
+        async def first(ask) -> None:
+            assert await ask({"what": "exclusive"}) == {}
+            events.append("first calibrates")
+            assert await ask({"what": "shared"}) == {}
+            first_loaded.set()
+            await asyncio.sleep(0.1)  # the second job is ready and waits for the turn meanwhile
+            assert await ask({"what": "call", "role": "candidate", "index": 0}) == {"seed": 1, "stop": False}
+            assert await ask({"what": "call", "role": "candidate", "index": 1}) == {"seed": 1, "stop": True}
+            events.append("first loop over")
+            first_stopped.set()
+
+        async def second(ask) -> None:
+            second_started.set()
+            assert await ask({"what": "exclusive"}) == {}
+            events.append("second calibrates")
+
+        async def check(ask) -> None:
+            await first_loaded.wait()
+            events.append(f"check beside the load (shared {sched._gpu_leases[0].shared})")
+
+        async def late_check(ask) -> None:
+            events.append(f"check beside the end (exclusive {sched._gpu_leases[0].exclusive})")
+
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        t1 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", inner, ready, run_on(first, first_gone),
+                                             lambda w: None))
+        await asyncio.sleep(0.01)
+        c1 = asyncio.ensure_future(sched.run(_job("verify"), "cuda", None, ready, run_on(check, done), lambda w: None))
+        await first_loaded.wait()
+        t2 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", inner, ready, run_on(second, done),
+                                             lambda w: None))
+        await asyncio.wait_for(asyncio.gather(t1, c1), 5)
+        await first_stopped.wait()
+        await asyncio.wait_for(sched.run(_job("verify"), "cuda", None, ready, run_on(late_check, done),
+                                         lambda w: None), 5)
+        await asyncio.sleep(0.05)
+        assert not second_started.is_set(), "the second timing job waits for the first's worker to be gone"
+        events.append("first worker gone")
+        first_gone.set_result(None)
+        await asyncio.wait_for(t2, 5)
+        first_hold = sched.holds[0]
+        assert first_hold.turn_s is not None and first_hold.turn_s[1] is not None
+        exclusive = [h for h in sched.holds if h.exclusive]
+        assert [h.kind for h in exclusive] == ["profile"] * 3  # calibration, the first loop; the second's
+        return events
+
+    assert asyncio.run(main()) == ["first calibrates", "check beside the load (shared 2)", "first loop over",
+                                   "check beside the end (exclusive False)", "first worker gone",
+                                   "second calibrates"]

@@ -38,14 +38,13 @@ class SpareWorkerConfig(BaseModel):
     # (and its CUDA context) is gone. Off by default: only a worker that is gone cannot have work
     # still running on the GPU when the next job is timed (docs/timing.md)
     release_gpu_at_result: bool = False
-    # when a GPU timing job holds the GPU alone: "job" (the default: the whole job, from its ready
-    # worker to the worker's exit) or "loop" (for its timer's calibration, before the candidate
-    # loads, and from its first timed call on; it builds the problem and loads the candidate under
-    # a shared lease, as a check: `cudagym.sandbox.schedule.JobLease`). "loop" held the GPU alone
-    # 0.61 s per timing job (p50, K = 1, H100; whole jobs 0.89-1.10 s, before the heap freeze), but
-    # a candidate loaded and waiting for its turn is a process that can run GPU work while another
-    # job is timed (docs/timing.md)
-    exclusive_from: Literal["job", "loop"] = "job"
+    # when a GPU timing job holds the GPU alone: "loop" (the default: for its timer's calibration,
+    # before the candidate loads, and for its timed loops; it builds the problem, loads the
+    # candidate and runs its end checks and its worker's exit under a shared lease, beside checks,
+    # within its GPU's timing turn, which it keeps until its worker is gone, so that no other
+    # timing job calibrates or times while its candidate is loaded: `cudagym.sandbox.schedule.JobLease`)
+    # or "job" (the whole job, from its ready worker to the worker's exit)
+    exclusive_from: Literal["job", "loop"] = "loop"
     # a GPU timer calibration measured by a timing job before its candidate loaded is given to the
     # later timing jobs on the same GPU for this long (seconds), so that they do not measure it
     # again under the lease; 0 (the default): each job measures its own. Off because on an H100 a

@@ -422,6 +422,7 @@ class LocalSandbox(SpareWorkerSandbox):
         frames = w.frames
         outcome = JobOutcome(final=None)
         t_ready = time.perf_counter()
+        steps = _Steps(t_ready)  # the parent's own steps of the job (`JobOutcome.phases`, "parent_*")
         if self.config.spare_nice:
             try:  # every thread of the worker's process group back to normal priority
                 os.setpriority(os.PRIO_PGRP, w.proc.pid, 0)
@@ -434,6 +435,7 @@ class LocalSandbox(SpareWorkerSandbox):
                                memory_mb=limits.memory_mb + 2048 if job.device == "cpu" else None)
             for p in self._tree(w.proc.pid):
                 cgroup.add(p.pid)
+        steps.mark("cgroup")
         running = None
         if not timing:  # a check: frozen by the timing jobs' windows that share its cores
             running = RunningJob(w, device, cgroup)
@@ -454,6 +456,7 @@ class LocalSandbox(SpareWorkerSandbox):
                 await asyncio.sleep(1.0)
             foreign_since = int(time.time() * 1e6)  # NVML's sample clock: µs of the wall clock
         outcome.device_busy = refused
+        steps.mark("device_check")
         # what the worker maps executable, read from outside it, before any candidate code runs
         code_before = exec_mappings(p.pid for p in self._tree(w.proc.pid)) if job.kind in _CODE_READ_KINDS else None
         # where a CPU worker's time goes, sampled by the kernel out of its reach (`cudagym.sandbox.cpusamples`)
@@ -470,6 +473,7 @@ class LocalSandbox(SpareWorkerSandbox):
                 await asyncio.to_thread(write_all, w.stdin_fd, (job.model_dump_json() + "\n").encode())
             except OSError:  # the worker is gone: its outcome says how
                 pass
+        steps.mark("job_sent")
 
         async def watchdog() -> None:
             while True:
@@ -542,6 +546,7 @@ class LocalSandbox(SpareWorkerSandbox):
                 self._pause_running([running], False)
             dog.cancel()
             drains.cancel()
+            steps.mark("worker")  # (the worker's own phases are in it)
             after_check = bool(foreign_since and not refused)  # did another process use the GPU meanwhile?
             tree = self._tree(w.proc.pid)
             job_pids = {p.pid for p in tree} if after_check else set()
@@ -553,6 +558,7 @@ class LocalSandbox(SpareWorkerSandbox):
                          if result_in and job.kind in _CODE_READ_KINDS else [])
             cpu_maps = read_maps([p.pid for p in tree]) if sampler is not None and result_in else {}
             samples = sampler.close() if sampler is not None else None
+            steps.mark("maps_after")
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
             # process with it; nothing the candidate started can write anything after this.
@@ -561,12 +567,14 @@ class LocalSandbox(SpareWorkerSandbox):
                 cgroup.kill()
             if lease is not None and self.config.release_gpu_at_result:
                 lease.release()  # killed: it launches nothing more (its context's teardown goes on)
+            steps.mark("kill")
             if after_check:  # NVML's samples since the job began (the killed worker's processes are ours)
                 seen = await self._device_check(device, foreign_since, job_pids) or foreign
                 if seen is not None:
                     outcome.host_load["gpu_foreign"] = seen
                     if self.config.gpu_sharing == "refuse":
                         outcome.device_busy = f"another process used {device} during the timing job: {seen}"
+                steps.mark("device_check_after")
             frames.stop()  # keeps the complete frames that arrived before the kill
             await frames.done
             if cgroup is not None and cgroup.pids_events_max() > 0:
@@ -585,6 +593,8 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.returncode = w.proc.returncode
         outcome.seconds = time.perf_counter() - t_ready
         collect_outcome(w.frames, w.shm_fd, job.nonce, outcome, w.release)
+        steps.mark("collect")
+        outcome.phases.update({f"parent_{k}": v for k, v in steps.spans.items()})
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
             windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
                                else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
@@ -616,6 +626,19 @@ class LocalSandbox(SpareWorkerSandbox):
             cgroup.remove()
         if replenish is not None:
             asyncio.ensure_future(self._replenish(replenish))
+
+
+class _Steps:
+    """Seconds of a job's steps in the parent, each from the previous mark (`perf_counter`)."""
+
+    def __init__(self, t0: float) -> None:
+        self._last = t0
+        self.spans: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spans[name] = self.spans.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def _visible_entry(index: str) -> str:

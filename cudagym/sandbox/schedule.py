@@ -97,6 +97,9 @@ class LeaseHold:
     result_s: float | None = None  # its result was in (the worker killed)
     released_s: float | None = None
     job: int = 0  # which job held it (a timing job holds the GPU alone in parts: `JobLease`)
+    # a timing job's first hold (`exclusive_from="loop"`): when it took and gave back its GPU's
+    # timing turn (`JobScheduler.run`), the span no other timing job's calibration or loop may enter
+    turn_s: tuple[float, float | None] | None = None
 
 
 class JobScheduler:
@@ -111,6 +114,7 @@ class JobScheduler:
     def __init__(self, release_at_result: bool = False, exclusive_from: str = "job",
                  calibration_max_age_s: float = 0.0) -> None:
         self._gpu_leases: list[_GpuLease] | None = None
+        self._turns: list[asyncio.Lock] | None = None  # per GPU: one timing job at a time ("loop")
         self._cpu_slots: asyncio.Semaphore | None = None
         self._cpu_timing: asyncio.Lock | None = None
         self.release_at_result = release_at_result
@@ -143,23 +147,36 @@ class JobScheduler:
         exclusive = job.kind in TIMING_KINDS
         t0 = time.perf_counter()
         if device == "cuda":
-            if self._gpu_leases is None:
+            if self._gpu_leases is None or self._turns is None:
                 self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
+                self._turns = [asyncio.Lock() for _ in self._gpu_leases]
             i = min(range(len(self._gpu_leases)), key=lambda n: self._gpu_leases[n].load)  # type: ignore[index]
             lease, device = self._gpu_leases[i], f"cuda:{i}"
             worker = await ready(device)
             t_ready = time.perf_counter()
             alone = (exclusive and self.exclusive_from == "job") or job.alone  # else a timing job starts shared
-            ticket = lease.ask(alone, urgent=job.kind == "reference")
+            # a timing job that holds the GPU alone only in parts takes the GPU's timing turn first and
+            # keeps it until its worker is gone: no other timing job calibrates or times while a
+            # process with this job's candidate loaded exists (`JobLease`)
+            turn = self._turns[i] if exclusive and not alone else None
+            ticket = None
             try:
+                if turn is not None:
+                    await turn.acquire()
+                t_turn = time.perf_counter()
+                ticket = lease.ask(alone, urgent=job.kind == "reference")
                 while not lease.try_acquire(ticket):
                     await asyncio.sleep(0.005)
             except BaseException:
-                lease.withdraw(ticket)
+                if ticket is not None:
+                    lease.withdraw(ticket)
+                if turn is not None and ticket is not None:  # (it took the turn)
+                    turn.release()
                 unused(worker)
                 raise
             t_leased = time.perf_counter()
-            hold = LeaseHold(job.kind, alone, t_ready, t_leased, job=next(self._jobs))
+            hold = LeaseHold(job.kind, alone, t_ready, t_leased, job=next(self._jobs),
+                             turn_s=(t_turn, None) if turn is not None else None)
             self.holds.append(hold)
             timing = JobLease(self, lease, job.kind, device, hold, responder) if exclusive else None
 
@@ -169,6 +186,9 @@ class JobScheduler:
                 elif hold.released_s is None:
                     hold.released_s = time.perf_counter()
                     lease.release(hold.exclusive)
+                if turn is not None and hold.turn_s is not None and hold.turn_s[1] is None:
+                    hold.turn_s = (hold.turn_s[0], time.perf_counter())
+                    turn.release()
 
             gone: asyncio.Future[None] | None = None
             try:
@@ -216,17 +236,22 @@ class JobScheduler:
 class JobLease:
     """A GPU timing job's lease, and the responder its worker's requests go through.
 
-    With `exclusive_from == "loop"` the job starts with a shared lease, as a check: its worker
-    builds the problem beside other checks (nothing times meanwhile: a shared lease is never
-    granted beside an exclusive one). Its request for the GPU alone ("exclusive", which the harness
-    sends right before its timer's calibration and again before its first timed call; or any
-    "call" request, so that calls are never served without it) gives the shared lease back and
-    waits for the exclusive one, in turn; "shared" (sent once the calibration is in, before the
-    candidate loads) gives the GPU back and waits for a shared lease, so that the candidate's load
-    (its build, its parameters, the harness's checks of it) runs beside checks and not in a
-    timing job's exclusive time; refused once calls began. The job's time limit is extended by
-    these waits. From its first call the job holds the GPU alone until its result is in
-    (`release_at_result`) or its worker is gone, as a whole-job lease would.
+    With `exclusive_from == "loop"` the job first takes its GPU's timing turn (`JobScheduler.run`),
+    which it keeps until its worker is gone: while it runs, no other timing job calibrates,
+    loads or times on that GPU, so a process with its candidate loaded never exists beside
+    another job's calibration or timed calls. Within its turn it holds the GPU alone only where
+    it measures: it starts with a shared lease, as a check: its worker builds the problem beside
+    other checks (nothing times meanwhile: a shared lease is never granted beside an exclusive
+    one). Its request for the GPU alone ("exclusive", which the harness sends right before its
+    timer's calibration and again before its first timed call; or any "call" request, so that
+    calls are never served without it) gives the shared lease back and waits for the exclusive
+    one, that is for the checks beside it to end (checks that ask later wait behind it);
+    "shared" (sent once the calibration is in, before the candidate loads) gives the GPU back
+    and waits for a shared lease, so that the candidate's load (its build, its parameters, the
+    harness's checks of it) runs beside checks; refused once calls began. A loop's "stop" answer
+    gives the GPU back to checks too: the job's end checks and its worker's exit run beside them
+    (a check is never timed, and no other timing job can start before the worker is gone). The
+    job's time limit is extended by these waits.
 
     Calibration: "calibration_known" is answered with the calibration the scheduler keeps for
     this GPU (`JobScheduler.calibration_for`), which is then also handed to the job's feed as if
@@ -326,6 +351,11 @@ class JobLease:
             self._calibrated = True
             return reply if "refused" in reply else {"calibration": known}
         reply = self._inner(request, arrived_s)
+        if what == "call" and reply.get("stop") and self._held is True and self.shares:
+            # the loop is over (its evidence is in): checks may use the GPU again while the job
+            # ends; its next loop's first call waits for the GPU alone, and the job keeps its
+            # GPU's timing turn until its worker is gone
+            asyncio.run_coroutine_threadsafe(self._switch(False), self._loop).result()
         if what == "calibration" and not self._calibrated and not self._called and self.exclusive \
                 and "refused" not in reply and isinstance(request.get("calibration"), dict):
             self._scheduler.calibrated(self._device, request["calibration"])

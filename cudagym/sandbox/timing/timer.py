@@ -26,13 +26,14 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
+# 13: the open gate's window ends once the host has launched the whole call (at most launch_window_us)
 # 12: the CPU target's close (page reads, sample draw and reads) is one native call inside the interval;
 # 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
 # are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call
 # that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-12"
+PROTOCOL_VERSION = "gated-events-13"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 # then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed
@@ -172,7 +173,12 @@ class DeviceTimer:
             self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
             self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
             self.holds_every_sm = gate.holds_every_sm
-            self._gate = torch.zeros(4, dtype=torch.int32, device=device)
+            self._gate = torch.zeros(5, dtype=torch.int32, device=device)
+            # the host's word that ends the open gate's window early: the call's epoch, written once
+            # the whole call is launched (see the source); page-locked, read by the gate kernel
+            self._launched = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._launched_word = ctypes.c_int32.from_address(self._launched.data_ptr())
+            self._epoch = 0
             # the gate kernels' %globaltimer stamps of the last call (ns; see the source)
             self._stamps = torch.zeros(4, dtype=torch.int64, device=device)
             self._libcuda = cuda_driver()
@@ -286,8 +292,9 @@ class DeviceTimer:
         # between call and close)
         projections = (torch.zeros(MAX_SAMPLED_OUTPUTS, PROJECTIONS, dtype=torch.float64, device=self.device)
                        if after is not None else None)
-        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps],
-                   stream=stream)
+        self._epoch = self._epoch % (2**31 - 1) + 1
+        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps,
+                                             self._launched, self._epoch], stream=stream)
         opened = self._perf()
         marks[0].record(stream)
         out = fn(*args)
@@ -304,6 +311,9 @@ class DeviceTimer:
             self._launch_close(reading.samples, stream)
             self.host_ms = (self._perf() - opened) * 1e3
             marks[1].record(stream)
+            # the whole call is launched: the open gate's window may end now (not sooner: a window
+            # that ended sooner would only time the rest of the host's launching)
+            self._launched_word.value = self._epoch
             self._evidence_to_host(reading, stream)
         self._sync()
         reading.kept.clear()
