@@ -177,47 +177,6 @@ def _answers(kind: str, sched: JobScheduler, script, inner_log: list) -> asyncio
     return asyncio.ensure_future(sched.run(_job(kind), "cuda", inner, ready, run_on, lambda w: None))
 
 
-def test_a_timing_job_loads_beside_checks_and_times_alone():
-    """With `exclusive_from="loop"` a timing job holds a shared lease while it loads (a check
-    runs beside it), and its request for the GPU alone waits for that check to end; a call
-    request that comes first (a forged one) gets the GPU alone first too."""
-
-    async def main() -> list[str]:
-        sched = JobScheduler(exclusive_from="loop")
-        events: list[str] = []
-        check_may_end = asyncio.Event()
-        loaded = asyncio.Event()
-
-        async def timing(ask) -> dict:
-            events.append("timing job loads")
-            loaded.set()
-            assert (await ask({"what": "call", "role": "candidate", "index": 0})) == {"seed": 1}
-            events.append("first call answered")
-            return {}
-
-        async def check(ask) -> dict:
-            await loaded.wait()
-            events.append("check runs beside the load")
-            await asyncio.sleep(0.05)
-            events.append("check ends")
-            check_may_end.set()
-            return {}
-
-        log: list = []
-        t = _answers("profile", sched, timing, log)
-        c = _answers("verify", sched, check, log)
-        out = await asyncio.wait_for(t, 5)
-        await asyncio.wait_for(c, 5)
-        assert out.lease_upgrade_s > 0.03, "the upgrade waited for the check"
-        holds = list(sched.holds)
-        assert [(h.kind, h.exclusive) for h in holds] == [("profile", False), ("verify", False), ("profile", True)]
-        assert all(h.released_s is not None for h in holds)
-        return events
-
-    assert asyncio.run(main()) == ["timing job loads", "check runs beside the load", "check ends",
-                                   "first call answered"]
-
-
 def test_a_calibration_measured_alone_is_handed_to_the_next_job_on_the_gpu():
     """The first job measures its calibration alone and before any call; the scheduler keeps it
     and gives it to the next job (and to that job's feed, as if its worker had sent it). A
@@ -237,13 +196,6 @@ def test_a_calibration_measured_alone_is_handed_to_the_next_job_on_the_gpu():
             return {}
 
         await asyncio.wait_for(_answers("profile", sched, forged_late, log), 5)
-        assert sched.calibration_for("cuda:0") is None
-
-        async def shared_only(ask) -> dict:  # never asked for the GPU alone
-            await ask({"what": "calibration", "calibration": dict(cal, overhead_ns=80_000)})
-            return {}
-
-        await asyncio.wait_for(_answers("profile", sched, shared_only, log), 5)
         assert sched.calibration_for("cuda:0") is None
 
         async def first(ask) -> dict:
@@ -270,149 +222,161 @@ def test_a_calibration_measured_alone_is_handed_to_the_next_job_on_the_gpu():
     assert old.calibration_for("cuda:0") is None, "age 0: every job measures its own"
 
 
+def _stops_at(index: int):
+    """A feed (the responder inside `JobLease`) whose loop stops at call `index`."""
+    def inner(request: dict, arrived: float) -> dict:
+        if request.get("what") != "call":
+            return {}
+        return {"seed": 1, "stop": request.get("index") == index}
+    return inner
+
+
+async def _ready(device: str) -> str:
+    return "worker"
+
+
+def _run_on(script, gone: asyncio.Future):
+    """A backend's `run_on` whose worker makes `script(ask)`'s requests; its worker is gone once
+    `gone` resolves."""
+    async def run(job: Job, device: str, responder, worker):
+        async def ask(request: dict) -> dict:
+            return await asyncio.to_thread(responder, request, 0.0)
+
+        final = await script(ask)
+        return JobOutcome(final=final if isinstance(final, dict) else {}), gone
+    return run
+
+
+def _done() -> asyncio.Future:
+    f = asyncio.get_running_loop().create_future()
+    f.set_result(None)
+    return f
+
+
+def test_a_timing_job_holds_the_gpu_alone_until_its_loop_stops_then_shares_it():
+    """With `exclusive_from="loop"` a check that asks after a timing job started waits through its
+    calibration, its candidate's load ("shared" changes nothing) and its loop, and runs beside
+    its end once the loop's "stop" is answered; "shared" after a call is refused."""
+
+    async def main() -> list[str]:
+        sched = JobScheduler(exclusive_from="loop")
+        events: list[str] = []
+        started = asyncio.Event()
+
+        async def timing(ask) -> None:
+            started.set()
+            assert await ask({"what": "exclusive"}) == {}
+            assert await ask({"what": "shared"}) == {}
+            await asyncio.sleep(0.05)
+            events.append("loaded")
+            assert await ask({"what": "call", "role": "candidate", "index": 0}) == {"seed": 1, "stop": False}
+            assert await ask({"what": "call", "role": "candidate", "index": 1}) == {"seed": 1, "stop": True}
+            events.append("loop over")
+            assert "refused" in await ask({"what": "shared"})
+            await asyncio.sleep(0.05)
+            events.append("end checks over")
+
+        async def check(ask) -> None:
+            events.append(f"check runs (GPU alone: {sched._gpu_leases[0].exclusive})")
+
+        t = asyncio.ensure_future(sched.run(_job("profile"), "cuda", _stops_at(1), _ready,
+                                            _run_on(timing, _done()), lambda w: None))
+        await started.wait()
+        await asyncio.wait_for(sched.run(_job("verify"), "cuda", None, _ready, _run_on(check, _done()),
+                                         lambda w: None), 5)
+        await asyncio.wait_for(t, 5)
+        assert [(h.kind, h.exclusive) for h in sched.holds] == [("profile", True), ("profile", False), ("verify", False)]
+        assert all(h.released_s is not None for h in sched.holds)
+        return events
+
+    assert asyncio.run(main()) == ["loaded", "loop over", "check runs (GPU alone: False)", "end checks over"]
+
+
+def test_a_timing_job_keeps_its_turn_until_its_worker_is_gone():
+    """A second timing job does not start while the first one's worker, past its loop and
+    sharing the GPU with checks, has not exited; a check that asks after the second timing job
+    waits behind it (the order they asked in), one that asked before runs beside the first's end."""
+
+    async def main() -> list[str]:
+        sched = JobScheduler(exclusive_from="loop")
+        events: list[str] = []
+        first_stopped = asyncio.Event()
+        first_gone = asyncio.get_running_loop().create_future()
+
+        async def first(ask) -> None:
+            events.append("first starts")
+            await ask({"what": "call", "role": "candidate", "index": 0})
+            first_stopped.set()
+
+        async def second(ask) -> None:
+            events.append("second starts")
+
+        def check(name: str):
+            async def script(ask) -> None:
+                events.append(name)
+            return script
+
+        t1 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", _stops_at(0), _ready,
+                                             _run_on(first, first_gone), lambda w: None))
+        await asyncio.sleep(0.01)
+        early = asyncio.ensure_future(sched.run(_job("verify"), "cuda", None, _ready,
+                                                _run_on(check("check asked before the second"), _done()),
+                                                lambda w: None))
+        await asyncio.sleep(0.01)
+        t2 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", _stops_at(0), _ready,
+                                             _run_on(second, _done()), lambda w: None))
+        await asyncio.sleep(0.01)
+        late = asyncio.ensure_future(sched.run(_job("verify"), "cuda", None, _ready,
+                                               _run_on(check("check asked after the second"), _done()),
+                                               lambda w: None))
+        await asyncio.wait_for(asyncio.gather(t1, early), 5)
+        await asyncio.sleep(0.05)
+        assert not t2.done() and not late.done()
+        events.append("first worker gone")
+        first_gone.set_result(None)
+        await asyncio.wait_for(asyncio.gather(t2, late), 5)
+        first_hold = sched.holds[0]
+        assert first_hold.turn_s is not None and first_hold.turn_s[1] is not None
+        lease = sched._gpu_leases[0]
+        assert (lease.shared, lease.exclusive, lease.waiting, lease.turn) == (0, False, {}, None)
+        return events
+
+    assert asyncio.run(main()) == ["first starts", "check asked before the second", "first worker gone",
+                                   "second starts", "check asked after the second"]
+
+
 def test_a_timing_job_that_ends_while_waiting_for_the_gpu_leaves_no_lease():
+    """A later loop's first call waits for the checks let in after the first loop; the job ends
+    (its time limit) while it waits: the request is refused and no lease or turn is left."""
+
     async def main() -> None:
         sched = JobScheduler(exclusive_from="loop")
-        log: list = []
         hold = asyncio.Event()
-
-        async def holder(ask) -> dict:  # a check that holds its shared lease
-            await hold.wait()
-            return {}
+        stopped = asyncio.Event()
 
         async def waiter(ask) -> dict:
-            asking = asyncio.ensure_future(ask({"what": "exclusive"}))
+            await ask({"what": "call", "role": "candidate", "index": 0})  # stops: the GPU is shared
+            stopped.set()
+            await asyncio.sleep(0.05)  # the check takes its shared lease
+            asking = asyncio.ensure_future(ask({"what": "call", "role": "baseline", "index": 0}))
             await asyncio.sleep(0.05)
             assert not asking.done(), "a check still shares the GPU"
-            return {"abandoned": asking}  # the job ends (timed out) while its request waits
+            return {"abandoned": asking}
 
-        h = _answers("verify", sched, holder, log)
-        await asyncio.sleep(0.02)
-        out = await asyncio.wait_for(_answers("profile", sched, waiter, log), 5)
+        async def holder(ask) -> None:
+            await hold.wait()
+
+        t = asyncio.ensure_future(sched.run(_job("profile"), "cuda", _stops_at(0), _ready,
+                                            _run_on(waiter, _done()), lambda w: None))
+        await stopped.wait()
+        h = asyncio.ensure_future(sched.run(_job("verify"), "cuda", None, _ready, _run_on(holder, _done()),
+                                            lambda w: None))
+        out = await asyncio.wait_for(t, 5)
         hold.set()
         await asyncio.wait_for(h, 5)
         assert await asyncio.wait_for(out.final["abandoned"], 5) == {
             "refused": "the job ended before it had the GPU alone"}
         lease = sched._gpu_leases[0]
-        assert (lease.shared, lease.exclusive, lease.waiting) == (0, False, {})
+        assert (lease.shared, lease.exclusive, lease.waiting, lease.turn) == (0, False, {}, None)
 
     asyncio.run(main())
-
-
-def test_a_timing_job_gives_the_gpu_back_between_its_calibration_and_its_loop():
-    """"exclusive" (the calibration), "shared" (the candidate's load: a check may run beside it),
-    then the first call has the GPU alone again; "shared" after a call is refused."""
-
-    async def main() -> None:
-        sched = JobScheduler(exclusive_from="loop")
-        log: list = []
-        loading = asyncio.Event()
-        beside: list[bool] = []
-
-        async def timing(ask) -> dict:
-            assert await ask({"what": "exclusive"}) == {}
-            assert await ask({"what": "shared"}) == {}
-            loading.set()
-            await asyncio.sleep(0.05)
-            assert await ask({"what": "call", "role": "candidate", "index": 0}) == {"seed": 1}
-            assert "refused" in await ask({"what": "shared"})
-            return {}
-
-        async def check(ask) -> dict:
-            await loading.wait()
-            beside.append(sched._gpu_leases[0].shared == 2)  # the timing job's load and this check
-            return {}
-
-        t = _answers("profile", sched, timing, log)
-        await asyncio.sleep(0.01)
-        c = _answers("verify", sched, check, log)
-        await asyncio.wait_for(asyncio.gather(t, c), 5)
-        assert beside == [True]
-        kinds = [(h.kind, h.exclusive) for h in sched.holds if h.kind == "profile"]
-        assert kinds == [("profile", False), ("profile", True), ("profile", False), ("profile", True)]
-        lease = sched._gpu_leases[0]
-        assert (lease.shared, lease.exclusive, lease.waiting) == (0, False, {})
-
-    asyncio.run(main())
-
-
-def test_a_timing_job_keeps_its_turn_until_its_worker_is_gone():
-    """With `exclusive_from="loop"` a timing job keeps its GPU's timing turn from its start until
-    its worker is gone: a second timing job does not calibrate (its "exclusive") while the
-    first's candidate is loaded under a shared lease, nor while the first's worker, past its
-    loop, has not exited; checks run beside the first's load and beside its end (its loop's
-    "stop" gave the GPU back to them)."""
-
-    async def main() -> list[str]:
-        sched = JobScheduler(exclusive_from="loop")
-        events: list[str] = []
-        first_loaded, first_stopped, second_started = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        first_gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def ready(device: str) -> str:
-            return "worker"
-
-        def inner(request: dict, arrived: float) -> dict:
-            if request.get("what") != "call":
-                return {}
-            return {"seed": 1, "stop": request.get("index") == 1}
-
-        def run_on(script, gone):
-            async def run(job: Job, device: str, responder, worker):
-                async def ask(request: dict) -> dict:
-                    return await asyncio.to_thread(responder, request, 0.0)
-
-                await script(ask)
-                return JobOutcome(final={}), gone
-            return run
-
-        async def first(ask) -> None:
-            assert await ask({"what": "exclusive"}) == {}
-            events.append("first calibrates")
-            assert await ask({"what": "shared"}) == {}
-            first_loaded.set()
-            await asyncio.sleep(0.1)  # the second job is ready and waits for the turn meanwhile
-            assert await ask({"what": "call", "role": "candidate", "index": 0}) == {"seed": 1, "stop": False}
-            assert await ask({"what": "call", "role": "candidate", "index": 1}) == {"seed": 1, "stop": True}
-            events.append("first loop over")
-            first_stopped.set()
-
-        async def second(ask) -> None:
-            second_started.set()
-            assert await ask({"what": "exclusive"}) == {}
-            events.append("second calibrates")
-
-        async def check(ask) -> None:
-            await first_loaded.wait()
-            events.append(f"check beside the load (shared {sched._gpu_leases[0].shared})")
-
-        async def late_check(ask) -> None:
-            events.append(f"check beside the end (exclusive {sched._gpu_leases[0].exclusive})")
-
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        t1 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", inner, ready, run_on(first, first_gone),
-                                             lambda w: None))
-        await asyncio.sleep(0.01)
-        c1 = asyncio.ensure_future(sched.run(_job("verify"), "cuda", None, ready, run_on(check, done), lambda w: None))
-        await first_loaded.wait()
-        t2 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", inner, ready, run_on(second, done),
-                                             lambda w: None))
-        await asyncio.wait_for(asyncio.gather(t1, c1), 5)
-        await first_stopped.wait()
-        await asyncio.wait_for(sched.run(_job("verify"), "cuda", None, ready, run_on(late_check, done),
-                                         lambda w: None), 5)
-        await asyncio.sleep(0.05)
-        assert not second_started.is_set(), "the second timing job waits for the first's worker to be gone"
-        events.append("first worker gone")
-        first_gone.set_result(None)
-        await asyncio.wait_for(t2, 5)
-        first_hold = sched.holds[0]
-        assert first_hold.turn_s is not None and first_hold.turn_s[1] is not None
-        exclusive = [h for h in sched.holds if h.exclusive]
-        assert [h.kind for h in exclusive] == ["profile"] * 3  # calibration, the first loop; the second's
-        return events
-
-    assert asyncio.run(main()) == ["first calibrates", "check beside the load (shared 2)", "first loop over",
-                                   "check beside the end (exclusive False)", "first worker gone",
-                                   "second calibrates"]

@@ -39,7 +39,11 @@ class _GpuLease:
     An urgent check (a reference-only job: short, trusted, and what a finished profile or a
     verify waits on) does not wait behind timing jobs that are only waiting; at most one per
     timing job arrives, so they cannot hold one off for long.
-    A job asks once its worker is ready (a job waiting for its worker to start holds nothing)."""
+    A job asks once its worker is ready (a job waiting for its worker to start holds nothing).
+    The timing turn: a timing job's exclusive ticket that asks for it (`turn`, the job's number)
+    is not granted while another job holds the turn; the first grant takes it, and the job gives
+    it back (`end_turn`) only once its worker is gone, so it may share the GPU with checks between
+    its loops and after them and still keep every other timing job out (`JobLease`)."""
 
     def __init__(self) -> None:
         self.shared = 0
@@ -47,33 +51,48 @@ class _GpuLease:
         self._tickets = itertools.count()
         self.waiting: dict[int, bool] = {}  # ticket -> exclusive, in the order they asked
         self._urgent: set[int] = set()
+        self._turn_of: dict[int, int] = {}  # ticket -> the timing job whose turn it asks for
+        self.turn: int | None = None  # the timing job holding the turn
 
-    def ask(self, exclusive: bool, urgent: bool = False) -> int:
+    def ask(self, exclusive: bool, urgent: bool = False, turn: int | None = None) -> int:
         ticket = next(self._tickets)
         self.waiting[ticket] = exclusive
         if urgent and not exclusive:
             self._urgent.add(ticket)
+        if turn is not None and exclusive:
+            self._turn_of[ticket] = turn
         return ticket
 
     def withdraw(self, ticket: int) -> None:
         self.waiting.pop(ticket, None)
         self._urgent.discard(ticket)
+        self._turn_of.pop(ticket, None)
 
     def try_acquire(self, ticket: int) -> bool:
         exclusive = self.waiting[ticket]
         ahead = [e for t, e in self.waiting.items() if t < ticket]
+        turn = self._turn_of.get(ticket)
         if ticket in self._urgent:
             if self.exclusive:
                 return False
             self._urgent.discard(ticket)
         elif self.exclusive or any(ahead) or (exclusive and (self.shared or ahead)):
             return False
+        elif turn is not None and self.turn not in (None, turn):
+            return False
         del self.waiting[ticket]
+        if turn is not None:
+            del self._turn_of[ticket]
+            self.turn = turn
         if exclusive:
             self.exclusive = True
         else:
             self.shared += 1
         return True
+
+    def end_turn(self, turn: int) -> None:
+        if self.turn == turn:
+            self.turn = None
 
     def release(self, exclusive: bool) -> None:
         if exclusive:
@@ -114,7 +133,6 @@ class JobScheduler:
     def __init__(self, release_at_result: bool = False, exclusive_from: str = "job",
                  calibration_max_age_s: float = 0.0) -> None:
         self._gpu_leases: list[_GpuLease] | None = None
-        self._turns: list[asyncio.Lock] | None = None  # per GPU: one timing job at a time ("loop")
         self._cpu_slots: asyncio.Semaphore | None = None
         self._cpu_timing: asyncio.Lock | None = None
         self.release_at_result = release_at_result
@@ -147,36 +165,29 @@ class JobScheduler:
         exclusive = job.kind in TIMING_KINDS
         t0 = time.perf_counter()
         if device == "cuda":
-            if self._gpu_leases is None or self._turns is None:
+            if self._gpu_leases is None:
                 self._gpu_leases = [_GpuLease() for _ in range(max(gpu_count(), 1))]
-                self._turns = [asyncio.Lock() for _ in self._gpu_leases]
             i = min(range(len(self._gpu_leases)), key=lambda n: self._gpu_leases[n].load)  # type: ignore[index]
             lease, device = self._gpu_leases[i], f"cuda:{i}"
             worker = await ready(device)
             t_ready = time.perf_counter()
-            alone = (exclusive and self.exclusive_from == "job") or job.alone  # else a timing job starts shared
-            # a timing job that holds the GPU alone only in parts takes the GPU's timing turn first and
-            # keeps it until its worker is gone: no other timing job calibrates or times while a
-            # process with this job's candidate loaded exists (`JobLease`)
-            turn = self._turns[i] if exclusive and not alone else None
-            ticket = None
+            alone = exclusive or job.alone
+            number = next(self._jobs)
+            # with "loop", a timing job takes its GPU's timing turn with the lease and keeps it until
+            # its worker is gone: no other timing job calibrates or times while a process with this
+            # job's candidate loaded exists, though checks share the GPU after its loops (`JobLease`)
+            turn = number if exclusive and self.exclusive_from == "loop" else None
+            ticket = lease.ask(alone, urgent=job.kind == "reference", turn=turn)
             try:
-                if turn is not None:
-                    await turn.acquire()
-                t_turn = time.perf_counter()
-                ticket = lease.ask(alone, urgent=job.kind == "reference")
                 while not lease.try_acquire(ticket):
                     await asyncio.sleep(0.005)
             except BaseException:
-                if ticket is not None:
-                    lease.withdraw(ticket)
-                if turn is not None and ticket is not None:  # (it took the turn)
-                    turn.release()
+                lease.withdraw(ticket)
                 unused(worker)
                 raise
             t_leased = time.perf_counter()
-            hold = LeaseHold(job.kind, alone, t_ready, t_leased, job=next(self._jobs),
-                             turn_s=(t_turn, None) if turn is not None else None)
+            hold = LeaseHold(job.kind, alone, t_ready, t_leased, job=number,
+                             turn_s=(t_leased, None) if turn is not None else None)
             self.holds.append(hold)
             timing = JobLease(self, lease, job.kind, device, hold, responder) if exclusive else None
 
@@ -188,7 +199,7 @@ class JobScheduler:
                     lease.release(hold.exclusive)
                 if turn is not None and hold.turn_s is not None and hold.turn_s[1] is None:
                     hold.turn_s = (hold.turn_s[0], time.perf_counter())
-                    turn.release()
+                    lease.end_turn(turn)
 
             gone: asyncio.Future[None] | None = None
             try:
@@ -236,22 +247,19 @@ class JobScheduler:
 class JobLease:
     """A GPU timing job's lease, and the responder its worker's requests go through.
 
-    With `exclusive_from == "loop"` the job first takes its GPU's timing turn (`JobScheduler.run`),
-    which it keeps until its worker is gone: while it runs, no other timing job calibrates,
-    loads or times on that GPU, so a process with its candidate loaded never exists beside
-    another job's calibration or timed calls. Within its turn it holds the GPU alone only where
-    it measures: it starts with a shared lease, as a check: its worker builds the problem beside
-    other checks (nothing times meanwhile: a shared lease is never granted beside an exclusive
-    one). Its request for the GPU alone ("exclusive", which the harness sends right before its
-    timer's calibration and again before its first timed call; or any "call" request, so that
-    calls are never served without it) gives the shared lease back and waits for the exclusive
-    one, that is for the checks beside it to end (checks that ask later wait behind it);
-    "shared" (sent once the calibration is in, before the candidate loads) gives the GPU back
-    and waits for a shared lease, so that the candidate's load (its build, its parameters, the
-    harness's checks of it) runs beside checks; refused once calls began. A loop's "stop" answer
-    gives the GPU back to checks too: the job's end checks and its worker's exit run beside them
-    (a check is never timed, and no other timing job can start before the worker is gone). The
-    job's time limit is extended by these waits.
+    With `exclusive_from == "loop"` the job takes its GPU's timing turn with its lease
+    (`_GpuLease`) and keeps it until its worker is gone, so no other timing job calibrates or
+    times while a process with its candidate loaded exists. It holds the GPU alone from its start
+    through its timer's calibration, the candidate's load and its timed loop; a loop's "stop"
+    answer gives the GPU back to checks, so the job's end checks and its worker's exit run beside
+    them (a check is never timed, and no other timing job starts before the worker is gone). A
+    later loop's first "call" (or an "exclusive" request) waits for the GPU alone again, that is
+    for the checks beside it to end (checks that ask later wait behind it); no call is ever
+    served on a shared GPU. "shared" (which the harness sends once its calibration is in) changes
+    nothing: a check let in while the candidate loads would hold the loop off for as long as it
+    runs, in the job's turn; it is refused once calls began. The job's time limit is extended
+    by its waits. With "job" the job holds the GPU alone from its ready worker until its worker
+    is gone (or its result is in: `release_at_result`).
 
     Calibration: "calibration_known" is answered with the calibration the scheduler keeps for
     this GPU (`JobScheduler.calibration_for`), which is then also handed to the job's feed as if
@@ -278,7 +286,7 @@ class JobLease:
 
     @property
     def shares(self) -> bool:
-        """Whether the job gives the GPU back between its calibration and its loop (`exclusive_from`)."""
+        """Whether the job gives the GPU back to checks after its loops (`exclusive_from`)."""
         return self._scheduler.exclusive_from == "loop"
 
     @property
@@ -287,7 +295,7 @@ class JobLease:
 
     async def _switch(self, alone: bool) -> None:
         """Give back the lease the job holds and wait, in turn, for the other kind: the GPU alone
-        (`alone`) or shared (after its calibration, while the candidate loads)."""
+        (`alone`: a loop's first call) or shared (after a loop)."""
         holding = not alone  # the kind it must hold now
         if self._held is not holding or self._ended:
             return
@@ -295,7 +303,7 @@ class JobLease:
         self._lease.release(holding)
         self._holds[-1].released_s = t0
         self._held = None
-        ticket = self._lease.ask(alone)
+        ticket = self._lease.ask(alone, turn=self._holds[0].job if alone and self.shares else None)
         try:
             while not self._lease.try_acquire(ticket):
                 if self._ended:  # the job ended while it waited
@@ -306,8 +314,9 @@ class JobLease:
             self._lease.withdraw(ticket)
             raise
         t1 = time.perf_counter()
-        if self._ended:
+        if self._ended:  # it ended as the lease came: give it (and the turn it may have taken) back
             self._lease.release(alone)
+            self._lease.end_turn(self._holds[0].job)
             return
         self._held = alone
         hold = LeaseHold(self._kind, alone, t0, t1, job=self._holds[0].job)
@@ -335,12 +344,10 @@ class JobLease:
             return {"refused": "the job ended before it had the GPU alone"}
         if what == "exclusive":
             return {}
-        if what == "shared":  # only before any call: a loop is never served on a shared GPU
+        if what == "shared":  # the job keeps the GPU alone until its loop ends (see above)
             if self._called:
                 return {"refused": "the GPU was asked back after calls began"}
-            if self._held is True and self.shares:
-                asyncio.run_coroutine_threadsafe(self._switch(False), self._loop).result()
-            return {} if self._held is not None else {"refused": "the job ended before it had the GPU back"}
+            return {} if self._held is not None else {"refused": "the job ended"}
         if self._inner is None:
             return {"refused": "this job takes no requests"}
         if what == "calibration_known":
