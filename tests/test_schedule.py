@@ -285,7 +285,8 @@ def test_a_timing_job_holds_the_gpu_alone_until_its_loop_stops_then_shares_it():
         await asyncio.wait_for(sched.run(_job("verify"), "cuda", None, _ready, _run_on(check, _done()),
                                          lambda w: None), 5)
         await asyncio.wait_for(t, 5)
-        assert [(h.kind, h.exclusive) for h in sched.holds] == [("profile", True), ("profile", False), ("verify", False)]
+        assert [(h.kind, h.exclusive) for h in sched.holds] == [("profile", True), ("profile", False),
+                                                                 ("verify", False)]
         assert all(h.released_s is not None for h in sched.holds)
         return events
 
