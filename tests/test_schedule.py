@@ -381,3 +381,43 @@ def test_a_timing_job_that_ends_while_waiting_for_the_gpu_leaves_no_lease():
         assert (lease.shared, lease.exclusive, lease.waiting, lease.turn) == (0, False, {}, None)
 
     asyncio.run(main())
+
+
+def test_a_timing_job_with_two_loops_is_not_held_off_by_the_timing_job_waiting_for_its_turn():
+    """A timing job whose second loop (another role) starts after a second timing job asked for
+    the GPU: the second loop goes first (the waiting job waits for the turn, which the first holds
+    until its worker is gone), once the check let in after the first loop has ended."""
+
+    async def main() -> list[str]:
+        sched = JobScheduler(exclusive_from="loop")
+        events: list[str] = []
+        first_loop_over = asyncio.Event()
+
+        def feed(request: dict, arrived: float) -> dict:
+            return {"seed": 1, "stop": True} if request.get("what") == "call" else {}
+
+        async def first(ask) -> None:
+            await ask({"what": "call", "role": "candidate", "index": 0})
+            first_loop_over.set()
+            await asyncio.sleep(0.05)  # the second timing job and a check ask meanwhile
+            await ask({"what": "call", "role": "eager", "index": 0})
+            events.append("first's second loop")
+
+        async def second(ask) -> None:
+            events.append("second timing job")
+
+        async def check(ask) -> None:
+            events.append("check")
+
+        t1 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", feed, _ready, _run_on(first, _done()),
+                                             lambda w: None))
+        await first_loop_over.wait()
+        t2 = asyncio.ensure_future(sched.run(_job("profile"), "cuda", feed, _ready, _run_on(second, _done()),
+                                             lambda w: None))
+        await asyncio.sleep(0.01)
+        c = asyncio.ensure_future(sched.run(_job("verify"), "cuda", None, _ready, _run_on(check, _done()),
+                                            lambda w: None))
+        await asyncio.wait_for(asyncio.gather(t1, t2, c), 5)
+        return events
+
+    assert asyncio.run(main()) == ["first's second loop", "second timing job", "check"]

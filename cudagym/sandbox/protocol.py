@@ -119,11 +119,10 @@ class TimingConfig(BaseModel):
     input_set_bytes: int = 512 * 2**20
     recheck_calls: int = 6  # timed calls, drawn by the parent (`CallFeed.recheck_sample`), whose samples are re-checked
     flush_l2: bool = True
-    # GPU: every SM is held this long while each call is launched (the calibration's calls: until
-    # the host has launched them, at most this long), so that the host's work of launching it is
-    # not timed (host work beyond it is); the call's inputs take their values at its end. 200 us
-    # left 10-70% of a one-op call's launches late in the harness on an H100 (host spans
-    # 0.11-0.25 ms, median), and those calls read 10-50 us long (benchmarks/probe_launch_window.py)
+    # GPU: every SM is held this long while each call is launched, so that the host's work of
+    # launching it is not timed (host work beyond it is); the call's inputs take their values at
+    # its end. 200 us left 10-70% of a one-op call's launches late in the harness on an H100 (host
+    # spans 0.11-0.25 ms, median), and those calls read 10-50 us long (benchmarks/probe_launch_window.py)
     launch_window_us: float = 1000.0
     # The parent's clock bounds the reported times on a GPU (`cudagym.sandbox.feed`): a median
     # gap beyond clock_slack_ms + clock_slack_rel x the median call is reported as tampering.

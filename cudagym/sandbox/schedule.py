@@ -40,10 +40,11 @@ class _GpuLease:
     verify waits on) does not wait behind timing jobs that are only waiting; at most one per
     timing job arrives, so they cannot hold one off for long.
     A job asks once its worker is ready (a job waiting for its worker to start holds nothing).
-    The timing turn: a timing job's exclusive ticket that asks for it (`turn`, the job's number)
-    is not granted while another job holds the turn; the first grant takes it, and the job gives
-    it back (`end_turn`) only once its worker is gone, so it may share the GPU with checks between
-    its loops and after them and still keep every other timing job out (`JobLease`)."""
+    The timing turn: a timing job's ticket that asks for it (`turn`, the job's number) is not
+    granted while another job holds the turn; the first grant takes it, and the job gives it back
+    (`end_turn`) only once its worker is gone, so it may share the GPU with checks between its
+    loops and after them and still keep every other timing job out (`JobLease`). The holder's
+    own tickets go before everything waiting: its next loop waits only for the checks beside it."""
 
     def __init__(self) -> None:
         self.shared = 0
@@ -59,7 +60,7 @@ class _GpuLease:
         self.waiting[ticket] = exclusive
         if urgent and not exclusive:
             self._urgent.add(ticket)
-        if turn is not None and exclusive:
+        if turn is not None:
             self._turn_of[ticket] = turn
         return ticket
 
@@ -72,7 +73,12 @@ class _GpuLease:
         exclusive = self.waiting[ticket]
         ahead = [e for t, e in self.waiting.items() if t < ticket]
         turn = self._turn_of.get(ticket)
-        if ticket in self._urgent:
+        if turn is not None and turn == self.turn:  # the turn's holder, between its loops: only the
+            # checks beside it hold its next loop off (those waiting, and the timing jobs waiting for
+            # the turn, come after its job)
+            if self.exclusive or (exclusive and self.shared):
+                return False
+        elif ticket in self._urgent:
             if self.exclusive:
                 return False
             self._urgent.discard(ticket)
@@ -303,7 +309,7 @@ class JobLease:
         self._lease.release(holding)
         self._holds[-1].released_s = t0
         self._held = None
-        ticket = self._lease.ask(alone, turn=self._holds[0].job if alone and self.shares else None)
+        ticket = self._lease.ask(alone, turn=self._holds[0].job if self.shares else None)
         try:
             while not self._lease.try_acquire(ticket):
                 if self._ended:  # the job ended while it waited

@@ -50,29 +50,13 @@ __device__ __forceinline__ unsigned long long now_ns() {
     return t;
 }
 // gate[0]: blocks of the close kernel that arrived; gate[1]: kept reads; gate[2]: close timeouts;
-// gate[3]: blocks of the close kernel that read their share of the samples; gate[4]: the last
-// call whose window ended (its `epoch`)
-// The window ends once the host has launched the whole call (it writes the call's `epoch` to
-// `launched`, page-locked host memory, after the call's end event) or after window_ns, whichever
-// comes first: block 0's first thread reads the host's word and releases the other blocks through
-// gate[4]; every block stays resident (each SM held) until then.
+// gate[3]: blocks of the close kernel that read their share of the samples
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 cudagym_gate_open(const unsigned long long* flush, unsigned int words, unsigned int* gate, unsigned int window_ns,
-                  const long long* copies, int n_copies, unsigned long long* stamps, const int* launched,
-                  int epoch) {
+                  const long long* copies, int n_copies, unsigned long long* stamps) {
     unsigned long long t0 = now_ns();
     if (blockIdx.x == 0 && threadIdx.x == 0) gate[0] = gate[3] = 0u;
-    if (threadIdx.x == 0) {
-        volatile unsigned int* released = gate + 4;
-        if (blockIdx.x == 0) {
-            const volatile int* host = launched;
-            while (now_ns() - t0 < window_ns && *host != epoch) {}
-            atomicExch(gate + 4, (unsigned int)epoch);
-        } else {
-            while (now_ns() - t0 < window_ns && *released != (unsigned int)epoch) {}
-        }
-    }
-    __syncthreads();
+    while (now_ns() - t0 < window_ns) {}
     // only now do the call's input buffers take this call's values: copies[3c..3c+2] = src, dst, bytes
     const unsigned long long tid = blockIdx.x * THREADS + threadIdx.x, stride = (unsigned long long)gridDim.x * THREADS;
     for (int c = 0; c < n_copies; ++c) {

@@ -26,14 +26,13 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-# 13: the calibration's calls end the open gate's window once the host has launched them
 # 12: the CPU target's close (page reads, sample draw and reads) is one native call inside the interval;
 # 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
 # are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call
 # that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-13"
+PROTOCOL_VERSION = "gated-events-12"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 # then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed
@@ -173,16 +172,7 @@ class DeviceTimer:
             self._open, self._close, self._blocks = gate.open, gate.close, gate.blocks
             self._grid, self._block = (gate.blocks, 1, 1), (GATE_THREADS, 1, 1)
             self.holds_every_sm = gate.holds_every_sm
-            self._gate = torch.zeros(5, dtype=torch.int32, device=device)
-            # the host's word that ends the open gate's window early: the call's epoch, written once
-            # the whole call is launched (see the source); page-locked, read by the gate kernel.
-            # Only the calibration's calls write it (`calibrate`): a timed call's window is the whole
-            # launch_window_us (on an H100, windows ended once launched, 50-100 us, left a 4 us
-            # GELU's medians over separate jobs at CV 4.7-6.3% against 1.7%)
-            self._launched = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._launched_word = ctypes.c_int32.from_address(self._launched.data_ptr())
-            self._epoch = 0
-            self._release_early = False
+            self._gate = torch.zeros(4, dtype=torch.int32, device=device)
             # the gate kernels' %globaltimer stamps of the last call (ns; see the source)
             self._stamps = torch.zeros(4, dtype=torch.int64, device=device)
             self._libcuda = cuda_driver()
@@ -296,9 +286,8 @@ class DeviceTimer:
         # between call and close)
         projections = (torch.zeros(MAX_SAMPLED_OUTPUTS, PROJECTIONS, dtype=torch.float64, device=self.device)
                        if after is not None else None)
-        self._epoch = self._epoch % (2**31 - 1) + 1
-        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps,
-                                             self._launched, self._epoch], stream=stream)
+        self._open(self._grid, self._block, [flush, words, self._gate, self._window_ns, plan, n_copies, self._stamps],
+                   stream=stream)
         opened = self._perf()
         marks[0].record(stream)
         out = fn(*args)
@@ -315,8 +304,6 @@ class DeviceTimer:
             self._launch_close(reading.samples, stream)
             self.host_ms = (self._perf() - opened) * 1e3
             marks[1].record(stream)
-            if self._release_early:  # the whole call is launched: the open gate's window may end now
-                self._launched_word.value = self._epoch
             self._evidence_to_host(reading, stream)
         self._sync()
         reading.kept.clear()
@@ -473,7 +460,7 @@ class DeviceTimer:
         if err:
             raise RuntimeError(f"the timer's close kernel failed to launch: CUDA driver error {err}")
 
-    def calibrate(self, calls: int | None = None, release_early: bool = True) -> Calibration:
+    def calibrate(self, calls: int | None = None) -> Calibration:
         """Measure this timer's overhead and leave it out of its calls from now on; returns it.
 
         The median over `calls` (default `CALIBRATION_CALLS`) calls that launch nothing, an output
@@ -483,9 +470,8 @@ class DeviceTimer:
         `LARGE_CALIBRATION_CALLS` such calls with a contiguous output of `LARGE_CALIBRATION_ELEMENTS`
         and as many with a transposed one of `STRIDED_CALIBRATION_ELEMENTS`: the read phase's
         growth per element projected (plus `READ_SLACK_REL`) raises that cap for a call with
-        larger outputs. Its calls end their launch window once launched (`release_early`; a
-        timed call's window is the whole of it). Run it before any candidate code loads. On the
-        CPU target the read phase is the native close's projection pass, measured with fewer and smaller calls
+        larger outputs. Run it before any candidate code loads. On the CPU target the read phase
+        is the native close's projection pass, measured with fewer and smaller calls
         (`CPU_CALIBRATION`: a timing job calibrates its own timer)."""
         base, large, strided_n, large_calls = ((CALIBRATION_ELEMENTS, LARGE_CALIBRATION_ELEMENTS,
                                                 STRIDED_CALIBRATION_ELEMENTS, LARGE_CALIBRATION_CALLS)
@@ -498,30 +484,22 @@ class DeviceTimer:
             self.read_at_end(output)
 
         self.calibration = Calibration(0, 0)
-        self._release_early = self.cuda and release_early
-        try:
-            for _ in range(5):
-                self.call(lambda: None, [], read)
-            timed = []
-            for _ in range(calls):
-                ms = self.call(lambda: None, [], read)[1]
-                phase_ns = self.read_phase_ns
-                timed.append((ms * 1e6 - phase_ns, phase_ns, self.host_ms or 0.0))
-        finally:
-            self._release_early = False
+        for _ in range(5):
+            self.call(lambda: None, [], read)
+        timed = []
+        for _ in range(calls):
+            ms = self.call(lambda: None, [], read)[1]
+            phase_ns = self.read_phase_ns
+            timed.append((ms * 1e6 - phase_ns, phase_ns, self.host_ms or 0.0))
         # a call the host launched after the window's end holds that lateness: not the timer's own
         on_time = [t for t in timed if t[2] <= self.window_ms] or timed
         read_ns = statistics.median(t[1] for t in on_time)
 
         def read_phase(t: torch.Tensor) -> float:
             phases = []
-            self._release_early = self.cuda and release_early
-            try:
-                for _ in range(large_calls):
-                    self.call(lambda: None, [], lambda _: self.read_at_end(t))
-                    phases.append(self.read_phase_ns)
-            finally:
-                self._release_early = False
+            for _ in range(large_calls):
+                self.call(lambda: None, [], lambda _: self.read_at_end(t))
+                phases.append(self.read_phase_ns)
             return statistics.median(phases)
 
         dense = read_phase(torch.zeros(large, device=self.device))
