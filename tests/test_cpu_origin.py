@@ -152,10 +152,18 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
     verify = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.5, 10.501),
               ("request:evidence", None, 10.6), ("request:trial", None, 10.9), ("forward", 11.0, 11.002),
               ("returned", 11.25, 11.2501)]
-    assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.5), (11.0, 11.25)], "")
-    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
-             ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
-    assert windows_from_marks(timed, "request:call", "request:call", stop=True)[1] == ""
+    # each window from the earlier of a start's time and its arrival to the later of an end's
+    assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.501), (11.0, 11.2501)], "")
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.4, 10.401),
+             ("request:call", None, 10.5), ("forward", 11.0, 11.002), ("returned", 11.2, 11.201),
+             ("request:call", None, 11.25)]
+    assert windows_from_marks(timed, "returned", "request:call", stop=True) == ([(10.0, 10.401), (11.0, 11.201)], "")
+    # a replaced clock can only widen a window: an end that reads the start's time again (red team
+    # 11's a1) still ends where the parent got the mark; a start read late still opens on arrival
+    forged = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.0, 10.4),
+              ("request:call", None, 10.5), ("forward", 11.001, 11.001), ("returned", 11.001, 11.3),
+              ("request:call", None, 11.4)]
+    assert windows_from_marks(forged, "returned", "request:call", stop=True) == ([(10.0, 10.4), (11.001, 11.3)], "")
 
     def why(marks: list) -> str:
         return windows_from_marks(marks, "returned", "request:trial")[1]

@@ -552,17 +552,22 @@ def _plausible(at: Any, arrived: float) -> bool:
 
 def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: str,
                        stop: bool = False) -> tuple[list[tuple[float, float]], str]:
-    """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark's
-    time (the worker's clock, read before it wrote the mark; the same CLOCK_MONOTONIC as this
-    process's) to the job's `end`: verify's "returned" mark or the timed loop's next call request,
-    each by the time the worker read as the call returned (`returned_at`: the job's clock, bound
-    before any candidate code; the harness's own work after the call, the evidence's reads, stays
-    out of the window). The harness
-    writes exactly one forward mark per `per_call` request (verify: "request:trial"; the timed
-    loop: "request:call", whose last one is answered `stop`), each followed by its `end` before
-    anything else is marked. Anything else is marks the candidate wrote itself (red team 8's a1
-    closed a window early with a forged end), or a clock it replaced (a time after the mark's
-    arrival, or over `MARK_DELAY_S` before it): why the marks cannot be the harness's, else ""."""
+    """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark to
+    the job's `end` mark: verify's "returned" (written as forward returns) or the timed loop's
+    "returned" (written once the call's interval, its close and evidence included, is over).
+    Every time is this process's (CLOCK_MONOTONIC, the worker's clock too): a window opens at the
+    earlier of the time the worker read before writing its forward mark and the mark's arrival
+    here (the worker waits for the parent to have the mark before forward runs, so the arrival
+    is never after forward began), and closes at the later of the end mark's time and its
+    arrival. A clock the candidate replaced can therefore only widen a window (red team 11 made
+    every timed window empty with a clock that read the forward mark's time again); the
+    harness's own work after an end mark, while the mark travels, is not the candidate's.
+    The harness writes exactly one forward mark per `per_call` request (verify:
+    "request:trial"; the timed loop: "request:call", whose last one is answered `stop`), each
+    followed by its `end` before anything else is marked. Anything else is marks the candidate
+    wrote itself (red team 8's a1 closed a window early with a forged end), or a clock it
+    replaced (a time after the mark's arrival, or over `MARK_DELAY_S` before it): why the
+    marks cannot be the harness's, else ""."""
     windows: list[tuple[float, float]] = []
     opened: float | None = None
     forwards = calls = 0
@@ -575,15 +580,14 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
             if not _plausible(at, arrived):
                 return windows, (f"a forward call's start was marked at {at!r}, not within {MARK_DELAY_S:.0f} s before "
                                  f"the evaluator received the mark ({arrived:.6f}): the worker's clock was replaced")
-            opened = float(at)
+            opened = min(float(at), arrived)
         elif opened is not None:
             if what != end:
                 return windows, f"a forward call was ended by {what!r}, not by {end!r}"
             if not _plausible(at, arrived) or float(at) < opened:
                 return windows, (f"a forward call's end was marked at {at!r}, not between its start and the "
                                  f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
-            else:
-                windows.append((opened, float(at)))
+            windows.append((opened, max(float(at), arrived)))
             opened = None
         elif not what.startswith("request:"):
             return windows, f"{what!r} was marked with no forward call running"

@@ -597,7 +597,7 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.phases.update({f"parent_{k}": v for k, v in steps.spans.items()})
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
             windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
-                               else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
+                               else windows_from_marks(w.frames.marks, "returned", "request:call", stop=True))
             origin = await asyncio.to_thread(
                 attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],

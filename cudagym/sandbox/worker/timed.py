@@ -120,12 +120,11 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     probe = probe_fn(p)
 
-    clock = ph._clock  # noqa: SLF001 - the job's clock, bound before candidate code (a mark's time is checked)
-    returned_at = [0.0]  # the last call's end, by that clock: reported with the next request
+    clock = ph._clock  # noqa: SLF001 - the job's clock (a mark's time: the parent's own bounds it)
 
-    def mark() -> None:
+    def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
-        ch.mark("forward", at=clock())
+        ch.mark("forward", wait=True, at=clock())
 
     def call(*args: Any) -> Any:
         model_calls[0] += 1
@@ -140,8 +139,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
-            if marks:
-                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -173,6 +170,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.clear()
 
     def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
+        if marks and made[0]:  # the last call's interval is over (its evidence sent from inside it)
+            check_channel(state)
+            ch.mark("returned", at=clock())
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
@@ -195,8 +195,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
         if kwatch:
             ops.update(records_as_counts(kwatch.records()))
-        answer = ch.request("call", role=role, index=made[0], ops=ops, **report,
-                            **({"returned_at": returned_at[0]} if marks and made[0] else {}))
+        answer = ch.request("call", role=role, index=made[0], ops=ops, **report)
         if answer.get("stop"):
             return None
         made[0] += 1
@@ -211,8 +210,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         try:
             return probe(*args)
         finally:
-            if marks:
-                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()

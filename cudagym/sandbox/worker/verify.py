@@ -151,7 +151,7 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
                 try:
                     if marks:  # where forward runs, for the sandbox's CPU samples (`Channel.mark`)
                         check_channel(state)
-                        ch.mark("forward", at=clock())
+                        ch.mark("forward", wait=True, at=clock())  # forward starts once the parent has it
                     out = p.cand(*args)
                 finally:
                     if marks:  # at once: the checks below see what forward left running as it returned
