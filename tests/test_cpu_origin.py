@@ -343,3 +343,17 @@ def test_each_sample_is_judged_by_the_mapping_it_ran_in() -> None:
     over = Mapping(0x1000, 0x9000, 0x0, f"<code written at run time over {torch_code.path}>")
     written = _History([torch_code], [], [over])
     assert "written at run time" in written.live(0x5000, 50)[1]
+
+
+def test_windows_shorter_than_the_calls_they_stand_for_are_refused() -> None:
+    """A timed call's window must last about as long as the call measured (red team 11's b1/b2
+    ended each window with a mark of their own right after forward began)."""
+    from cudagym.rewards.checks import cpu_windows_cover
+    from cudagym.sandbox.cpusamples import CpuOrigin
+
+    honest = CpuOrigin(forward=400, period_ns=1_000_000, windows=100, window_us=100 * 2_300).as_counts()
+    assert cpu_windows_cover(honest, [2.2] * 90) is None
+    forged = CpuOrigin(forward=40, period_ns=1_000_000, windows=100, window_us=100 * 40).as_counts()
+    why = cpu_windows_cover(forged, [2.2] * 90)
+    assert why and "not the harness's" in why, why
+    assert cpu_windows_cover({}, [2.2]) is None, "not sampled: nothing to judge"

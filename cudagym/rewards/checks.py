@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,27 @@ def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
     return (f"ModelNew.forward ran code that is not your own for {foreign / max(total, 1):.0%} of its "
             f"sampled CPU time ({foreign} of {total} samples, every {origin.period_ns / 1e3:.0f} µs): "
             f"{top}{lost}{unseen_why}")
+
+
+# a timed call's window (`windows_from_marks`) must last at least this share of the call's measured
+# time, less this slack: a window that ends before the call did was ended by marks that are not the harness's
+CPU_WINDOW_SHARE, CPU_WINDOW_SLACK_US = 0.9, 50.0
+
+
+def cpu_windows_cover(counts: dict[str, Any], call_ms: list[float]) -> str | None:
+    """CPU target: why forward's sampled windows (`CPU_KEY` in `counts`, their length on the
+    evaluator's clock) are shorter than the calls they stand for (`call_ms`, the timed calls'
+    measured times), or None. Red team 11's b1 and b2 hid the harness's end mark and wrote their
+    own right after forward began: every window was tens of µs long, and torch's compute after
+    it unsampled."""
+    origin = CpuOrigin.from_counts(counts)
+    if origin is None or origin.error or not origin.windows or not call_ms:
+        return None
+    mean_us, median_ms = origin.window_us / origin.windows, statistics.median(call_ms)
+    if mean_us >= CPU_WINDOW_SHARE * median_ms * 1e3 - CPU_WINDOW_SLACK_US:
+        return None
+    return (f"forward's marked calls lasted {mean_us:.0f} µs on average by the evaluator's clock, against "
+            f"{median_ms:.3f} ms measured per call: the marks that end them are not the harness's")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:
@@ -465,6 +487,9 @@ async def timed_calls_audited(run: TimedRun) -> Finding | None:
     permissive, foreign work per call beyond what verify's trials did, unmeasured by their
     own-kernel share): a candidate may behave differently once timed."""
     why = await asyncio.to_thread(run.audit.timed_calls, run.timed_ops, run.artifact_dir, run.measured, run.workspace)
+    if not why and not run.cuda and run.audit.config.mode == "strict":
+        why = cpu_windows_cover(run.timed_ops, run.times)
+        why = "strict mode: during timed calls, " + why if why else None
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 
 

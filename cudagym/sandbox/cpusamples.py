@@ -373,6 +373,7 @@ class CpuOrigin:
     period_ns: int = 0
     lost: int = 0
     windows: int = 0
+    window_us: int = 0  # the windows' total length (the parent's clock): what forward's calls took
     unseen_ns: int = 0  # CPU time of threads started and ended inside forward, too short to be sampled
     unseen_threads: int = 0
     error: str = ""
@@ -382,6 +383,7 @@ class CpuOrigin:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
         out = {CPU_KEY + k: v for k, v in (("forward", self.forward), ("period_ns", self.period_ns),
                                            ("lost", self.lost), ("windows", self.windows),
+                                           ("window_us", self.window_us),
                                            ("unseen_ns", self.unseen_ns), ("unseen_threads", self.unseen_threads))}
         out.update({CPU_KEY + "origin\t" + k: v for k, v in self.by_origin.items()})
         out.update({CPU_KEY + "foreign\t" + k: v for k, v in self.foreign.most_common(24)})
@@ -398,7 +400,8 @@ class CpuOrigin:
         if not mine:
             return None
         origin = cls(forward=mine.get("forward", 0), period_ns=mine.get("period_ns", 0), lost=mine.get("lost", 0),
-                     windows=mine.get("windows", 0), unseen_ns=mine.get("unseen_ns", 0),
+                     windows=mine.get("windows", 0), window_us=mine.get("window_us", 0),
+                     unseen_ns=mine.get("unseen_ns", 0),
                      unseen_threads=mine.get("unseen_threads", 0))
         for k, v in mine.items():
             kind, _, rest = k.partition("\t")
@@ -493,7 +496,8 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     read before the job; the sampler's records of mappings made meanwhile; `maps`, read at the
     end); `harness_roots`: where the harness's own libraries lie (the op counter's callback runs
     in forward), counted with the system. Without `before` (tests), `maps` stands for it."""
-    origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
+    origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error,
+                       window_us=round(sum(b - a for a, b in windows) * 1e6))
     spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
     starts = [a for a, _ in spans]
 
