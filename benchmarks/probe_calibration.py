@@ -19,17 +19,17 @@ import cudagym.sandbox.timing.timer as timer_module
 from cudagym.sandbox.protocol import Calibration
 from cudagym.sandbox.timing.timer import DeviceTimer
 
-SETTINGS = ((1000, 100, 10), (1000, 40, 5), (300, 100, 10), (300, 40, 5), (200, 40, 5))
+# (window us, no-op calls per block, large calls, blocks): protocol 12's calibration, then 13's
+SETTINGS = ((1000, 100, 10, 1), (300, 40, 5, 3))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     dev = torch.device("cuda")
     timer = DeviceTimer(dev, calibration=Calibration(0, 0))
-    window_ns = timer._window_ns
     x = torch.randn(16, 16384, device=dev)
     g = torch.randn(16 * 16384 // 4, device=dev)
     ops: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {
@@ -41,22 +41,22 @@ def main() -> None:
         return statistics.median(ms) * 1e3
 
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
-    got: dict[tuple[int, int, int], list[tuple[float, Calibration, dict[str, float]]]] = {s: [] for s in SETTINGS}
+    got: dict[tuple[int, int, int, int], list[tuple[float, Calibration, dict[str, float]]]] = {
+        s: [] for s in SETTINGS}
     for _ in range(args.rounds):
-        for window_us, calls, large in SETTINGS:
-            timer._window_ns = window_us * 1000
+        for window_us, calls, large, blocks in SETTINGS:
+            timer_module.CALIBRATION_WINDOW_US, timer_module.CALIBRATION_BLOCKS = window_us, blocks
             timer_module.LARGE_CALIBRATION_CALLS = large
             t0 = time.perf_counter()
             cal = timer.calibrate(calls)
             secs = time.perf_counter() - t0
-            timer._window_ns = window_ns
-            got[(window_us, calls, large)].append((secs, cal, {k: timed(fn, a) for k, (fn, a) in ops.items()}))
+            got[(window_us, calls, large, blocks)].append((secs, cal, {k: timed(fn, a) for k, (fn, a) in ops.items()}))
     for s, runs in got.items():
         for secs, cal, t in runs:
-            print(f"window {s[0]:4d} us, {s[1]:3d}+{s[2]:2d} calls: {secs:.3f} s, overhead {cal.overhead_ns} ns, "
+            print(f"window {s[0]:4d} us, {s[3]}x{s[1]:3d}+{s[2]:2d} calls: {secs:.3f} s, overhead {cal.overhead_ns} ns, "
                   f"read cap {cal.read_cap_ns} ns, " + ", ".join(f"{k} {v:.2f} us" for k, v in t.items()))
     for s, runs in got.items():
-        print(f"p50 window {s[0]:4d} us, {s[1]:3d}+{s[2]:2d} calls: {statistics.median(r[0] for r in runs):.3f} s, "
+        print(f"p50 window {s[0]:4d} us, {s[3]}x{s[1]:3d}+{s[2]:2d} calls: {statistics.median(r[0] for r in runs):.3f} s, "
               f"overhead {statistics.median(r[1].overhead_ns for r in runs):.0f} ns "
               f"(min {min(r[1].overhead_ns for r in runs)}, max {max(r[1].overhead_ns for r in runs)}), "
               + ", ".join(f"{k} {statistics.median(r[2][k] for r in runs):.2f} us" for k in ops))
