@@ -53,10 +53,12 @@ def main() -> None:
             got[(window_us, calls, large, blocks)].append((secs, cal, {k: timed(fn, a) for k, (fn, a) in ops.items()}))
     for s, runs in got.items():
         for secs, cal, t in runs:
-            print(f"window {s[0]:4d} us, {s[3]}x{s[1]:3d}+{s[2]:2d} calls: {secs:.3f} s, overhead {cal.overhead_ns} ns, "
+            print(f"window {s[0]:4d} us, {s[3]}x{s[1]:3d}+{s[2]:2d} calls: {secs:.3f} s, "
+                  f"overhead {cal.overhead_ns} ns, "
                   f"read cap {cal.read_cap_ns} ns, " + ", ".join(f"{k} {v:.2f} us" for k, v in t.items()))
     for s, runs in got.items():
-        print(f"p50 window {s[0]:4d} us, {s[3]}x{s[1]:3d}+{s[2]:2d} calls: {statistics.median(r[0] for r in runs):.3f} s, "
+        print(f"p50 window {s[0]:4d} us, {s[3]}x{s[1]:3d}+{s[2]:2d} calls: "
+              f"{statistics.median(r[0] for r in runs):.3f} s, "
               f"overhead {statistics.median(r[1].overhead_ns for r in runs):.0f} ns "
               f"(min {min(r[1].overhead_ns for r in runs)}, max {max(r[1].overhead_ns for r in runs)}), "
               + ", ".join(f"{k} {statistics.median(r[2][k] for r in runs):.2f} us" for k in ops))
