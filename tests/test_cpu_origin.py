@@ -154,16 +154,15 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
               ("returned", 11.25, 11.2501)]
     # each window from the earlier of a start's time and its arrival to the later of an end's
     assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.501), (11.0, 11.2501)], "")
-    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.4, 10.401),
-             ("request:call", None, 10.5), ("forward", 11.0, 11.002), ("returned", 11.2, 11.201),
-             ("request:call", None, 11.25)]
-    assert windows_from_marks(timed, "returned", "request:call", stop=True) == ([(10.0, 10.401), (11.0, 11.201)], "")
-    # a replaced clock can only widen a window: an end that reads the start's time again (red team
-    # 11's a1) still ends where the parent got the mark; a start read late still opens on arrival
-    forged = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.0, 10.4),
-              ("request:call", None, 10.5), ("forward", 11.001, 11.001), ("returned", 11.001, 11.3),
-              ("request:call", None, 11.4)]
-    assert windows_from_marks(forged, "returned", "request:call", stop=True) == ([(10.0, 10.4), (11.001, 11.3)], "")
+    # a timed call's end: the time its worker read as it returned, sent with the next request
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
+             ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
+    assert windows_from_marks(timed, "request:call", "request:call", stop=True) == ([(10.0, 10.4), (11.0, 11.2)], "")
+    # a replaced clock only widens verify's windows: an end that reads the start's time again
+    # (red team 11's a1) still ends where the parent got the mark; a start read late opens on arrival
+    forged = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.0, 10.4),
+              ("request:trial", None, 10.5), ("forward", 11.001, 11.001), ("returned", 11.001, 11.3)]
+    assert windows_from_marks(forged, "returned", "request:trial") == ([(10.0, 10.4), (11.001, 11.3)], "")
 
     def why(marks: list) -> str:
         return windows_from_marks(marks, "returned", "request:trial")[1]
@@ -346,14 +345,20 @@ def test_each_sample_is_judged_by_the_mapping_it_ran_in() -> None:
 
 
 def test_windows_shorter_than_the_calls_they_stand_for_are_refused() -> None:
-    """A timed call's window must last about as long as the call measured (red team 11's b1/b2
-    ended each window with a mark of their own right after forward began)."""
+    """Each timed call's window must last about as long as the call measured (red team 11's
+    b1/b2 ended each window with a mark of their own right after forward began); a probe's
+    (the harness's tiny kernel) is not held to its call, and a few calls may fall short."""
     from cudagym.rewards.checks import cpu_windows_cover
-    from cudagym.sandbox.cpusamples import CpuOrigin
 
-    honest = CpuOrigin(forward=400, period_ns=1_000_000, windows=100, window_us=100 * 2_300).as_counts()
-    assert cpu_windows_cover(honest, [2.2] * 90) is None
-    forged = CpuOrigin(forward=40, period_ns=1_000_000, windows=100, window_us=100 * 40).as_counts()
-    why = cpu_windows_cover(forged, [2.2] * 90)
-    assert why and "not the harness's" in why, why
-    assert cpu_windows_cover({}, [2.2]) is None, "not sampled: nothing to judge"
+    calls = [(2.2, i % 4 == 3) for i in range(100)]  # every fourth call a probe
+    honest = [40 if probe else 2_300 for _, probe in calls]
+    assert cpu_windows_cover(honest, calls) is None
+    preempted = [w if i % 20 else 900 for i, w in enumerate(honest)]  # 5 of 75 model calls short
+    assert cpu_windows_cover(preempted, calls) is None
+    forged = [40] * 100
+    why = cpu_windows_cover(forged, calls)
+    assert why and "75 of 75" in why and "not the harness's" in why, why
+    half = [w if i % 2 else 40 for i, w in enumerate(honest)]
+    assert cpu_windows_cover(half, calls), "a share of the calls is enough"
+    assert "marked 99 timed calls of the 100" in (cpu_windows_cover(honest[:99], calls) or "")
+    assert cpu_windows_cover([], calls) is None, "not sampled: nothing to judge"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -84,24 +83,30 @@ def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
 
 
 # a timed call's window (`windows_from_marks`) must last at least this share of the call's measured
-# time, less this slack: a window that ends before the call did was ended by marks that are not the harness's
-CPU_WINDOW_SHARE, CPU_WINDOW_SLACK_US = 0.9, 50.0
+# time, less this slack (a window that ends before its call did was ended by marks that are not the
+# harness's); at most CPU_SHORT_WINDOWS of the calls (a loaded host's preempted close) may fall short
+CPU_WINDOW_SHARE, CPU_WINDOW_SLACK_US, CPU_SHORT_WINDOWS = 0.9, 50.0, 0.1
 
 
-def cpu_windows_cover(counts: dict[str, Any], call_ms: list[float]) -> str | None:
-    """CPU target: why forward's sampled windows (`CPU_KEY` in `counts`, their length on the
-    evaluator's clock) are shorter than the calls they stand for (`call_ms`, the timed calls'
-    measured times), or None. Red team 11's b1 and b2 hid the harness's end mark and wrote their
-    own right after forward began: every window was tens of µs long, and torch's compute after
-    it unsampled."""
-    origin = CpuOrigin.from_counts(counts)
-    if origin is None or origin.error or not origin.windows or not call_ms:
+def cpu_windows_cover(windows_us: list[int], calls: list[tuple[float | None, bool]]) -> str | None:
+    """CPU target: why the sampled windows of a job's timed calls (`windows_us`, each on the
+    evaluator's clock, in the order of the calls) are shorter than the calls they stand for
+    (`calls`: each call's measured time in ms, or None, and whether it was a probe of the
+    harness's), or None. Red team 11's a1 ended every window where it began (a replaced clock),
+    its b1 and b2 hid the harness's end marks and wrote their own right after forward began:
+    torch's compute after each window went unsampled."""
+    if not windows_us or not calls:
         return None
-    mean_us, median_ms = origin.window_us / origin.windows, statistics.median(call_ms)
-    if mean_us >= CPU_WINDOW_SHARE * median_ms * 1e3 - CPU_WINDOW_SLACK_US:
+    if len(windows_us) != len(calls):
+        return f"the worker marked {len(windows_us)} timed calls of the {len(calls)} it made"
+    model = [(w, ms) for w, (ms, probe) in zip(windows_us, calls, strict=True) if not probe and ms is not None]
+    short = [(w, ms) for w, ms in model if w < CPU_WINDOW_SHARE * ms * 1e3 - CPU_WINDOW_SLACK_US]
+    if len(short) <= CPU_SHORT_WINDOWS * len(model):
         return None
-    return (f"forward's marked calls lasted {mean_us:.0f} µs on average by the evaluator's clock, against "
-            f"{median_ms:.3f} ms measured per call: the marks that end them are not the harness's")
+    w, ms = short[len(short) // 2]
+    return (f"{len(short)} of {len(model)} timed calls were marked as running for less than they took by the "
+            f"evaluator's clock (e.g. {w} µs for a call measured at {ms:.3f} ms): the marks that end them are "
+            "not the harness's")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:
@@ -488,19 +493,27 @@ async def timed_calls_audited(run: TimedRun) -> Finding | None:
     own-kernel share): a candidate may behave differently once timed."""
     why = await asyncio.to_thread(run.audit.timed_calls, run.timed_ops, run.artifact_dir, run.measured, run.workspace)
     if not why and not run.cuda and run.audit.config.mode == "strict":
-        why = cpu_windows_cover(run.timed_ops, run.times)
+        why = cpu_windows_cover(run.final.get("cpu_windows_us") or [],
+                                [(c.ms, c.probe) for c in run.feed.calls("candidate")])
         why = "strict mode: during timed calls, " + why if why else None
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 
 
+# CPU target: a reported median below what the parent's clock saw by more than this many times
+# itself plus this many ms is refused (a loaded 2-core host's honest gaps: -13 to +30 ms at 2-19 ms calls)
+CPU_CLOCK_GAP_REL, CPU_CLOCK_GAP_MS = 2.0, 5.0
+
+
 async def clock_agrees(run: TimedRun) -> Finding | None:
-    """Refuses (GPU) reported call times below the pace the parent's own clock saw (the
-    interval between requests holds the call), beyond the probes' overhead and the slack
-    (`CallFeed.clock_gap_ms`): forged or tampered timing. The CPU target only reports the gap (a
-    loaded host's honest gaps are too wide to judge)."""
+    """Refuses reported call times below the pace the parent's own clock saw (the interval
+    between requests holds the call), beyond the probes' overhead and the slack
+    (`CallFeed.clock_gap_ms`): forged or tampered timing. On the CPU target, whose loaded hosts'
+    honest gaps are wide, only a reported median under a third or so of the parent's
+    (`CPU_CLOCK_GAP_REL`, `CPU_CLOCK_GAP_MS`: red team 12's a1 reported a sixteenth)."""
     gap, median = run.clock_gap_ms, run.stats.median_ms
-    slack = run.timing.clock_slack_ms + run.timing.clock_slack_rel * median
-    if gap is not None and gap > slack and run.cuda:
+    slack = (run.timing.clock_slack_ms + run.timing.clock_slack_rel * median if run.cuda
+             else CPU_CLOCK_GAP_MS + CPU_CLOCK_GAP_REL * median)
+    if gap is not None and gap > slack:
         why = (f"the reported call times are {gap:.4f} ms per call below what the evaluator's own clock saw "
                f"(median {median:.4f} ms reported; allowed {slack:.4f} ms): forged or tampered timing")
         return Refusal(ErrorKind.TAMPER, why, why, clock_gap_ms=gap)

@@ -373,7 +373,6 @@ class CpuOrigin:
     period_ns: int = 0
     lost: int = 0
     windows: int = 0
-    window_us: int = 0  # the windows' total length (the parent's clock): what forward's calls took
     unseen_ns: int = 0  # CPU time of threads started and ended inside forward, too short to be sampled
     unseen_threads: int = 0
     error: str = ""
@@ -383,7 +382,6 @@ class CpuOrigin:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
         out = {CPU_KEY + k: v for k, v in (("forward", self.forward), ("period_ns", self.period_ns),
                                            ("lost", self.lost), ("windows", self.windows),
-                                           ("window_us", self.window_us),
                                            ("unseen_ns", self.unseen_ns), ("unseen_threads", self.unseen_threads))}
         out.update({CPU_KEY + "origin\t" + k: v for k, v in self.by_origin.items()})
         out.update({CPU_KEY + "foreign\t" + k: v for k, v in self.foreign.most_common(24)})
@@ -400,8 +398,7 @@ class CpuOrigin:
         if not mine:
             return None
         origin = cls(forward=mine.get("forward", 0), period_ns=mine.get("period_ns", 0), lost=mine.get("lost", 0),
-                     windows=mine.get("windows", 0), window_us=mine.get("window_us", 0),
-                     unseen_ns=mine.get("unseen_ns", 0),
+                     windows=mine.get("windows", 0), unseen_ns=mine.get("unseen_ns", 0),
                      unseen_threads=mine.get("unseen_threads", 0))
         for k, v in mine.items():
             kind, _, rest = k.partition("\t")
@@ -496,8 +493,7 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     read before the job; the sampler's records of mappings made meanwhile; `maps`, read at the
     end); `harness_roots`: where the harness's own libraries lie (the op counter's callback runs
     in forward), counted with the system. Without `before` (tests), `maps` stands for it."""
-    origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error,
-                       window_us=round(sum(b - a for a, b in windows) * 1e6))
+    origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
     spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
     starts = [a for a, _ in spans]
 
@@ -557,15 +553,16 @@ def _plausible(at: Any, arrived: float) -> bool:
 def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: str,
                        stop: bool = False) -> tuple[list[tuple[float, float]], str]:
     """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark to
-    the job's `end` mark: verify's "returned" (written as forward returns) or the timed loop's
-    "returned" (written once the call's interval, its close and evidence included, is over).
-    Every time is this process's (CLOCK_MONOTONIC, the worker's clock too): a window opens at the
-    earlier of the time the worker read before writing its forward mark and the mark's arrival
-    here (the worker waits for the parent to have the mark before forward runs, so the arrival
-    is never after forward began), and closes at the later of the end mark's time and its
-    arrival. A clock the candidate replaced can therefore only widen a window (red team 11 made
-    every timed window empty with a clock that read the forward mark's time again); the
-    harness's own work after an end mark, while the mark travels, is not the candidate's.
+    the job's `end`. Every time is this process's (CLOCK_MONOTONIC, the worker's clock too). A
+    window opens at the earlier of the time the worker read before writing its forward mark and
+    the mark's arrival here (the worker waits for the parent to have the mark before forward
+    runs, so the arrival is never after forward began). It closes at verify's "returned" mark,
+    written as forward returns: the later of its time and its arrival (a replaced clock can only
+    widen the window); or at the time the worker read as a timed call returned, reported with the
+    next call request (`returned_at`: a mark written then would be timed into the call), which
+    `checks.cpu_windows_cover` holds against the call's measured time (red team 11 made every
+    timed window empty with a clock that read the forward mark's time again, then hid the
+    harness's end marks and wrote its own: both leave windows shorter than the calls).
     The harness writes exactly one forward mark per `per_call` request (verify:
     "request:trial"; the timed loop: "request:call", whose last one is answered `stop`), each
     followed by its `end` before anything else is marked. Anything else is marks the candidate
@@ -591,7 +588,7 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
             if not _plausible(at, arrived) or float(at) < opened:
                 return windows, (f"a forward call's end was marked at {at!r}, not between its start and the "
                                  f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
-            windows.append((opened, max(float(at), arrived)))
+            windows.append((opened, float(at) if what.startswith("request:") else max(float(at), arrived)))
             opened = None
         elif not what.startswith("request:"):
             return windows, f"{what!r} was marked with no forward call running"

@@ -265,6 +265,11 @@ class CallFeed:
         return {"warmup_s": first - r.calls[0].asked_s, "timed_s": end - first,
                 "warmup_calls": float(r.timed_from), "timed_calls": float(len(r.calls) - r.timed_from)}
 
+    def calls(self, role: str) -> list[Call]:
+        """Every call of the role so far, warm-up and probes included, in order."""
+        r = self._roles.get(role)
+        return list(r.calls) if r is not None else []
+
     def times_ms(self, role: str) -> list[float]:
         return [c.ms for c in self.timed(role) if c.ms is not None]
 

@@ -56,6 +56,10 @@ class _Worker:
     device: str
     stdin_fd: int  # the job line, then the answers to the worker's requests
     waiter: bool = False  # `proc` only waits for the worker, its child (the init of its PID namespace)
+    # a GPU timing job's check for other processes on its device, made before it asked for the
+    # lease (`LocalSandbox._before_lease`): why it is refused (or None), since when (NVML's sample
+    # clock, µs) the check after the job looks, and what it saw (where sharing is only reported)
+    device_check: tuple[str | None, int, str | None] | None = None
 
     def close_pipes(self) -> None:
         """Release the worker's stdout pipe, on the sandbox's loop (once it has exited)."""
@@ -387,6 +391,23 @@ class LocalSandbox(SpareWorkerSandbox):
                                                                self.config.gpu_sharing_allow,
                                                                idle_ok=frozenset({os.getpid()})))
 
+    async def _before_lease(self, job: Job, device: str, w: _Worker) -> None:
+        """A GPU timing job: wait (up to `device_busy_wait_s`) until no other process is on its
+        device, before it asks for the lease, so that a busy device holds no other job off;
+        `_run_on` refuses the job if one stays, and checks NVML's samples from here on after it."""
+        w.device_check = None
+        if job.kind not in TIMING_KINDS or not device.startswith("cuda") or self.config.gpu_sharing == "allow":
+            return
+        refused = None
+        waited = time.perf_counter()
+        while (foreign := await self._device_check(device, int(time.time() * 1e6) - 1_000_000)) is not None \
+                and self.config.gpu_sharing == "refuse":  # (its last second of utilization samples)
+            if time.perf_counter() - waited >= self.config.device_busy_wait_s:
+                refused = f"another process is on {device}: {foreign} (waited {time.perf_counter() - waited:.0f} s)"
+                break
+            await asyncio.sleep(1.0)
+        w.device_check = refused, int(time.time() * 1e6), foreign  # NVML's sample clock: µs of the wall clock
+
     async def _ready(self, device: str) -> _Worker:
         """A spare of `device` that is ready (started spares start its replacement now; a
         timing job pauses them in its quiet windows); SandboxError if none starts."""
@@ -443,18 +464,10 @@ class LocalSandbox(SpareWorkerSandbox):
             for qdevice, q in list(self._quiet.items()):
                 if running in self._running_beside(qdevice):
                     q.started(running)
-        # A GPU's timing job: no other process may use the device before or during it
-        foreign = refused = None
-        foreign_since = 0
-        if timing and device.startswith("cuda") and self.config.gpu_sharing != "allow":
-            waited = time.perf_counter()
-            while (foreign := await self._device_check(device, int(time.time() * 1e6) - 1_000_000)) is not None \
-                    and self.config.gpu_sharing == "refuse":  # (its last second of utilization samples)
-                if time.perf_counter() - waited >= self.config.device_busy_wait_s:
-                    refused = f"another process is on {device}: {foreign} (waited {time.perf_counter() - waited:.0f} s)"
-                    break
-                await asyncio.sleep(1.0)
-            foreign_since = int(time.time() * 1e6)  # NVML's sample clock: µs of the wall clock
+        # A GPU's timing job: no other process may use the device before or during it (checked
+        # before the job asked for its lease: `_before_lease`)
+        refused, foreign_since, foreign = w.device_check if w.device_check is not None else (None, 0, None)
+        w.device_check = None
         outcome.device_busy = refused
         steps.mark("device_check")
         # what the worker maps executable, read from outside it, before any candidate code runs
@@ -597,13 +610,15 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.phases.update({f"parent_{k}": v for k, v in steps.spans.items()})
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
             windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
-                               else windows_from_marks(w.frames.marks, "returned", "request:call", stop=True))
+                               else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
             origin = await asyncio.to_thread(
                 attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
                 [str(self.opwatch_dir / "opwatch")], cpu_before)
             origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
+            if job.kind != "verify":  # each timed call's window (µs), in the order of its calls
+                outcome.final["cpu_windows_us"] = [round((b - a) * 1e6) for a, b in windows]
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
                                                                 *code_seen]))

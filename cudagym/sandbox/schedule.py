@@ -615,14 +615,29 @@ class SpareWorkerSandbox(Sandbox):
     # another worker, not the job: retried this many times
     LOST_WORKER_RETRIES = 2
 
+    async def _before_lease(self, job: Job, device: str, worker: Any) -> None:
+        """What a backend does for `job` once its worker is ready and before the job asks for its
+        device's lease (nothing here): work that needs neither the device alone nor the job's
+        candidate, kept out of the lease."""
+
     async def _run_job(self, job: Job, device: str, responder: Responder | None) -> JobOutcome:
         """Run `job` on a spare; again on another one while the worker was lost before it started
         the job (no `started` frame: no candidate code ran and no request was answered)."""
+
+        async def ready(dev: str) -> Any:
+            worker = await self._ready(dev)
+            try:
+                await self._before_lease(job, dev, worker)
+            except BaseException:
+                self._unused(worker)
+                raise
+            return worker
+
         for _ in range(self.LOST_WORKER_RETRIES):
-            outcome = await self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused)
+            outcome = await self._scheduler.run(job, device, responder, ready, self._run_on, self._unused)
             if not lost_before_start(outcome):
                 return outcome
-        return await self._scheduler.run(job, device, responder, self._ready, self._run_on, self._unused)
+        return await self._scheduler.run(job, device, responder, ready, self._run_on, self._unused)
 
     async def run(self, job: Job, device: str, responder: Responder | None = None) -> JobOutcome:
         return await self._loop_thread.acall(self._run_job(job, device, responder))

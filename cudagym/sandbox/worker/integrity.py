@@ -251,7 +251,19 @@ def take_snapshot(modules: Iterable[types.ModuleType], other_modules: Iterable[t
     functions = {k: v for m in [*modules, *other_modules] for k, v in own_functions(m).items()}
     methods = {(cls, k): v for cls in classes for k, v in vars(cls).items() if callable(v)}
     code = {key: fn.__code__ for key, fn in methods.items() if isinstance(fn, types.FunctionType)}
-    return Snapshot(names, functions, methods, code, {m: frozenset(vars(m)) for m in modules})
+    return Snapshot(names, functions, methods, code, {m: frozenset(vars(m)) for m in modules},
+                    {cls: dict(vars(cls)) for cls in classes})
+
+
+def check_classes(state: WorkerState) -> None:
+    """Raise if an attribute of a harness class was added, removed or rebound since the snapshot
+    (a few µs: each timed call's request checks it before its report leaves)."""
+    for cls, attrs in state.snapshot.class_attrs.items():
+        now = vars(cls)
+        if len(now) != len(attrs) or any(now.get(k, attrs) is not v for k, v in attrs.items()):
+            changed = sorted(set(now) ^ set(attrs)) or [k for k, v in attrs.items() if now.get(k, attrs) is not v]
+            raise CandidateError("tamper", f"the harness class {cls.__name__} was modified by the candidate "
+                                 f"({', '.join(changed[:3])})")
 
 
 def added_names(snap: Snapshot) -> list[str]:
@@ -328,6 +340,7 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
         if cls.__dict__.get(attr) is not fn or (isinstance(fn, types.FunctionType)
                                                  and fn.__code__ is not snap.method_code[(cls, attr)]):
             raise CandidateError("tamper", f"the harness method {cls.__name__}.{attr} was replaced by the candidate")
+    check_classes(state)
 
 
 # -- the audit's instruments ---------------------------------------------------------------------

@@ -38,6 +38,9 @@ class Snapshot:
     # every name each harness module had: a name added later shadows a builtin (`open`) or an
     # import for every function of that module
     keys: dict[types.ModuleType, frozenset[str]] = field(default_factory=dict)
+    # every attribute of each harness class, by identity: one added later (a property that shadows
+    # an instance's attribute, red team 12's forged `DeviceTimer.last_raw`) or rebound is tamper
+    class_attrs: dict[type, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

@@ -21,8 +21,8 @@ from cudagym.sandbox.protocol import MAX_IDLE_MS
 from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (check_channel, check_tamper, kernel_watch, kernels_alive, op_watch,
-                                              watch_alive, watch_changes)
+from cudagym.sandbox.worker.integrity import (check_channel, check_classes, check_tamper, kernel_watch, kernels_alive,
+                                              op_watch, watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -120,7 +120,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     probe = probe_fn(p)
 
-    clock = ph._clock  # noqa: SLF001 - the job's clock (a mark's time: the parent's own bounds it)
+    clock = ph._clock  # noqa: SLF001 - the job's clock (the parent bounds the windows it times)
+    returned_at = [0.0]  # the last call's end, by that clock: reported with the next request
 
     def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
@@ -139,6 +140,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
+            if marks:
+                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -170,9 +173,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.clear()
 
     def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
-        if marks and made[0]:  # the last call's interval is over (its evidence sent from inside it)
-            check_channel(state)
-            ch.mark("returned", at=clock())
+        check_classes(state)  # the report was read through the timer's class (`DeviceTimer.last_raw`)
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
@@ -195,7 +196,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
         if kwatch:
             ops.update(records_as_counts(kwatch.records()))
-        answer = ch.request("call", role=role, index=made[0], ops=ops, **report)
+        answer = ch.request("call", role=role, index=made[0], ops=ops, **report,
+                            **({"returned_at": returned_at[0]} if marks and made[0] else {}))
         if answer.get("stop"):
             return None
         made[0] += 1
@@ -210,6 +212,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         try:
             return probe(*args)
         finally:
+            if marks:
+                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
