@@ -40,8 +40,7 @@ arrival to its last block's exit, on the device clock: `DeviceTimer.stamps_ns`; 
 `READ_SLACK_NS` more than the calibration's, plus the calibrated time per element projected
 beyond the calibration's output, plus `READ_SLACK_REL` of it), less the harness's overhead: that same
 interval for a call that launches nothing (its output read by the close as a call's is), the
-lowest of `CALIBRATION_BLOCKS` medians of `CALIBRATION_CALLS` calls each, measured by each timing
-job before any candidate code is
+median of `CALIBRATION_CALLS` calls, measured by each timing job before any candidate code is
 loaded (`harness.job_timer`), at most `MAX_OVERHEAD_NS`. So a call that launches nothing reads
 0, and a kernel's time holds its own launch on the GPU, as Nsight Compute counts it. Why each
 part (H100, 10 fresh processes, `benchmarks/probe_stamps.py`):

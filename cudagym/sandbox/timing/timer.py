@@ -26,27 +26,19 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
-# 13: the calibration's overhead is the lowest of three blocks' medians, its calls' window 300 us
 # 12: the CPU target's close (page reads, sample draw and reads) is one native call inside the interval;
 # 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
 # are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call
 # that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-13"
+PROTOCOL_VERSION = "gated-events-12"
 
-# The calibration (`DeviceTimer.calibrate`): blocks of calls that launch nothing, which measure the
-# harness's overhead; the lowest block median is the overhead. On an H100 one calibration in about
-# four read 5.07 us where the others read 4.3-4.4 (100 calls in one block, the whole window or a
-# shorter one alike) and then read small ops 0.7 us short (a 3 us relu 2.2-2.4 us:
-# benchmarks/probe_calibration.py): a transient of the calibration's, not of the calls it serves.
-# Its calls hold a launch window of CALIBRATION_WINDOW_US (they launch nothing: the host has
-# launched them within ~50 us); 300 us read the same overheads as the 1 ms of timed calls there.
-CALIBRATION_CALLS, CALIBRATION_BLOCKS, CALIBRATION_WINDOW_US = 40, 3, 300.0
+CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 # then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed
 # one of STRIDED_CALIBRATION_ELEMENTS: the close's time per element projected (H100: 2.6 ps per
 # contiguous fp32 element, 2 bytes or 4 alike: the hash and fp64 sums, not the reads, bound it)
-LARGE_CALIBRATION_CALLS = 5
+LARGE_CALIBRATION_CALLS = 10
 LARGE_CALIBRATION_ELEMENTS = 1 << 24
 STRIDED_CALIBRATION_ELEMENTS = 1 << 22
 # the CPU target's calibration (its close projects at ns, not ps, per element): calls, then the
@@ -472,10 +464,9 @@ class DeviceTimer:
     def calibrate(self, calls: int | None = None) -> Calibration:
         """Measure this timer's overhead and leave it out of its calls from now on; returns it.
 
-        The lowest of `CALIBRATION_BLOCKS` medians, each over `calls` (default `CALIBRATION_CALLS`)
-        calls that launch nothing, an output read at the call's end as a call's is, through this
-        timer's gate and flush (a window of `CALIBRATION_WINDOW_US` at most), of the call's
-        interval less its read phase: capped at `MAX_OVERHEAD_NS`; that block's read phase median
+        The median over `calls` (default `CALIBRATION_CALLS`) calls that launch nothing, an output
+        read at the call's end as a call's is, through this timer's gate, flush and window, of the
+        call's interval less its read phase: capped at `MAX_OVERHEAD_NS`; the read phase's median
         plus `READ_SLACK_NS` caps what is left out of a call for its own. Then
         `LARGE_CALIBRATION_CALLS` such calls with a contiguous output of `LARGE_CALIBRATION_ELEMENTS`
         and as many with a transposed one of `STRIDED_CALIBRATION_ELEMENTS`: the read phase's
@@ -494,27 +485,16 @@ class DeviceTimer:
             self.read_at_end(output)
 
         self.calibration = Calibration(0, 0)
-        window_ns = self._window_ns if self.cuda else 0
-        if self.cuda:
-            self._window_ns = min(window_ns, int(CALIBRATION_WINDOW_US * 1e3))
-        window_ms = self._window_ns / 1e6 if self.cuda else self.window_ms
-        blocks = []
-        try:
-            for _ in range(5):
-                self.call(lambda: None, [], read)
-            for _ in range(CALIBRATION_BLOCKS if self.cuda else 1):
-                timed = []
-                for _ in range(calls):
-                    ms = self.call(lambda: None, [], read)[1]
-                    phase_ns = self.read_phase_ns
-                    timed.append((ms * 1e6 - phase_ns, phase_ns, self.host_ms or 0.0))
-                # a call the host launched after the window's end holds that lateness: not the timer's own
-                on_time = [t for t in timed if t[2] <= window_ms] or timed
-                blocks.append((statistics.median(t[0] for t in on_time), statistics.median(t[1] for t in on_time)))
-        finally:
-            if self.cuda:
-                self._window_ns = window_ns
-        overhead_ns, read_ns = min(blocks)
+        for _ in range(5):
+            self.call(lambda: None, [], read)
+        timed = []
+        for _ in range(calls):
+            ms = self.call(lambda: None, [], read)[1]
+            phase_ns = self.read_phase_ns
+            timed.append((ms * 1e6 - phase_ns, phase_ns, self.host_ms or 0.0))
+        # a call the host launched after the window's end holds that lateness: not the timer's own
+        on_time = [t for t in timed if t[2] <= self.window_ms] or timed
+        read_ns = statistics.median(t[1] for t in on_time)
 
         def read_phase(t: torch.Tensor) -> float:
             phases = []
@@ -527,7 +507,7 @@ class DeviceTimer:
         side = int(strided_n ** 0.5)
         strided = read_phase(torch.zeros(side, side, device=self.device).t())
         self.calibration = Calibration.measured(
-            overhead_ns, read_ns,
+            statistics.median(t[0] for t in on_time), read_ns,
             (dense - read_ns) * 1000 / (large - base), (strided - read_ns) * 1000 / (side * side),
             base)
         return self.calibration

@@ -121,7 +121,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     probe = probe_fn(p)
 
     clock = ph._clock  # noqa: SLF001 - the job's clock (the parent bounds the windows it times)
-    returned_at = [0.0]  # the last call's end, by that clock: reported with the next request
+    returned_at = [0.0]  # when the last call's interval ended, by that clock: reported with the next request
 
     def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
@@ -140,8 +140,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
-            if marks:
-                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -173,6 +171,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.clear()
 
     def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
+        if marks and made[0]:  # the last call's interval (its close and evidence too) is over
+            returned_at[0] = clock()
         check_classes(state)  # the report was read through the timer's class (`DeviceTimer.last_raw`)
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
@@ -212,8 +212,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         try:
             return probe(*args)
         finally:
-            if marks:
-                returned_at[0] = clock()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
