@@ -351,14 +351,30 @@ def test_windows_shorter_than_the_calls_they_stand_for_are_refused() -> None:
     from cudagym.rewards.checks import cpu_windows_cover
 
     calls = [(2.2, i % 4 == 3) for i in range(100)]  # every fourth call a probe
-    honest = [40 if probe else 2_300 for _, probe in calls]
+    honest = [[40 if probe else 2_300, 2, 0] for _, probe in calls]
     assert cpu_windows_cover(honest, calls) is None
-    preempted = [w if i % 20 else 900 for i, w in enumerate(honest)]  # 5 of 75 model calls short
+    preempted = [w if i % 20 else [900, 1, 0] for i, w in enumerate(honest)]  # 5 of 75 model calls short
     assert cpu_windows_cover(preempted, calls) is None
-    forged = [40] * 100
+    forged = [[40, 0, 0]] * 100
     why = cpu_windows_cover(forged, calls)
     assert why and "75 of 75" in why and "not the harness's" in why, why
-    half = [w if i % 2 else 40 for i, w in enumerate(honest)]
+    half = [w if i % 2 else [40, 0, 0] for i, w in enumerate(honest)]
     assert cpu_windows_cover(half, calls), "a share of the calls is enough"
     assert "marked 99 timed calls of the 100" in (cpu_windows_cover(honest[:99], calls) or "")
     assert cpu_windows_cover([], calls) is None, "not sampled: nothing to judge"
+
+
+def test_foreign_work_in_the_fast_calls_is_not_diluted_by_slow_ones() -> None:
+    """Own code padded into some calls (red team 12's a6: 100 ms in each warm-up call) must not
+    hide foreign code in the calls the reward reads (those at or below the median time)."""
+    from cudagym.rewards.checks import cpu_fast_calls_foreign
+
+    calls = [(100.0, False)] * 5 + [(2.0, False)] * 30  # warm-up padded with own code, then timed calls
+    timed = [False] * 5 + [True] * 30
+    padded = [[100_000, 100, 0]] * 5 + [[2_100, 2, 1]] * 30  # each timed call: one foreign sample of two
+    why = cpu_fast_calls_foreign(padded, calls, timed, 1_000_000)
+    assert why and "not your own for 50%" in why, why
+    honest = [[100_000, 100, 0]] * 5 + [[2_100, 2, 0]] * 30
+    assert cpu_fast_calls_foreign(honest, calls, timed, 1_000_000) is None
+    few = [[100_000, 100, 0]] * 5 + [[2_100, 2, int(i == 7)] for i in range(30)]
+    assert cpu_fast_calls_foreign(few, calls, timed, 1_000_000) is None, "within the allowance"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -88,18 +89,18 @@ def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
 CPU_WINDOW_SHARE, CPU_WINDOW_SLACK_US, CPU_SHORT_WINDOWS = 0.9, 50.0, 0.1
 
 
-def cpu_windows_cover(windows_us: list[int], calls: list[tuple[float | None, bool]]) -> str | None:
-    """CPU target: why the sampled windows of a job's timed calls (`windows_us`, each on the
-    evaluator's clock, in the order of the calls) are shorter than the calls they stand for
-    (`calls`: each call's measured time in ms, or None, and whether it was a probe of the
-    harness's), or None. Red team 11's a1 ended every window where it began (a replaced clock),
-    its b1 and b2 hid the harness's end marks and wrote their own right after forward began:
-    torch's compute after each window went unsampled."""
-    if not windows_us or not calls:
+def cpu_windows_cover(windows: list[list[int]], calls: list[tuple[float | None, bool]]) -> str | None:
+    """CPU target: why the sampled windows of a job's timed calls (`windows`: each one's length
+    in µs on the evaluator's clock, in the order of the calls) are shorter than the calls they
+    stand for (`calls`: each call's measured time in ms, or None, and whether it was a probe of
+    the harness's), or None. Red team 11's a1 ended every window where it began (a replaced
+    clock), its b1 and b2 hid the harness's end marks and wrote their own right after forward
+    began: torch's compute after each window went unsampled."""
+    if not windows or not calls:
         return None
-    if len(windows_us) != len(calls):
-        return f"the worker marked {len(windows_us)} timed calls of the {len(calls)} it made"
-    model = [(w, ms) for w, (ms, probe) in zip(windows_us, calls, strict=True) if not probe and ms is not None]
+    if len(windows) != len(calls):
+        return f"the worker marked {len(windows)} timed calls of the {len(calls)} it made"
+    model = [(w[0], ms) for w, (ms, probe) in zip(windows, calls, strict=True) if not probe and ms is not None]
     short = [(w, ms) for w, ms in model if w < CPU_WINDOW_SHARE * ms * 1e3 - CPU_WINDOW_SLACK_US]
     if len(short) <= CPU_SHORT_WINDOWS * len(model):
         return None
@@ -107,6 +108,31 @@ def cpu_windows_cover(windows_us: list[int], calls: list[tuple[float | None, boo
     return (f"{len(short)} of {len(model)} timed calls were marked as running for less than they took by the "
             f"evaluator's clock (e.g. {w} µs for a call measured at {ms:.3f} ms): the marks that end them are "
             "not the harness's")
+
+
+def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | None, bool]], timed: list[bool],
+                           period_ns: int) -> str | None:
+    """CPU target, strict: why the timed calls at or below the median time (what the reward
+    reads) ran foreign code beyond the allowance (`cpu_foreign_work`'s, over their windows'
+    samples alone: `windows` as `cpu_windows_cover`'s with each window's samples and foreign
+    ones; `timed`: whether each call was a timed one), or None. Red team 12's a6 ran own code
+    for 100 ms in each warm-up call, which hid torch's GELU in every timed call below 5% of all
+    of forward's samples; slow calls padded with own code dilute the same way."""
+    if not windows or len(windows) != len(calls) or len(timed) != len(calls):
+        return None
+    times = [ms for (ms, probe), t in zip(calls, timed, strict=True) if t and not probe and ms is not None]
+    if not times:
+        return None
+    median = statistics.median(times)
+    fast = [w for w, (ms, probe), t in zip(windows, calls, timed, strict=True)
+            if t and not probe and ms is not None and ms <= median]
+    n, foreign = sum(w[1] for w in fast), sum(w[2] for w in fast)
+    allowed = max(CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE * n,
+                  len(fast) * CPU_FOREIGN_US_PER_CALL * 1e3 / max(period_ns, 1))
+    if foreign <= allowed:
+        return None
+    return (f"in the {len(fast)} timed calls at or below the median time, ModelNew.forward ran code that is not "
+            f"your own for {foreign / max(n, 1):.0%} of their sampled CPU time ({foreign} of {n} samples)")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:
@@ -493,8 +519,12 @@ async def timed_calls_audited(run: TimedRun) -> Finding | None:
     own-kernel share): a candidate may behave differently once timed."""
     why = await asyncio.to_thread(run.audit.timed_calls, run.timed_ops, run.artifact_dir, run.measured, run.workspace)
     if not why and not run.cuda and run.audit.config.mode == "strict":
-        why = cpu_windows_cover(run.final.get("cpu_windows_us") or [],
-                                [(c.ms, c.probe) for c in run.feed.calls("candidate")])
+        windows, calls = run.final.get("cpu_windows") or [], run.feed.calls("candidate")
+        timed = {id(c) for c in run.feed.timed("candidate")}
+        origin = CpuOrigin.from_counts(run.timed_ops)
+        why = cpu_windows_cover(windows, [(c.ms, c.probe) for c in calls]) or cpu_fast_calls_foreign(
+            windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
+            origin.period_ns if origin is not None else 0)
         why = "strict mode: during timed calls, " + why if why else None
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 

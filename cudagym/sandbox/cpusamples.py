@@ -377,6 +377,8 @@ class CpuOrigin:
     unseen_threads: int = 0
     error: str = ""
     tamper: str = ""  # the windows' marks contradict the sandbox's clock
+    # per window, in the calls' order: (samples, foreign ones) (not in `as_counts`: `windows_record`)
+    per_window: list[list[int]] = field(default_factory=list)
 
     def as_counts(self) -> dict[str, int]:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
@@ -502,6 +504,7 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         return i if i >= 0 and when <= spans[i][1] else -1
 
     sampled: Counter[int] = Counter()
+    origin.per_window = [[0, 0] for _ in spans]
     roots = [os.path.realpath(r) + "/" for r in own_roots if r]
     harness = tuple(os.path.realpath(r) + "/" for r in harness_roots if r)
     base = before if before is not None else maps
@@ -509,9 +512,10 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
                                maps.get(pid, [])) for pid in {p for p, _, _, _ in samples.taken}}
     for pid, tid, when, ip in samples.taken:
         sampled[tid] += 1
-        if window_of(when) < 0:
+        if (w := window_of(when)) < 0:
             continue
         origin.forward += 1
+        origin.per_window[w][0] += 1
         mapping, doubt = histories[pid].live(ip, when)
         if mapping is None:
             kind, label = UNMAPPED, "<code no longer mapped at the job's end>"
@@ -524,6 +528,7 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         origin.by_origin[kind] += 1
         if kind in (FOREIGN, UNMAPPED):
             origin.foreign[label] += 1
+            origin.per_window[w][1] += 1
     # A thread's event starts a whole period after the thread does: one that runs less never
     # yields a sample. Threads started during the job that ended before it, where their start or
     # their end fell inside a forward call (red team 8's a2 started them in one call and ended them

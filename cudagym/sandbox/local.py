@@ -617,8 +617,9 @@ class LocalSandbox(SpareWorkerSandbox):
                 [str(self.opwatch_dir / "opwatch")], cpu_before)
             origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
-            if job.kind != "verify":  # each timed call's window (µs), in the order of its calls
-                outcome.final["cpu_windows_us"] = [round((b - a) * 1e6) for a, b in windows]
+            if job.kind != "verify":  # each timed call's window: µs, samples, foreign ones (the calls' order)
+                outcome.final["cpu_windows"] = [[round((b - a) * 1e6), n, bad]
+                                                for (a, b), (n, bad) in zip(windows, origin.per_window, strict=True)]
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
                                                                 *code_seen]))
