@@ -518,32 +518,33 @@ async def timed_calls_audited(run: TimedRun) -> Finding | None:
     permissive, foreign work per call beyond what verify's trials did, unmeasured by their
     own-kernel share): a candidate may behave differently once timed."""
     why = await asyncio.to_thread(run.audit.timed_calls, run.timed_ops, run.artifact_dir, run.measured, run.workspace)
-    if not why and not run.cuda and run.audit.config.mode == "strict":
-        windows, calls = run.final.get("cpu_windows") or [], run.feed.calls("candidate")
-        timed = {id(c) for c in run.feed.timed("candidate")}
-        origin = CpuOrigin.from_counts(run.timed_ops)
-        why = cpu_windows_cover(windows, [(c.ms, c.probe) for c in calls]) or cpu_fast_calls_foreign(
-            windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
-            origin.period_ns if origin is not None else 0)
-        why = "strict mode: during timed calls, " + why if why else None
     return Refusal(ErrorKind.AUDIT, why, why) if why else None
 
 
-# CPU target: a reported median below what the parent's clock saw by more than this many times
-# itself plus this many ms is refused (a loaded 2-core host's honest gaps: -13 to +30 ms at 2-19 ms calls)
-CPU_CLOCK_GAP_REL, CPU_CLOCK_GAP_MS = 2.0, 5.0
+async def cpu_windows_audited(run: TimedRun) -> Finding | None:
+    """Strict, CPU target: refuses timed calls whose sampled windows do not cover them
+    (`cpu_windows_cover`) or whose calls at or below the median time ran foreign code beyond the
+    allowance (`cpu_fast_calls_foreign`)."""
+    if run.cuda or run.audit.config.mode != "strict" or not (windows := run.final.get("cpu_windows")):
+        return None
+    calls = run.feed.calls("candidate")
+    timed = {id(c) for c in run.feed.timed("candidate")}
+    origin = CpuOrigin.from_counts(run.timed_ops)
+    why = cpu_windows_cover(windows, [(c.ms, c.probe) for c in calls]) or cpu_fast_calls_foreign(
+        windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
+        origin.period_ns if origin is not None else 0)
+    return Refusal(ErrorKind.AUDIT, "strict mode: during timed calls, " + why, why) if why else None
 
 
 async def clock_agrees(run: TimedRun) -> Finding | None:
-    """Refuses reported call times below the pace the parent's own clock saw (the interval
-    between requests holds the call), beyond the probes' overhead and the slack
-    (`CallFeed.clock_gap_ms`): forged or tampered timing. On the CPU target, whose loaded hosts'
-    honest gaps are wide, only a reported median under a third or so of the parent's
-    (`CPU_CLOCK_GAP_REL`, `CPU_CLOCK_GAP_MS`: red team 12's a1 reported a sixteenth)."""
+    """Refuses (GPU) reported call times below the pace the parent's own clock saw (the
+    interval between requests holds the call), beyond the probes' overhead and the slack
+    (`CallFeed.clock_gap_ms`): forged or tampered timing. The CPU target only reports the gap (a
+    loaded host's honest gaps are too wide to judge: a bound of twice the median plus 5 ms refused
+    an honest candidate under load in session 22, and red team 13 inflated the probes' overhead)."""
     gap, median = run.clock_gap_ms, run.stats.median_ms
-    slack = (run.timing.clock_slack_ms + run.timing.clock_slack_rel * median if run.cuda
-             else CPU_CLOCK_GAP_MS + CPU_CLOCK_GAP_REL * median)
-    if gap is not None and gap > slack:
+    slack = run.timing.clock_slack_ms + run.timing.clock_slack_rel * median
+    if gap is not None and gap > slack and run.cuda:
         why = (f"the reported call times are {gap:.4f} ms per call below what the evaluator's own clock saw "
                f"(median {median:.4f} ms reported; allowed {slack:.4f} ms): forged or tampered timing")
         return Refusal(ErrorKind.TAMPER, why, why, clock_gap_ms=gap)
@@ -597,6 +598,7 @@ PROFILE_CHECKS: tuple[Check, ...] = (
     timed_loop_ran,
     timed_outputs_match,
     timed_calls_audited,
+    cpu_windows_audited,
     clock_agrees,
     launches_in_window,
     gate_holds_every_sm,

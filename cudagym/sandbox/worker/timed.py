@@ -123,6 +123,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     clock = ph._clock  # noqa: SLF001 - the job's clock (the parent bounds the windows it times)
     returned_at = [0.0]  # when the last call's interval ended, by that clock: reported with the next request
 
+    cells: list[tuple[Any, Any]] = []  # the closures' cells below, checked before each report (`next_call`)
+
     def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
         ch.mark("forward", wait=True, at=clock())
@@ -171,9 +173,16 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.clear()
 
     def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
+        # what made the report is as it was bound: the timer (its dict, its callables: red team 13
+        # swapped `vars(timer)` for a dict that rewrote `last_raw`, and `timer._perf`), its class,
+        # and what the loop's closures hold (the clock that times the window's end: a cell
+        # rewritten through `__closure__`); before that clock is read
+        check_classes(state)
+        if type(vars(timer)) is not dict or any(vars(timer).get(k) is not v for k, v in timer_parts.items()) \
+                or any(c.cell_contents is not v for c, v in cells):
+            raise CandidateError("tamper", "the harness's timer or its timed loop was modified by the candidate")
         if marks and made[0]:  # the last call's interval (its close and evidence too) is over
             returned_at[0] = clock()
-        check_classes(state)  # the report was read through the timer's class (`DeviceTimer.last_raw`)
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
@@ -222,6 +231,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         if changed or timer.calibration is not calibration:
             raise CandidateError("tamper", "the harness's timer was modified by the candidate")
 
+    # the loop's closures' cells as bound now (none of them is rebound while the loop runs)
+    cells.extend((c, c.cell_contents) for f in (mark, call, next_call, probed, after, send_evidence)
+                 for c in (f.__closure__ or ()))
     with torch.no_grad():
         try:
             n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed, send=send_evidence,
