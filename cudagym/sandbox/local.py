@@ -469,7 +469,6 @@ class LocalSandbox(SpareWorkerSandbox):
         refused, foreign_since, foreign = w.device_check if w.device_check is not None else (None, 0, None)
         w.device_check = None
         outcome.device_busy = refused
-        steps.mark("device_check")
         # what the worker maps executable, read from outside it, before any candidate code runs
         code_before = exec_mappings(p.pid for p in self._tree(w.proc.pid)) if job.kind in _CODE_READ_KINDS else None
         # where a CPU worker's time goes, sampled by the kernel out of its reach (`cudagym.sandbox.cpusamples`)
