@@ -378,3 +378,120 @@ def test_foreign_work_in_the_fast_calls_is_not_diluted_by_slow_ones() -> None:
     assert cpu_fast_calls_foreign(honest, calls, timed, 1_000_000) is None
     few = [[100_000, 100, 0]] * 5 + [[2_100, 2, int(i == 7)] for i in range(30)]
     assert cpu_fast_calls_foreign(few, calls, timed, 1_000_000) is None, "within the allowance"
+
+
+# -- reported times against the kernel's samples ------------------------------------------------
+def test_reported_times_below_the_sampled_cpu_time_are_refused() -> None:
+    """The worker's times are its own (native code can rewrite what a CPU call reports); the
+    kernel's samples of its threads are not: a call cannot have taken less wall time than one
+    thread ran in it. The calls the reward reads (at or below the median) are held to that."""
+    from cudagym.rewards.checks import cpu_times_sampled
+
+    calls = [(2.0, False)] * 5 + [(2.0, i % 6 == 5) for i in range(36)]  # warm-up, then timed calls and probes
+    timed = [False] * 5 + [True] * 36
+    honest = [[2_100, 2, 0, 2_000]] * 41  # each call: 2 ms sampled, 2 ms reported
+    assert cpu_times_sampled(honest, calls, timed, 1_000_000) is None
+    forged = [(0.5, probe) for _, probe in calls]  # the same work, reported at a quarter of its time
+    why = cpu_times_sampled(honest, forged, timed, 1_000_000)
+    assert why and "reported at 15.000 ms" in why and "at least 60.000 ms" in why, why
+    slower = [(0.5, probe) if i < 30 else (3.0, probe) for i, (_, probe) in enumerate(calls)]
+    assert cpu_times_sampled(honest, slower, timed, 1_000_000), "the calls the reward reads, on their own"
+    near = [(1.9, probe) for _, probe in calls]  # within the allowance (the harness's steps in each window)
+    assert cpu_times_sampled(honest, near, timed, 1_000_000) is None
+    unbounded = [w[:3] for w in honest]  # no bounds (the marks broke the protocol: refused elsewhere)
+    assert cpu_times_sampled(unbounded, forged, timed, 1_000_000) is None
+
+
+def test_the_least_wall_time_of_a_window_is_not_raised_by_many_threads_sampled_once() -> None:
+    """One thread: its sampled time; several: the busiest less one sample, or all over the CPUs
+    (each of many threads sampled once may have run a moment only)."""
+    from collections import Counter
+
+    from cudagym.sandbox.cpusamples import CpuOrigin
+
+    origin = CpuOrigin(cpus=2)
+    origin.thread_ns = [Counter({7: 3_000}), Counter({t: 1_000 for t in range(64)}),
+                        Counter({7: 5_000, 8: 1_000}), Counter()]
+    origin.thread_n = [Counter({7: 3}), Counter({t: 1 for t in range(64)}), Counter({7: 5, 8: 1}), Counter()]
+    assert origin.least_wall_ns() == [3_000, 32_000, 4_000, 0]
+    origin.cpus = 64
+    assert origin.least_wall_ns()[1] == 1_000
+
+
+SPINNER = """\
+import sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+spans = []
+for ms in (30, 5, 60):
+    a = time.perf_counter()
+    while time.perf_counter() - a < ms / 1e3:
+        pass
+    spans.append((a, time.perf_counter()))
+    time.sleep(0.02)
+print(repr(spans), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_sampled_time_of_a_busy_thread_fits_in_its_window() -> None:
+    """A thread's sampled CPU time in a span (each sample weighed by its CPU's period) is at
+    most the span's wall time, give or take a sample, and is most of it for a thread that spun
+    through it (on a loaded host, what it was given)."""
+    child = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        sampler = CpuSampler([child.pid], period_us=500)
+        assert not sampler.samples.error, sampler.samples.error
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        spans = eval(child.stdout.readline())  # noqa: S307 - our own child's repr of floats
+        maps = read_maps([child.pid])
+        samples = sampler.close()
+    finally:
+        child.kill()
+        child.wait()
+    origin = attribute(samples, maps, spans, [], bounds=spans)
+    least = origin.least_wall_ns()
+    period = max(samples.cpu_period_ns.values())
+    for (a, b), ns in zip(spans, least, strict=True):
+        assert ns <= (b - a) * 1e9 + period, (spans, least, samples.cpu_period_ns)
+    assert sum(least) > 0.2 * sum(b - a for a, b in spans) * 1e9, (least, spans)
+
+
+def test_call_bounds_are_the_parents_arrivals() -> None:
+    from cudagym.sandbox.cpusamples import call_bounds
+
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
+             ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
+    assert call_bounds(timed) == [(10.001, 10.5), (11.002, 11.25)]
+
+
+# Python that writes memory through ctypes (as native code can): the timer's start, a float on the
+# close's frame, moved forward in place as forward returns. No identity changes, no hook: only the
+# kernel's samples of the worker's threads see the time the call took.
+SHRINK = '''\
+
+
+def _shrink(share):
+    import sys, time
+    f = sys._getframe(1)
+    while f is not None and not (f.f_code.co_name == "call" and "t0" in f.f_locals):
+        f = f.f_back
+    if f is not None and share:
+        t0 = f.f_locals["t0"]
+        ctypes.c_double.from_address(id(t0) + 16).value = t0 + share * (time.perf_counter() - t0)
+'''
+
+
+@pytest.mark.parametrize("share", [0.0, 0.8])
+def test_a_call_time_rewritten_in_memory_is_refused_by_the_kernels_samples(evaluator: Evaluator, build_ws,
+                                                                             share: float) -> None:
+    model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None" + SHRINK)
+    model = model.replace("        return out\n", f"        _shrink({share})\n        return out\n", 1)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    if share:
+        assert_rejected(v, ErrorKind.TAMPER, "the reported times are not the calls'")
+    else:
+        assert v.reward >= 1, v.reasons

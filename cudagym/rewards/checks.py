@@ -118,14 +118,9 @@ def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | N
     ones; `timed`: whether each call was a timed one), or None. Red team 12's a6 ran own code
     for 100 ms in each warm-up call, which hid torch's GELU in every timed call below 5% of all
     of forward's samples; slow calls padded with own code dilute the same way."""
-    if not windows or len(windows) != len(calls) or len(timed) != len(calls):
+    fast = [w for w, _ in _fast_calls(windows, calls, timed)]
+    if not fast:
         return None
-    times = [ms for (ms, probe), t in zip(calls, timed, strict=True) if t and not probe and ms is not None]
-    if not times:
-        return None
-    median = statistics.median(times)
-    fast = [w for w, (ms, probe), t in zip(windows, calls, timed, strict=True)
-            if t and not probe and ms is not None and ms <= median]
     n, foreign = sum(w[1] for w in fast), sum(w[2] for w in fast)
     allowed = max(CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE * n,
                   len(fast) * CPU_FOREIGN_US_PER_CALL * 1e3 / max(period_ns, 1))
@@ -133,6 +128,49 @@ def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | N
         return None
     return (f"in the {len(fast)} timed calls at or below the median time, ModelNew.forward ran code that is not "
             f"your own for {foreign / max(n, 1):.0%} of their sampled CPU time ({foreign} of {n} samples)")
+
+
+# the wall time the kernel's samples leave room for in the timed calls at or below the median (what
+# the reward reads) may exceed their reported times by this share, this much per call (the harness's
+# own steps inside each window: the mark's reply, the close, the evidence, the checks before the
+# next request) and the samples' grain: two samples, and three standard deviations of a sum of one
+# rounding per call (at most half a sample's standard deviation each)
+CPU_TIME_SHARE, CPU_TIME_SLACK_US = 1.25, 150.0
+
+
+def _fast_calls(windows: list[list[Any]], calls: list[tuple[float | None, bool]],
+                timed: list[bool]) -> list[tuple[list[Any], float]]:
+    """The timed model calls at or below the median time, each with its window."""
+    if not windows or len(windows) != len(calls) or len(timed) != len(calls):
+        return []
+    picked = [(w, ms) for w, (ms, probe), t in zip(windows, calls, timed, strict=True)
+              if t and not probe and ms is not None]
+    if not picked:
+        return []
+    median = statistics.median(ms for _, ms in picked)
+    return [(w, ms) for w, ms in picked if ms <= median]
+
+
+def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, bool]], timed: list[bool],
+                      period_ns: int) -> str | None:
+    """CPU target: why the timed calls at or below the median time were reported faster than
+    the kernel's samples of the worker allow (`windows` as `cpu_windows_cover`'s, each with the
+    least wall time its samples leave room for, µs: `CpuOrigin.least_wall_ns`), or None. The
+    samples are taken by the kernel, out of the candidate's reach: a thread's sampled CPU time
+    is a floor on the call's wall time whatever the worker reports. Native code can rewrite
+    what a CPU call reports (the times are the worker's own); this bounds what that gains."""
+    fast = _fast_calls(windows, calls, timed)
+    if not fast or period_ns <= 0 or any(len(w) < 4 for w, _ in fast):
+        return None
+    least = sum(w[3] for w, _ in fast)
+    reported = sum(ms for _, ms in fast) * 1e3
+    period = period_ns / 1e3
+    allowed = CPU_TIME_SHARE * reported + len(fast) * CPU_TIME_SLACK_US + (2 + 1.5 * len(fast) ** 0.5) * period
+    if least <= allowed:
+        return None
+    return (f"the {len(fast)} timed calls at or below the median time were reported at {reported / 1e3:.3f} ms in all, "
+            f"but the kernel sampled the worker's threads for at least {least / 1e3:.3f} ms of wall time in them "
+            f"(allowed {allowed / 1e3:.3f} ms): the reported times are not the calls'")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:
@@ -536,6 +574,19 @@ async def cpu_windows_audited(run: TimedRun) -> Finding | None:
     return Refusal(ErrorKind.AUDIT, "strict mode: during timed calls, " + why, why) if why else None
 
 
+async def cpu_times_agree(run: TimedRun) -> Finding | None:
+    """CPU target, either mode: refuses timed calls reported faster than the kernel's samples of
+    the worker's threads allow (`cpu_times_sampled`): forged or tampered timing."""
+    if run.cuda or not (windows := run.final.get("cpu_windows")):
+        return None
+    calls = run.feed.calls("candidate")
+    timed = {id(c) for c in run.feed.timed("candidate")}
+    origin = CpuOrigin.from_counts(run.timed_ops)
+    why = cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
+                            origin.period_ns if origin is not None else 0)
+    return Refusal(ErrorKind.TAMPER, why, why) if why else None
+
+
 async def clock_agrees(run: TimedRun) -> Finding | None:
     """Refuses (GPU) reported call times below the pace the parent's own clock saw (the
     interval between requests holds the call), beyond the probes' overhead and the slack
@@ -599,6 +650,7 @@ PROFILE_CHECKS: tuple[Check, ...] = (
     timed_outputs_match,
     timed_calls_audited,
     cpu_windows_audited,
+    cpu_times_agree,
     clock_agrees,
     launches_in_window,
     gate_holds_every_sm,

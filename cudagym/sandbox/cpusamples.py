@@ -47,7 +47,7 @@ import numpy as np
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _TYPE_SOFTWARE, _SW_TASK_CLOCK = 1, 1
-_SAMPLE_IP, _SAMPLE_TID, _SAMPLE_TIME = 1 << 0, 1 << 1, 1 << 2
+_SAMPLE_IP, _SAMPLE_TID, _SAMPLE_TIME, _SAMPLE_CPU = 1 << 0, 1 << 1, 1 << 2, 1 << 7
 # perf_event_attr flag bits: inherit, exclude_kernel, exclude_hv, mmap (each executable mapping
 # made, mprotect's too), inherit_stat (a thread's count when it exits), task (its start and exit),
 # sample_id_all (every record's time), mmap2 (with the file's offset), use_clockid
@@ -63,13 +63,16 @@ _DATA_PAGES = 32  # 128 KiB of samples (32 bytes each) per CPU: 4,000, drained e
 
 @dataclass
 class Samples:
-    """What the sampler collected: (pid, tid, time ns, ip) per sample; samples the kernel lost
-    (the ring buffer was full); each thread started meanwhile, its start and exit (ns) and the
-    CPU time it ran (ns, summed over CPUs, known once it exited); why sampling could not start,
-    if it could not."""
+    """What the sampler collected: (pid, tid, time ns, ip, CPU) per sample; samples the kernel
+    lost (the ring buffer was full); each thread started meanwhile, its start and exit (ns) and
+    the CPU time it ran (ns, summed over CPUs, known once it exited); the CPU time each sample
+    stands for on each CPU (`cpu_period_ns`: the periods differ by CPU, and are measured at the
+    close); why sampling could not start, if it could not."""
 
     period_ns: int
-    taken: list[tuple[int, int, int, int]] = field(default_factory=list)
+    taken: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    cpu_period_ns: dict[int, int] = field(default_factory=dict)
+    alive_ns: dict[int, int] = field(default_factory=dict)  # the CPU time of threads alive at the end (`thread_cpu_ns`)
     lost: int = 0
     started: dict[int, int] = field(default_factory=dict)
     exited: dict[int, int] = field(default_factory=dict)
@@ -92,6 +95,7 @@ class CpuSampler:
         self.samples = Samples(period_ns=int(period_us * 1000))
         self._events: list[_Event] = []  # one per CPU, with its ring buffer
         self._fds: list[int] = []  # the other threads' events, writing into those
+        self._cpu_of: dict[int, int] = {}  # each event's CPU, by its descriptor
         self._lock = threading.Lock()
         number = _PERF_EVENT_OPEN.get(os.uname().machine)
         if number is None:
@@ -116,9 +120,10 @@ class CpuSampler:
         # (red team 8's a3 ran torch's code mid-period and its own around each sample)
         for cpu in cpus:
             period = int(self.samples.period_ns * rng.uniform(0.6, 1.4))
+            self.samples.cpu_period_ns[cpu] = period
             attr = bytearray(_ATTR_SIZE)
             struct.pack_into("IIQQQ", attr, 0, _TYPE_SOFTWARE, _ATTR_SIZE, _SW_TASK_CLOCK, period,
-                             _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME)
+                             _SAMPLE_IP | _SAMPLE_TID | _SAMPLE_TIME | _SAMPLE_CPU)
             struct.pack_into("Q", attr, 40, _INHERIT | _EXCLUDE_KERNEL | _EXCLUDE_HV | _MMAP | _INHERIT_STAT | _TASK
                              | _SAMPLE_ID_ALL | _MMAP2 | _USE_CLOCKID)
             struct.pack_into("i", attr, 92, _CLOCK_MONOTONIC)
@@ -134,6 +139,7 @@ class CpuSampler:
                                           f"is {_paranoid()})")
                     self.close()
                     return
+                self._cpu_of[fd] = cpu
                 try:
                     if leader is None:
                         leader = _Event(fd, mmap.mmap(fd, (1 + _DATA_PAGES) * _PAGE, mmap.MAP_SHARED,
@@ -168,9 +174,9 @@ class CpuSampler:
             kind, _misc, length = struct.unpack_from("IHH", data, at)
             if length < 8:
                 break
-            if kind == _RECORD_SAMPLE and length >= 32:
-                ip, pid, tid, when = struct.unpack_from("QIIQ", data, at + 8)
-                taken.append((pid, tid, when, ip))
+            if kind == _RECORD_SAMPLE and length >= 40:
+                ip, pid, tid, when, cpu = struct.unpack_from("QIIQI", data, at + 8)
+                taken.append((pid, tid, when, ip, cpu))
             elif kind == _RECORD_LOST and length >= 24:
                 self.samples.lost += struct.unpack_from("Q", data, at + 16)[0]
             elif kind in (_RECORD_FORK, _RECORD_EXIT) and length >= 32:
@@ -181,8 +187,9 @@ class CpuSampler:
                 self.samples.ran_ns[tid] += value
             elif kind == _RECORD_MMAP2 and length >= 88:
                 pid, _tid, addr, size, pgoff = struct.unpack_from("IIQQQ", data, at + 8)
-                name = data[at + 72:at + length - 16].split(b"\0", 1)[0].decode(errors="replace")
-                when, = struct.unpack_from("Q", data, at + length - 8)  # sample_id_all: pid, tid, time
+                name = data[at + 72:at + length - 24].split(b"\0", 1)[0].decode(errors="replace")
+                # sample_id_all: pid, tid, time, CPU
+                when, = struct.unpack_from("Q", data, at + length - 16)
                 self.samples.mapped.append((when, pid, Mapping(addr, addr + size, pgoff, name)))
             at += length
         struct.pack_into("Q", buf, 1032, head)
@@ -190,19 +197,30 @@ class CpuSampler:
     def close(self) -> Samples:
         """Stop sampling; the samples (drained a last time), with `period_ns` the CPU time each
         stands for, as measured: every event's count (its threads', exited ones' included) over
-        the samples. A kernel whose timers are coarse samples less often than asked (this
-        project's CI hosts: every ~1.1 ms for 250 µs asked)."""
+        the samples; and `cpu_period_ns` likewise for each CPU's own (where its samples are too
+        few to measure: its period as asked, scaled as the whole). A kernel whose timers are
+        coarse samples less often than asked (this project's CI hosts: every ~1.1 ms for 250 µs
+        asked)."""
         self.drain()
         with self._lock:
-            total = 0
+            counts: Counter[int] = Counter()
             for fd in [ev.fd for ev in self._events] + self._fds:
                 try:
-                    total += struct.unpack("Q", os.read(fd, 8))[0]
+                    counts[self._cpu_of.get(fd, -1)] += struct.unpack("Q", os.read(fd, 8))[0]
                 except (OSError, struct.error):
-                    total = 0
+                    counts.clear()
                     break
-            if total and len(self.samples.taken) >= 20:
-                self.samples.period_ns = max(self.samples.period_ns, total // len(self.samples.taken))
+            total = sum(counts.values())
+            taken = self.samples.taken
+            if total and len(taken) >= 20:
+                self.samples.period_ns = max(self.samples.period_ns, total // len(taken))
+                asked = self.samples.cpu_period_ns
+                per_cpu = Counter(s[4] for s in taken)
+                scale = max(1.0, total / max(sum(asked.get(c, self.samples.period_ns) * n
+                                                 for c, n in per_cpu.items()), 1))
+                self.samples.cpu_period_ns = {
+                    c: (max(p, counts[c] // per_cpu[c]) if per_cpu[c] >= 20 else round(p * scale))
+                    for c, p in asked.items()}
             for ev in self._events:
                 ev.buf.close()
                 os.close(ev.fd)
@@ -210,6 +228,23 @@ class CpuSampler:
                 os.close(fd)
             self._events, self._fds = [], []
         return self.samples
+
+
+def thread_cpu_ns(pids: list[int]) -> dict[int, int]:
+    """The CPU time (ns) each thread of `pids` has run so far, by thread id (the kernel's
+    accounting: `/proc/PID/task/TID/schedstat`); threads that cannot be read are left out."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                out[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
 
 
 def _paranoid() -> str:
@@ -379,6 +414,27 @@ class CpuOrigin:
     tamper: str = ""  # the windows' marks contradict the sandbox's clock
     # per window, in the calls' order: (samples, foreign ones) (not in `as_counts`: `windows_record`)
     per_window: list[list[int]] = field(default_factory=list)
+    # per span of `attribute`'s bounds: the CPU time each thread was sampled for (ns, by thread id), and its samples
+    thread_ns: list[Counter[int]] = field(default_factory=list)
+    thread_n: list[Counter[int]] = field(default_factory=list)
+    cpus: int = 0  # the CPUs sampled (the worker's)
+
+    def least_wall_ns(self) -> list[int]:
+        """Per span of `attribute`'s bounds, the least wall time its samples leave room for (ns): no thread runs for
+        longer than the window lasts, and the worker's threads together run at most `cpus` times
+        as long. A window of one sampled thread: that thread's sampled time (a thread that did
+        the work alone, or each call's work on a thread of its own); of several: the larger of
+        the busiest thread's sampled time less one sample (a thread sampled once may have run a
+        moment only: with many threads each sampled once, their most would read far above the
+        window) and all threads' sampled time over `cpus` (an unbiased sum)."""
+        out = []
+        for ns, n in zip(self.thread_ns, self.thread_n, strict=True):
+            if len(ns) <= 1:
+                out.append(sum(ns.values()))
+                continue
+            busiest = max(v - v // n[t] if n[t] else v for t, v in ns.items())
+            out.append(max(busiest, sum(ns.values()) // max(self.cpus, 1)))
+        return out
 
     def as_counts(self) -> dict[str, int]:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
@@ -487,31 +543,69 @@ class _History:
         return m, ""
 
 
+class _Spans:
+    """Sorted, disjoint time spans (seconds in, ns kept): which one holds a time."""
+
+    def __init__(self, windows: list[tuple[float, float]]) -> None:
+        self.spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
+        self.starts = [a for a, _ in self.spans]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def of(self, when: int) -> int:
+        i = bisect.bisect_right(self.starts, when) - 1
+        return i if i >= 0 and when <= self.spans[i][1] else -1
+
+
+# where a thread of an OpenMP runtime waits for work (it spins there a while before it sleeps):
+# idle, not the call's work (the runtime's code, judged by its file as the system's)
+_IDLE_WAIT_LIBRARY = re.compile(r"/libgomp[^/]*\.so[.\d]*$")
+_IDLE_WAIT_SYMBOL = re.compile(r"barrier|wait|spin|futex|sleep|yield")
+
+
+def _idle_wait(mapping: Mapping, ip: int) -> bool:
+    real = mapping.path.removesuffix(" (deleted)")
+    if not _IDLE_WAIT_LIBRARY.search(real) or (table := symbols(real)) is None:
+        return False
+    address = table.address(ip - mapping.start + mapping.offset)
+    name = table.name_at(address) if address is not None else None
+    return bool(name and _IDLE_WAIT_SYMBOL.search(name))
+
+
 def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tuple[float, float]],
               own_roots: list[str], harness_roots: list[str] = (),  # type: ignore[assignment]
-              before: dict[int, list[Mapping]] | None = None) -> CpuOrigin:
+              before: dict[int, list[Mapping]] | None = None,
+              bounds: list[tuple[float, float]] | None = None) -> CpuOrigin:
     """The samples inside `windows` (seconds of CLOCK_MONOTONIC), by origin (`classify`), each
     by the mapping its address had when it was taken (`_History`: `before`, the worker's map
     read before the job; the sampler's records of mappings made meanwhile; `maps`, read at the
     end); `harness_roots`: where the harness's own libraries lie (the op counter's callback runs
-    in forward), counted with the system. Without `before` (tests), `maps` stands for it."""
+    in forward), counted with the system. Without `before` (tests), `maps` stands for it.
+    `bounds`: spans that hold each call whatever the worker's clock said (the parent's own
+    times), in which each thread's sampled CPU time is counted (`thread_ns`), an OpenMP
+    runtime's idle waits left out: `least_wall_ns`."""
     origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
-    spans = sorted((int(a * 1e9), int(b * 1e9)) for a, b in windows)
-    starts = [a for a, _ in spans]
-
-    def window_of(when: int) -> int:
-        i = bisect.bisect_right(starts, when) - 1
-        return i if i >= 0 and when <= spans[i][1] else -1
+    spans = _Spans(windows)
+    window_of = spans.of
+    held = _Spans(bounds or [])
 
     sampled: Counter[int] = Counter()
-    origin.per_window = [[0, 0] for _ in spans]
+    origin.per_window = [[0, 0] for _ in range(len(spans))]
     roots = [os.path.realpath(r) + "/" for r in own_roots if r]
     harness = tuple(os.path.realpath(r) + "/" for r in harness_roots if r)
     base = before if before is not None else maps
     histories = {pid: _History(base.get(pid, maps.get(pid, [])), [(t, m) for t, p, m in samples.mapped if p == pid],
-                               maps.get(pid, [])) for pid in {p for p, _, _, _ in samples.taken}}
-    for pid, tid, when, ip in samples.taken:
+                               maps.get(pid, [])) for pid in {s[0] for s in samples.taken}}
+    origin.thread_ns, origin.thread_n = [Counter() for _ in range(len(held))], [Counter() for _ in range(len(held))]
+    origin.cpus = len(samples.cpu_period_ns)
+    for pid, tid, when, ip, cpu in samples.taken:
         sampled[tid] += 1
+        if (b := held.of(when)) >= 0:
+            live, doubt = histories[pid].live(ip, when)
+            if live is None or doubt or not _idle_wait(live, ip):
+                origin.thread_ns[b][tid] += samples.cpu_period_ns.get(cpu, samples.period_ns)
+                origin.thread_n[b][tid] += 1
         if (w := window_of(when)) < 0:
             continue
         origin.forward += 1
@@ -529,6 +623,17 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         if kind in (FOREIGN, UNMAPPED):
             origin.foreign[label] += 1
             origin.per_window[w][1] += 1
+    # A thread started inside a bounded call and never sampled (a thread's event starts a whole
+    # period after the thread does): its whole CPU time (the kernel's count at its exit, or read at
+    # the job's end) is counted in that call, exactly (a fresh thread per call, each running less
+    # than a period, would otherwise do the calls' work unseen)
+    for tid, began in samples.started.items():
+        if sampled[tid] or (b := held.of(began)) < 0:
+            continue
+        ran = samples.ran_ns.get(tid, 0) if tid in samples.exited else samples.alive_ns.get(tid, 0)
+        if ran > 0:
+            origin.thread_ns[b][tid] = ran
+            origin.thread_n[b][tid] = 0  # exact, not sampled
     # A thread's event starts a whole period after the thread does: one that runs less never
     # yields a sample. Threads started during the job that ended before it, where their start or
     # their end fell inside a forward call (red team 8's a2 started them in one call and ended them
@@ -553,6 +658,22 @@ def _plausible(at: Any, arrived: float) -> bool:
     """Whether a mark's own time can be the harness's: read before the mark arrived, and not
     over `MARK_DELAY_S` before."""
     return isinstance(at, (int, float)) and arrived - MARK_DELAY_S <= float(at) <= arrived
+
+
+def call_bounds(marks: list[tuple[str, Any, float]]) -> list[tuple[float, float]]:
+    """The timed loop's calls as this process's clock holds them, whatever the worker's clock
+    says: each from its forward mark's arrival (the worker waits for it to be read before the
+    call starts) to the arrival of the next call request (sent once the call returned). Only
+    for marks that follow the protocol (`windows_from_marks` found nothing wrong)."""
+    out: list[tuple[float, float]] = []
+    opened: float | None = None
+    for what, _at, arrived in marks:
+        if what == "forward":
+            opened = arrived
+        elif what == "request:call" and opened is not None:
+            out.append((opened, arrived))
+            opened = None
+    return out
 
 
 def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: str,

@@ -32,7 +32,9 @@ from cudagym.sandbox.config import LocalSandboxConfig
 from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
-from cudagym.sandbox.cpusamples import CpuSampler, attribute, read_maps, windows_from_marks
+from cudagym.sandbox.cpusamples import (
+    CpuSampler, attribute, call_bounds, read_maps, thread_cpu_ns, windows_from_marks,
+)
 from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
@@ -569,7 +571,10 @@ class LocalSandbox(SpareWorkerSandbox):
                                  reachable=[str(Path(job.cache_dir).parent) if job.cache_dir else "", str(self.home)])
                          if result_in and job.kind in _CODE_READ_KINDS else [])
             cpu_maps = read_maps([p.pid for p in tree]) if sampler is not None and result_in else {}
+            alive = thread_cpu_ns([p.pid for p in tree]) if sampler is not None and result_in else {}
             samples = sampler.close() if sampler is not None else None
+            if samples is not None:
+                samples.alive_ns = alive
             steps.mark("maps_after")
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
@@ -610,15 +615,19 @@ class LocalSandbox(SpareWorkerSandbox):
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
             windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
                                else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
+            bounds = call_bounds(w.frames.marks) if job.kind != "verify" and not forged else []
             origin = await asyncio.to_thread(
                 attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
-                [str(self.opwatch_dir / "opwatch")], cpu_before)
+                [str(self.opwatch_dir / "opwatch")], cpu_before, bounds)
             origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
-            if job.kind != "verify":  # each timed call's window: µs, samples, foreign ones (the calls' order)
-                outcome.final["cpu_windows"] = [[round((b - a) * 1e6), n, bad]
-                                                for (a, b), (n, bad) in zip(windows, origin.per_window, strict=True)]
+            if job.kind != "verify":  # each timed call's window: µs, samples, foreign ones, and the least
+                # wall time (µs) its samples leave room for (`CpuOrigin.least_wall_ns`), in the calls' order
+                least = origin.least_wall_ns()
+                outcome.final["cpu_windows"] = [
+                    [round((b - a) * 1e6), n, bad, *([round(least[i] / 1e3)] if len(least) == len(windows) else [])]
+                    for i, ((a, b), (n, bad)) in enumerate(zip(windows, origin.per_window, strict=True))]
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
                                                                 *code_seen]))
