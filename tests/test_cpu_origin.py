@@ -485,7 +485,7 @@ def _shrink(share):
 '''
 
 
-@pytest.mark.parametrize("share", [0.0, 0.8])
+@pytest.mark.parametrize("share", [0.0, 0.95])  # a twentieth: a loaded host's calls read ~0.2 of their time
 def test_a_call_time_rewritten_in_memory_is_refused_by_the_kernels_samples(evaluator: Evaluator, build_ws,
                                                                              share: float) -> None:
     model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None" + SHRINK)

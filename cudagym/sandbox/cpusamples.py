@@ -558,19 +558,10 @@ class _Spans:
         return i if i >= 0 and when <= self.spans[i][1] else -1
 
 
-# where a thread of an OpenMP runtime waits for work (it spins there a while before it sleeps):
-# idle, not the call's work (the runtime's code, judged by its file as the system's)
-_IDLE_WAIT_LIBRARY = re.compile(r"/libgomp[^/]*\.so[.\d]*$")
-_IDLE_WAIT_SYMBOL = re.compile(r"barrier|wait|spin|futex|sleep|yield")
-
-
-def _idle_wait(mapping: Mapping, ip: int) -> bool:
-    real = mapping.path.removesuffix(" (deleted)")
-    if not _IDLE_WAIT_LIBRARY.search(real) or (table := symbols(real)) is None:
-        return False
-    address = table.address(ip - mapping.start + mapping.offset)
-    name = table.name_at(address) if address is not None else None
-    return bool(name and _IDLE_WAIT_SYMBOL.search(name))
+# An OpenMP runtime schedules and waits (its threads spin a while after each parallel region,
+# through the harness's steps between calls); the call's work runs in the functions it calls,
+# which are the candidate's. Its distributed builds carry no symbols to tell the two apart.
+_OPENMP_RUNTIME = re.compile(r"/libgomp[^/]*\.so[.\d]*$")
 
 
 def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tuple[float, float]],
@@ -583,8 +574,9 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     end); `harness_roots`: where the harness's own libraries lie (the op counter's callback runs
     in forward), counted with the system. Without `before` (tests), `maps` stands for it.
     `bounds`: spans that hold each call whatever the worker's clock said (the parent's own
-    times), in which each thread's sampled CPU time is counted (`thread_ns`), an OpenMP
-    runtime's idle waits left out: `least_wall_ns`."""
+    times), in which each thread's sampled CPU time is counted (`thread_ns`), the OpenMP
+    runtime's and the harness's libraries left out (its close reads every page of the outputs
+    inside the interval, and is not in the reported time): `least_wall_ns`."""
     origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
     spans = _Spans(windows)
     window_of = spans.of
@@ -603,7 +595,9 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         sampled[tid] += 1
         if (b := held.of(when)) >= 0:
             live, doubt = histories[pid].live(ip, when)
-            if live is None or doubt or not _idle_wait(live, ip):
+            path = live.path.removesuffix(" (deleted)") if live is not None else ""
+            if live is None or doubt or not (_OPENMP_RUNTIME.search(path) or path.startswith(harness)
+                                             and not any(path.startswith(r) for r in roots)):
                 origin.thread_ns[b][tid] += samples.cpu_period_ns.get(cpu, samples.period_ns)
                 origin.thread_n[b][tid] += 1
         if (w := window_of(when)) < 0:

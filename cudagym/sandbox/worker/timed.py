@@ -125,6 +125,11 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     cells: list[tuple[Any, Any]] = []  # the closures' cells below, checked before each report (`next_call`)
 
+    def timer_modified() -> bool:  # the timer as bound: a plain dict, its callables, its calibration
+        mine = vars(timer)
+        return type(mine) is not dict or mine.get("calibration") is not calibration \
+            or any(mine.get(k) is not v for k, v in timer_parts.items())
+
     def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
         ch.mark("forward", wait=True, at=clock())
@@ -178,8 +183,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         # and what the loop's closures hold (the clock that times the window's end: a cell
         # rewritten through `__closure__`); before that clock is read
         check_classes(state)
-        if type(vars(timer)) is not dict or any(vars(timer).get(k) is not v for k, v in timer_parts.items()) \
-                or any(c.cell_contents is not v for c, v in cells):
+        if timer_modified() or any(c.cell_contents is not v for c, v in cells):
             raise CandidateError("tamper", "the harness's timer or its timed loop was modified by the candidate")
         if marks and made[0]:  # the last call's interval (its close and evidence too) is over
             returned_at[0] = clock()
@@ -227,12 +231,11 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     def untouched() -> None:  # the dispatcher's table is read by the job's own last check (`run_profile`)
         check_tamper(state, dispatcher=False)
-        changed = any(getattr(timer, k, None) is not v for k, v in timer_parts.items())
-        if changed or timer.calibration is not calibration:
+        if timer_modified():
             raise CandidateError("tamper", "the harness's timer was modified by the candidate")
 
     # the loop's closures' cells as bound now (none of them is rebound while the loop runs)
-    cells.extend((c, c.cell_contents) for f in (mark, call, next_call, probed, after, send_evidence)
+    cells.extend((c, c.cell_contents) for f in (mark, call, next_call, probed, after, send_evidence, timer_modified)
                  for c in (f.__closure__ or ()))
     with torch.no_grad():
         try:
