@@ -398,6 +398,7 @@ def test_reported_times_below_the_sampled_cpu_time_are_refused() -> None:
     assert cpu_times_sampled(honest, slower, timed, 1_000_000), "the calls the reward reads, on their own"
     near = [(1.9, probe) for _, probe in calls]  # within the allowance (the harness's steps in each window)
     assert cpu_times_sampled(honest, near, timed, 1_000_000) is None
+    assert cpu_times_sampled(honest, near, timed, 1_000_000, lost=40), "lost samples count as the calls'"
     unbounded = [w[:3] for w in honest]  # no bounds (the marks broke the protocol: refused elsewhere)
     assert cpu_times_sampled(unbounded, forged, timed, 1_000_000) is None
 

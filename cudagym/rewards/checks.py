@@ -152,17 +152,19 @@ def _fast_calls(windows: list[list[Any]], calls: list[tuple[float | None, bool]]
 
 
 def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, bool]], timed: list[bool],
-                      period_ns: int) -> str | None:
+                      period_ns: int, lost: int = 0) -> str | None:
     """CPU target: why the timed calls at or below the median time were reported faster than
     the kernel's samples of the worker allow (`windows` as `cpu_windows_cover`'s, each with the
     least wall time its samples leave room for, µs: `CpuOrigin.least_wall_ns`), or None. The
     samples are taken by the kernel, out of the candidate's reach: a thread's sampled CPU time
     is a floor on the call's wall time whatever the worker reports. Native code can rewrite
-    what a CPU call reports (the times are the worker's own); this bounds what that gains."""
+    what a CPU call reports (the times are the worker's own); this bounds what that gains.
+    Samples the kernel `lost` (its ring buffer full: a flood of mapping records) count as
+    though taken in these calls."""
     fast = _fast_calls(windows, calls, timed)
     if not fast or period_ns <= 0 or any(len(w) < 4 for w, _ in fast):
         return None
-    least = sum(w[3] for w, _ in fast)
+    least = sum(w[3] for w, _ in fast) + lost * period_ns / 1e3
     reported = sum(ms for _, ms in fast) * 1e3
     period = period_ns / 1e3
     allowed = CPU_TIME_SHARE * reported + len(fast) * CPU_TIME_SLACK_US + (2 + 1.5 * len(fast) ** 0.5) * period
@@ -583,7 +585,7 @@ async def cpu_times_agree(run: TimedRun) -> Finding | None:
     timed = {id(c) for c in run.feed.timed("candidate")}
     origin = CpuOrigin.from_counts(run.timed_ops)
     why = cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
-                            origin.period_ns if origin is not None else 0)
+                            origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0)
     return Refusal(ErrorKind.TAMPER, why, why) if why else None
 
 
