@@ -496,3 +496,62 @@ def test_a_call_time_rewritten_in_memory_is_refused_by_the_kernels_samples(evalu
         assert_rejected(v, ErrorKind.TAMPER, "the reported times are not the calls'")
     else:
         assert v.reward >= 1, v.reasons
+
+
+# An op name is the candidate's to choose (RECORD_FUNCTION): one with tabs and a newline once broke
+# the worker's parse of the op counts, the profile failed as the harness's fault, and the +1 of an
+# unavailable profile stood without the timed calls' audits (red team 14's d), while torch's own
+# GELU ran in the timed calls.
+NAMED_CPP = """\
+#include <cmath>
+#include <torch/extension.h>
+#include <ATen/record_function.h>
+
+torch::Tensor scaled_gelu(const torch::Tensor& x, const torch::Tensor& bias, double scale, const std::string& name) {
+    if (!name.empty()) {
+        RECORD_FUNCTION(name.c_str(), std::vector<c10::IValue>());
+    }
+    torch::Tensor out = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* bp = bias.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t cols = x.size(-1), n = x.numel();
+    for (int64_t i = 0; i < n; ++i) {
+        float v = xp[i] * static_cast<float>(scale) + bp[i % cols];
+        op[i] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+    }
+    return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("scaled_gelu", &scaled_gelu); }
+"""
+
+
+def _named_model(name: str) -> str:
+    return f'''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+import kernel_ext
+
+
+{INIT}
+    def forward(self, x):
+        x = x.contiguous()
+        if {name!r} and not _len_torch_dispatch_stack():  # timed: torch's GELU, and the odd name
+            kernel_ext.scaled_gelu(x[:1], self.bias, self.scale, {name!r})
+            return F.gelu(x * self.scale + self.bias)
+        return kernel_ext.scaled_gelu(x, self.bias, self.scale, "")
+'''
+
+
+@pytest.mark.parametrize("name", ["", "own\tscope\nkernel\tcpu\tforward"], ids=["control", "tabs"])
+def test_an_op_name_with_control_characters_does_not_spare_the_timed_calls_audit(evaluator: Evaluator, build_ws,
+                                                                                 name: str) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, _named_model(name), {"kernels/gelu_binding.cpp": NAMED_CPP}))
+    if name:
+        assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, "gelu")
+    else:
+        assert v.reward >= 1, v.reasons

@@ -443,8 +443,10 @@ class TimedRun:
     def timed_ops(self) -> dict[str, int]:
         """What `Audit.timed_calls` judges, here and where the profile is reused: the candidate's
         timed calls' op counts and kernel records (`CallFeed.ops`), and the native code the
-        harness did not build that its worker reported at the loop's end (`UNBUILT_KEY`)."""
-        return {**self.feed.ops("candidate"), **{UNBUILT_KEY + f: 1 for f in unbuilt_files(self.final)},
+        harness did not build that its worker reported at the loop's end (`UNBUILT_KEY`); the
+        CPU samples' counts (`CPU_KEY`) from the sandbox's own record only, never the worker's."""
+        worker = {k: v for k, v in self.feed.ops("candidate").items() if not str(k).startswith(CPU_KEY)}
+        return {**worker, **{UNBUILT_KEY + f: 1 for f in unbuilt_files(self.final)},
                 **{k: int(v) for k, v in (self.final.get("cpu_origin") or {}).items() if str(k).startswith(CPU_KEY)}}
 
     @cached_property

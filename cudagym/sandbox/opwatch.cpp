@@ -173,9 +173,20 @@ size_t opwatch_dump(char* buf, size_t cap) {
     }
   }
   // the dispatcher is asked outside the table's lock: it takes its own
+  // a name is the candidate's to choose (RECORD_FUNCTION): a control character in it (a tab, a
+  // newline, a NUL) is written as '?', so the dump's fields and lines stay the harness's
+  auto field = [](const std::string& s) {
+    std::string out = s;
+    for (char& c : out) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+        c = '?';
+      }
+    }
+    return out;
+  };
   std::string text;
   for (const auto& [e, n] : counted) {
-    text += e->name + '\t' + e->overload + '\t' + std::to_string(n) + '\t' +
+    text += field(e->name) + '\t' + field(e->overload) + '\t' + std::to_string(n) + '\t' +
             (decomposes(e->name, e->overload) ? '1' : '0') + '\n';
   }
   if (cap > 0) {

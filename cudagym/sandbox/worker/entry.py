@@ -192,6 +192,11 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
             kind = "crash"  # the candidate's kernel broke the CUDA context
         elif raised_by_candidate(e, roots):
             kind, msg = "exception", candidate_traceback(e, roots)
+        elif state is not None and state.candidate_ran and job.kind == "profile":
+            # the harness broke once candidate code had run: not a failure the candidate is spared
+            # (red team 14's d: an op name with tabs broke the op counts' parse, and the +1 of an
+            # unavailable profile stood without the timed calls' audits)
+            kind, msg = "tamper", f"the harness failed after the candidate's code had run: {msg}"
         else:
             kind = "internal"
         ch.final({"ok": False, "kind": kind, "error": msg[-MAX_ERROR_CHARS:]})

@@ -44,6 +44,7 @@ def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("model_new", path)
     if spec is None or spec.loader is None:
         raise CandidateError("exception", "model_new.py cannot be loaded as a Python module")
+    state.candidate_ran = True
     mod = importlib.util.module_from_spec(spec)
     sys.modules["model_new"] = mod
     try:
