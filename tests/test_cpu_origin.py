@@ -555,3 +555,31 @@ def test_an_op_name_with_control_characters_does_not_spare_the_timed_calls_audit
         assert_rejected(v, {ErrorKind.AUDIT, ErrorKind.TAMPER}, "gelu")
     else:
         assert v.reward >= 1, v.reasons
+
+
+# Code beside the harness that finds the next call's inputs before its interval opens (red team
+# 14's b: a thread of `_thread`'s, which `threading` does not count, read `drive_calls`'s inputs
+# through `sys._current_frames` and ran torch's GELU on them while the harness flushed the cache).
+BESIDE = {
+    "thread": '''
+import _thread, time
+_thread.start_new_thread(lambda: [time.sleep(0.001) for _ in iter(int, 1)], ())
+''',
+    "frames": '''
+import sys
+_FRAMES = []
+''',
+}
+
+
+@pytest.mark.parametrize("how", ["thread", "frames"])
+def test_code_beside_the_harness_that_reaches_its_inputs_is_refused(evaluator: Evaluator, build_ws, how: str) -> None:
+    model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None\n" + BESIDE[how])
+    if how == "frames":
+        model = model.replace("        x = x.contiguous()\n", "        _FRAMES.append(len(sys._current_frames()))\n"
+                              "        x = x.contiguous()\n", 1)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    if how == "thread":
+        assert_rejected(v, ErrorKind.AUDIT, "left threads running")
+    else:
+        assert v.reward < 0 and "sys._current_frames" in " ".join(v.reasons) + (v.error or ""), v.reasons

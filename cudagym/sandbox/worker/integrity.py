@@ -20,7 +20,7 @@ import gc
 import os
 import random
 import secrets
-import threading
+import _thread
 import time
 import types
 from collections import Counter
@@ -174,6 +174,10 @@ class InputKernels:
 # counter (no dispatcher) sees; nothing honest looks up torch's mangled C++ names from Python
 TORCH_MANGLED = ("_ZN2at", "_ZNK2at", "_ZN3c10", "_ZNK3c10", "_ZN5torch", "_ZNK5torch")
 _HOOK_EVENTS = ("sys.setprofile", "sys.settrace", "sys.addaudithook", "sys.monitoring.register_callback")
+# another thread's frames and the whole object graph: how code beside the harness finds the next
+# call's inputs before its interval opens (red team 14's b read `drive_calls`'s through
+# `sys._current_frames` from a thread of its own and ran torch's GELU on them meanwhile)
+_SEARCH_EVENTS = ("sys._current_frames", "gc.get_objects", "gc.get_referrers")
 
 
 def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
@@ -186,6 +190,9 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
             seen.append(event)
             raise RuntimeError(f"{event} is refused in a cudagym worker "
                                "(a hook would run code outside the timed calls)")
+        if event in _SEARCH_EVENTS:
+            seen.append(event)
+            raise RuntimeError(f"{event} is refused in a cudagym worker (it reaches the harness's own objects)")
         if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
             name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
             if isinstance(name, str) and name.startswith(TORCH_MANGLED):
@@ -356,11 +363,16 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_thread_count = _thread._count  # bound before any candidate code  # noqa: SLF001
+
+
 def live_helpers() -> tuple[int, int]:
-    """Threads of this process, and its child processes (all generations)."""
+    """Python threads of this process beside the main one (those `_thread.start_new_thread`
+    started too, which `threading` does not know: red team 14's b), and its child processes
+    (all generations)."""
     import psutil
 
-    return threading.active_count(), len(psutil.Process().children(recursive=True))
+    return _thread_count(), len(psutil.Process().children(recursive=True))
 
 
 def check_torch_modes() -> None:

@@ -62,6 +62,7 @@ class WorkerState:
     opwatch_callbacks: Callable[[], int] | None = None  # RecordFunction callbacks registered so far (opwatch.cpp)
     callbacks_before: int | None = None  # their number before the candidate's code loaded (`timed.job_timer`)
     candidate_ran: bool = False  # the candidate's code has been loaded: a failure from here on may be its doing
+    threads_before: int | None = None  # Python threads beside the main one before that (`integrity.live_helpers`)
     # -- the kernel watcher (`cudagym.sandbox.origin`), loaded by `prewarm_device` (GPU workers)
     kwatch: KernelWatch | None = None
     kwatch_error: str | None = None  # why it could not be loaded

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, Devic
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
 from cudagym.sandbox.worker.integrity import (check_channel, check_classes, check_tamper, kernel_watch, kernels_alive,
-                                              op_watch, watch_alive, watch_changes)
+                                              live_helpers, op_watch, watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -112,7 +111,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         kwatch.reset()  # the role's kernel records, sent with the op counts: they only grow
     model_calls = [0]
     changes = watch_changes(state)  # then one arm and one disarm per call
-    threads = threading.active_count()
+    # Python threads (`_thread`'s too) the loop's calls may find alive: those before the candidate's
+    # code loaded (a thread it started at import, alive beside the loop, is one it left running)
+    threads = state.threads_before if state.threads_before is not None else live_helpers()[0]
     pending: list[tuple[torch.Size, Evidence]] = []
     made = [0]
     who = "ModelNew.forward" if role == "candidate" else f"the {role} model"
@@ -203,8 +204,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                                      "harness's own ops; `at::addGlobalCallback` or `addThreadLocalCallback`)")
             watch_alive(state, watch, changes + 2 * made[0])
             kernels_alive(state, kwatch)
-            if threading.active_count() > threads:
-                raise CandidateError("audit", f"{who} left threads running after it returned")
+            if live_helpers()[0] > threads:
+                raise CandidateError("audit", f"{who} left threads running after it returned (or started them "
+                                     "beside the harness when it loaded)")
         ops = dict(watch.counts())
         ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
         if kwatch:
