@@ -583,3 +583,20 @@ def test_code_beside_the_harness_that_reaches_its_inputs_is_refused(evaluator: E
         assert_rejected(v, ErrorKind.AUDIT, "left threads running")
     else:
         assert v.reward < 0 and "sys._current_frames" in " ".join(v.reasons) + (v.error or ""), v.reasons
+
+
+# The C function behind a clock rewritten in memory (red team 14's a did it from C++ at import, then
+# moved each call's end back): here `time.perf_counter`'s definition pointed at `time.monotonic`'s
+# C function, which on Linux reads the same clock. Harmless, and still the harness's clock changed.
+SWAPPED_CLOCK = '''
+import ctypes, time
+_word = ctypes.sizeof(ctypes.c_void_p)
+_meth = lambda f: ctypes.c_void_p.from_address(ctypes.c_void_p.from_address(id(f) + 2 * _word).value + _word)
+_meth(time.perf_counter).value = _meth(time.monotonic).value
+'''
+
+
+def test_a_clock_whose_c_function_was_swapped_is_refused(evaluator: Evaluator, build_ws) -> None:
+    model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None\n" + SWAPPED_CLOCK)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert_rejected(v, ErrorKind.TAMPER, "timer")

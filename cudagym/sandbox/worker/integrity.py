@@ -16,6 +16,7 @@ What was seen is kept in the `WorkerState`; the verdicts are the parent's.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import random
@@ -364,6 +365,29 @@ class OpRecorder(TorchDispatchMode):
 
 
 _thread_count = _thread._count  # bound before any candidate code  # noqa: SLF001
+
+
+def c_entries(functions: list[Any]) -> list[tuple[int, int, int]]:
+    """For each built-in function among `functions` (`time.perf_counter`): its object's address,
+    its method definition's and the C function that definition points to. Red team 14's a
+    rewrote the definition behind `time.perf_counter` from C++ (the same object, so every
+    identity check held) and moved each call's end back; `entries_changed` compares."""
+    out = []
+    for f in functions:
+        if isinstance(f, types.BuiltinFunctionType):
+            definition = _word(id(f) + 2 * _WORD).value or 0
+            out.append((id(f), definition, (_word(definition + _WORD).value or 0) if definition else 0))
+    return out
+
+
+def entries_changed(entries: list[tuple[int, int, int]]) -> bool:
+    """Whether a definition `c_entries` read has been pointed elsewhere since."""
+    return any(_word(obj + 2 * _WORD).value != definition or _word(definition + _WORD).value != meth
+               for obj, definition, meth in entries)
+
+
+_word = ctypes.c_void_p.from_address  # bound before any candidate code
+_WORD = ctypes.sizeof(ctypes.c_void_p)
 
 
 def live_helpers() -> tuple[int, int]:

@@ -65,6 +65,7 @@ def prewarm_host() -> WorkerState:
     state = WorkerState(snapshot=integrity.take_snapshot(modules, _timer_modules(), HARNESS_CLASSES))
     integrity.install_inert_switches(state)
     state.originals.update(integrity.watched_now())
+    state.c_entries = integrity.c_entries(list(state.originals.values()))  # the built-ins' C functions, now
     with OpRecorder():
         torch.ones(2) + 1
     live_helpers()

@@ -51,6 +51,7 @@ class WorkerState:
     stdin: LineReader = field(default_factory=lambda: LineReader(0))  # the job's line, then the parent's answers
     # -- integrity (`integrity`)
     originals: dict[str, Any] = field(default_factory=dict)  # the watched functions (`integrity.WATCHED`)
+    c_entries: list[tuple[int, int, int]] = field(default_factory=list)  # their C functions (`integrity.c_entries`)
     gc_callbacks: tuple[Any, ...] = ()  # `gc.callbacks` before candidate code (torch's own, if any)
     dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
     pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls

@@ -20,8 +20,9 @@ from cudagym.sandbox.protocol import MAX_IDLE_MS
 from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (check_channel, check_classes, check_tamper, kernel_watch, kernels_alive,
-                                              live_helpers, op_watch, watch_alive, watch_changes)
+from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_tamper, entries_changed,
+                                              kernel_watch, kernels_alive, live_helpers, op_watch, watch_alive,
+                                              watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -126,10 +127,14 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     cells: list[tuple[Any, Any]] = []  # the closures' cells below, checked before each report (`next_call`)
 
+    # the clocks' C functions as they were before candidate code (red team 14's a rewrote the one
+    # behind `time.perf_counter` at import), and the timer's own
+    entries = [*state.c_entries, *c_entries([*timer_parts.values(), clock])]
+
     def timer_modified() -> bool:  # the timer as bound: a plain dict, its callables, its calibration
         mine = vars(timer)
         return type(mine) is not dict or mine.get("calibration") is not calibration \
-            or any(mine.get(k) is not v for k, v in timer_parts.items())
+            or any(mine.get(k) is not v for k, v in timer_parts.items()) or entries_changed(entries)
 
     def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
