@@ -390,10 +390,14 @@ _word = ctypes.c_void_p.from_address  # bound before any candidate code
 _WORD = ctypes.sizeof(ctypes.c_void_p)
 
 
-def live_helpers() -> tuple[int, int]:
+def live_threads() -> int:
     """Python threads of this process beside the main one (those `_thread.start_new_thread`
-    started too, which `threading` does not know: red team 14's b), and its child processes
-    (all generations)."""
+    started too, which `threading` does not know: red team 14's b)."""
+    return _thread_count()
+
+
+def live_helpers() -> tuple[int, int]:
+    """`live_threads`, and this process's child processes (all generations)."""
     import psutil
 
     return _thread_count(), len(psutil.Process().children(recursive=True))

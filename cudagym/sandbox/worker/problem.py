@@ -18,7 +18,7 @@ import torch
 from cudagym import runtime
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import InputKernels, check_tamper, live_helpers, rebound
+from cudagym.sandbox.worker.integrity import InputKernels, check_tamper, live_threads, rebound
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.wire import Job
 
@@ -44,7 +44,7 @@ def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("model_new", path)
     if spec is None or spec.loader is None:
         raise CandidateError("exception", "model_new.py cannot be loaded as a Python module")
-    state.threads_before = live_helpers()[0]
+    state.threads_before = live_threads()
     state.candidate_ran = True
     mod = importlib.util.module_from_spec(spec)
     sys.modules["model_new"] = mod

@@ -21,7 +21,7 @@ from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, Devic
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
 from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_tamper, entries_changed,
-                                              kernel_watch, kernels_alive, live_helpers, op_watch, watch_alive,
+                                              kernel_watch, kernels_alive, live_threads, op_watch, watch_alive,
                                               watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
@@ -114,7 +114,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     changes = watch_changes(state)  # then one arm and one disarm per call
     # Python threads (`_thread`'s too) the loop's calls may find alive: those before the candidate's
     # code loaded (a thread it started at import, alive beside the loop, is one it left running)
-    threads = state.threads_before if state.threads_before is not None else live_helpers()[0]
+    threads = state.threads_before if state.threads_before is not None else live_threads()
     pending: list[tuple[torch.Size, Evidence]] = []
     made = [0]
     who = "ModelNew.forward" if role == "candidate" else f"the {role} model"
@@ -209,7 +209,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                                      "harness's own ops; `at::addGlobalCallback` or `addThreadLocalCallback`)")
             watch_alive(state, watch, changes + 2 * made[0])
             kernels_alive(state, kwatch)
-            if live_helpers()[0] > threads:
+            if live_threads() > threads:
                 raise CandidateError("audit", f"{who} left threads running after it returned (or started them "
                                      "beside the harness when it loaded)")
         ops = dict(watch.counts())
