@@ -600,3 +600,21 @@ def test_a_clock_whose_c_function_was_swapped_is_refused(evaluator: Evaluator, b
     model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None\n" + SWAPPED_CLOCK)
     v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
     assert_rejected(v, ErrorKind.TAMPER, "timer")
+
+
+def test_a_thread_started_in_a_call_and_never_sampled_counts_its_whole_cpu_time_there() -> None:
+    """A fresh thread per call, each running less than a period, is never sampled: its CPU time
+    (the kernel's count at its exit, or read at the job's end while it lives) counts, exactly,
+    in the call it started in."""
+    from cudagym.sandbox.cpusamples import Samples, thread_cpu_ns
+
+    samples = Samples(period_ns=1_000_000, cpu_period_ns={0: 1_000_000, 1: 1_000_000})
+    samples.started = {11: int(10.1e9), 12: int(11.1e9), 13: int(5e9)}
+    samples.exited = {11: int(10.3e9)}
+    samples.ran_ns[11] = 700_000
+    samples.alive_ns = {12: 900_000, 13: 50_000_000}  # 13 started before any call: not a call's
+    calls = [(10.0, 10.5), (11.0, 11.5)]
+    origin = attribute(samples, {}, calls, [], bounds=calls)
+    assert origin.least_wall_ns() == [700_000, 900_000]
+    mine = thread_cpu_ns([__import__("os").getpid()])
+    assert mine and all(v >= 0 for v in mine.values())
