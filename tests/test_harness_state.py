@@ -97,19 +97,20 @@ def test_a_kernel_for_an_op_of_the_input_generation_is_tamper(evaluator: Evaluat
 # torch's GELU looked up through ctypes, its note then erased where the audit hook keeps it
 ERASED_LOOKUP = """\
 import ctypes as _ct
-import gc as _gc
 import os as _os
-_gc.unfreeze()
+import sys as _sys
 _torch_cpu = _ct.CDLL(_os.path.join(_os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
 try:
     _gelu = _torch_cpu["_ZN2at3cpu5gelu_ERNS_6TensorEN3c1017basic_string_viewIcEE"]
     _why = ""
 except Exception as e:  # noqa: BLE001
     _gelu, _why = None, str(e)
-for _o in _gc.get_objects():
-    if type(_o).__name__ == "WorkerState":
-        _o.torch_lookups.clear()
-_gc.freeze()
+_f = _sys._getframe()  # the harness's state, up the stack from the import (the object graph's searches are refused)
+while _f is not None:
+    for _o in list(_f.f_locals.values()):
+        if type(_o).__name__ == "WorkerState":
+            _o.torch_lookups.clear()
+    _f = _f.f_back
 """
 ERASED_FORWARD = """\
 if _gelu is None:
@@ -178,15 +179,19 @@ sys.stdin.readline()
 # Once the timed loop runs (no dispatch recorder in forward), the candidate reaches the harness's
 # problem object (found through gc) and changes what makes the next call's inputs.
 REACH_PROBLEM = """\
-import gc as _gc
+import sys as _sys
 import torch.utils._device as _device
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 
-def _problem():
-    _gc.unfreeze()
-    found = [o for o in _gc.get_objects() if type(o).__name__ == "Problem" and hasattr(o, "input_kernels")]
-    return found[0] if found else None
+def _problem():  # up the stack (the object graph's searches are refused)
+    f = _sys._getframe(1)
+    while f is not None:
+        for o in list(f.f_locals.values()):
+            if type(o).__name__ == "Problem" and hasattr(o, "input_kernels"):
+                return o
+        f = f.f_back
+    return None
 
 
 class _Proxy:

@@ -222,17 +222,31 @@ def test_a_small_region_left_wrong_is_a_mismatch(sampling_evaluator, build_ws) -
     assert v.error_kind == ErrorKind.MISMATCH, v.reasons
 
 
-def test_asking_for_the_evidence_seed_before_the_outputs_exist_is_tamper(sampling_evaluator, build_ws) -> None:
-    """A forward that finds the harness's result channel and asks for its trial's evidence seed
-    itself (to know the positions) gets it, and the harness's own request is then refused."""
-    steal = """\
+STEAL_CHANNEL = {  # the harness's result channel, found from forward
+    "frames": """\
+        import sys
+        f, ch = sys._getframe(1), None
+        while f is not None and ch is None:
+            ch = next((v for v in f.f_locals.values() if type(v).__name__ == "Channel"), None)
+            f = f.f_back""",
+    "objects": """\
         import gc
-        ch = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if type(o).__name__ == "Channel")
+        ch = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if type(o).__name__ == "Channel")""",
+}
+
+
+@pytest.mark.parametrize("how,needle", [("frames", "evidence seed"), ("objects", "gc.get_objects is refused")])
+def test_asking_for_the_evidence_seed_before_the_outputs_exist_is_tamper(sampling_evaluator, build_ws, how: str,
+                                                                          needle: str) -> None:
+    """A forward that finds the harness's result channel and asks for its trial's evidence seed
+    itself (to know the positions) gets it, and the harness's own request is then refused; the
+    object graph's search that found the channel is refused itself (red team 14's b searched it)."""
+    steal = STEAL_CHANNEL[how] + """
         trial = getattr(self, "trial", 0)
         self.trial = trial + 1
         self.seed = ch.request("evidence", index=trial)["seed"]"""
     v = verify(sampling_evaluator, build_ws, outer_model(before=steal))
-    assert v.error_kind == ErrorKind.TAMPER and "evidence seed" in (v.error or ""), (v.error_kind, v.reasons)
+    assert v.error_kind == ErrorKind.TAMPER and needle in (v.error or ""), (v.error_kind, v.reasons)
 
 
 # -- on a GPU, under the default threshold ----------------------------------------------------------

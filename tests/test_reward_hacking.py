@@ -323,16 +323,14 @@ def test_1_15_hide_torch_ops_from_the_timed_calls_op_counter(evaluator: Evaluato
     """, "record_function_off": """\
         torch.autograd._enable_record_function(False)
     """, "reset_counter": """\
-        import gc
         from cudagym.sandbox.opwatch import OpWatch
-        _w = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, OpWatch))
+        _w = next(o for o in _up_the_stack() if isinstance(o, OpWatch))
         _out = F.gelu(x * self.scale + self.bias)
         _w.reset()
         return _out
     """, "disarm_counter": """\
-        import gc
         from cudagym.sandbox.opwatch import OpWatch
-        _w = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, OpWatch))
+        _w = next(o for o in _up_the_stack() if isinstance(o, OpWatch))
         _w.disarm()
         _out = F.gelu(x * self.scale + self.bias)
         _w.arm()
@@ -345,7 +343,7 @@ def test_1_15_hide_torch_ops_from_the_timed_calls_op_counter(evaluator: Evaluato
         return F.gelu(x * self.scale + self.bias)
     return run_kernel(x, self.bias, self.scale)
     """
-    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=UP_THE_STACK), GELU_KERNELS))
     assert v.reward < 0 and v.error_kind in (ErrorKind.TAMPER, ErrorKind.AUDIT), (v.reasons, (v.error or "")[:1500])
 
 
@@ -890,15 +888,15 @@ def test_14_forged_json_result_frame(evaluator: Evaluator, build_ws) -> None:
 
 
 @pytest.mark.both_backends
-def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_ws) -> None:
-    """Find the harness's channel (nonce included) through gc, send matching 'candidate' and
+def test_14_16_full_forgery_with_the_nonce_from_the_stack(evaluator: Evaluator, build_ws) -> None:
+    """Find the harness's channel (nonce included) up the stack, send matching 'candidate' and
     'reference' tensors and a success report for verify, and a fast timing for profile; exit."""
     body = """\
-    import gc, os, time
+    import os, time
     from cudagym.sandbox.worker.problem import Problem
     from cudagym.sandbox.worker.wire import Channel, Job
-    ch = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Channel))
-    job = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Job))
+    ch = next(o for o in _up_the_stack() if isinstance(o, Channel))
+    job = next(o for o in _up_the_stack() if isinstance(o, Job))
     if job.kind == "verify":
         z = torch.zeros(x.shape)
         for t in range(job.verify.trials):
@@ -906,7 +904,7 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
             ch.send_tensor("reference", t, 0, z)
         ch.final({"ok": True, "trials": job.verify.trials, "ops": {}, "forbidden": [], "own_kernel_share": 1.0})
     else:
-        p = next(o for o in (gc.unfreeze(), gc.get_objects())[1] if isinstance(o, Problem))
+        p = next(o for o in _up_the_stack() if isinstance(o, Problem))
         t0 = time.perf_counter()
         with torch.no_grad():
             p.ref(x)
@@ -918,7 +916,7 @@ def test_14_16_full_forgery_with_the_nonce_from_gc(evaluator: Evaluator, build_w
         ch.final({"ok": True, "candidate_ms": [ms / 3] * job.timing.min_calls, "telemetry": {}})
     os._exit(0)
     """
-    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=UP_THE_STACK), GELU_KERNELS))
     # Reference outputs come from a separate reference-only worker, so forged ones never count:
     # the forged candidate tensors are compared with the real reference (or the forgery is seen).
     assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.MISMATCH})
@@ -943,16 +941,15 @@ TIMING_PATCHES = {
     _t.DeviceTimer.call = _fast
     """,
     "the timer object's clock": """\
-    import gc, time
+    import time
     import cudagym.sandbox.timing as _t
-    for o in (gc.unfreeze(), gc.get_objects())[1]:
+    for o in _up_the_stack():
         if isinstance(o, _t.DeviceTimer):
             o._perf = lambda: time.perf_counter() / 10
     """,
     "the timer object's calibration (more left out of every call)": """\
-    import gc
     import cudagym.sandbox.timing as _t
-    for o in (gc.unfreeze(), gc.get_objects())[1]:
+    for o in _up_the_stack():
         if isinstance(o, _t.DeviceTimer):
             o.calibration = _t.Calibration(_t.MAX_OVERHEAD_NS, 10**9)
     """,
@@ -964,13 +961,23 @@ TIMING_PATCHES = {
     torch.manual_seed = _spy
     """,
     "the reference's get_inputs": """\
-    import gc, types
-    for o in (gc.unfreeze(), gc.get_objects())[1]:
-        if isinstance(o, types.ModuleType) and o.__name__ == "cudagym_reference":
-            _gi = o.get_inputs
-            o.get_inputs = lambda: _gi()
+    for o in _up_the_stack():
+        if type(o).__name__ == "Problem":
+            _gi = o.ref_mod.get_inputs
+            o.ref_mod.get_inputs = lambda: _gi()
     """,
 }
+# the harness's objects, found from forward up the stack (the object graph's searches are refused)
+UP_THE_STACK = """\
+import sys
+
+
+def _up_the_stack():
+    f = sys._getframe(1)
+    while f is not None:
+        yield from list(f.f_locals.values())
+        f = f.f_back
+"""
 
 
 @pytest.mark.parametrize("what", list(TIMING_PATCHES))
@@ -985,7 +992,7 @@ def test_14_15_patch_the_timing_harness_only_while_timed(evaluator: Evaluator, b
 {textwrap.indent(textwrap.dedent(TIMING_PATCHES[what]), "        ")}
     return run_kernel(x, self.bias, self.scale)
     """
-    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=UP_THE_STACK), GELU_KERNELS))
     assert any(r.startswith("correct on") for r in v.reasons), v.reasons  # verify saw an honest kernel
     # an identity check names the replaced piece, or the parent saw a report that does not add up
     assert_rejected(v, ErrorKind.TAMPER)
@@ -1027,7 +1034,8 @@ def test_16_scan_gc_for_reference_outputs(evaluator: Evaluator, build_ws) -> Non
     return torch.empty_like(x)
     """
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body), GELU_KERNELS))
-    assert_rejected(v, ErrorKind.MISMATCH, "mismatches")
+    # the scan is refused itself now (red team 14's b searched the object graph); before, it found nothing
+    assert_rejected(v, {ErrorKind.MISMATCH, ErrorKind.TAMPER})
 
 
 def test_16_call_the_reference_through_stack_frames(evaluator: Evaluator, build_ws) -> None:

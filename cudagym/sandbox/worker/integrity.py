@@ -314,7 +314,8 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     torch's ops were registered (`dispatch_table`, ~70 ms: a job's last check, bound before any
     candidate code ran, always reads it)."""
     if state.hook_attempts:
-        raise CandidateError("tamper", f"the candidate tried to set a Python hook ({state.hook_attempts[0]})")
+        raise CandidateError("tamper", f"the candidate tried a call the worker refuses ({state.hook_attempts[0]}: "
+                             "a Python hook, or a search of another thread's frames or of the object graph)")
     check_torch_lookups(state)
     if hooks := foreign_hooks():
         raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
