@@ -200,7 +200,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
         if made[0]:
             if state.hook_attempts or (hooks := foreign_hooks()):
-                raise CandidateError("tamper", "a Python hook the harness did not set, or a search it refuses, was tried or is active: "
+                raise CandidateError("tamper", "a Python hook the harness did not set, or a search it refuses, "
+                                     "was tried or is active: "
                                      + (state.hook_attempts[0] if state.hook_attempts else hooks))
             callbacks = state.opwatch_callbacks
             if role == "candidate" and state.callbacks_before is not None and callbacks is not None \
