@@ -618,3 +618,19 @@ def test_a_thread_started_in_a_call_and_never_sampled_counts_its_whole_cpu_time_
     assert origin.least_wall_ns() == [700_000, 900_000]
     mine = thread_cpu_ns([__import__("os").getpid()])
     assert mine and all(v >= 0 for v in mine.values())
+
+
+def test_only_the_systems_and_torchs_openmp_runtimes_are_left_out_of_the_sampled_time() -> None:
+    """A build of the candidate's named like the runtime (red team 15's `load_inline(name="libgomp_fast")`)
+    is the candidate's code, in the bound like any other."""
+    import os
+
+    import torch
+
+    from cudagym.sandbox.cpusamples import _openmp_runtime
+
+    assert _openmp_runtime("/usr/lib/x86_64-linux-gnu/libgomp.so.1")
+    assert _openmp_runtime(os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "lib", "libgomp.so.1"))
+    for path in ("/root/.cache/cudagym/inline/0123/libgomp_fast.so", "/tmp/ws/site-packages/torch/lib/libgomp.so.1",
+                 "/tmp/ws/libgomp.so.1"):
+        assert not _openmp_runtime(path), path

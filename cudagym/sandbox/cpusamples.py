@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import importlib.util
 import fcntl
 import mmap
 import os
@@ -560,8 +561,27 @@ class _Spans:
 
 # An OpenMP runtime schedules and waits (its threads spin a while after each parallel region,
 # through the harness's steps between calls); the call's work runs in the functions it calls,
-# which are the candidate's. Its distributed builds carry no symbols to tell the two apart.
+# which are the candidate's. Its distributed builds carry no symbols to tell the two apart. Only
+# the system's and torch's copies: a build of the candidate's may take the name too (red team
+# 15's `load_inline(name="libgomp_fast")` dropped its whole kernel out of the bound).
 _OPENMP_RUNTIME = re.compile(r"/libgomp[^/]*\.so[.\d]*$")
+
+
+_SYSTEM_LIBRARIES = ("/usr/lib/", "/usr/lib64/", "/lib/", "/lib64/")
+
+
+@lru_cache(maxsize=1)
+def _torch_lib() -> str:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return "/nonexistent"
+    return os.path.join(os.path.dirname(os.path.realpath(spec.origin)), "lib")
+
+
+def _openmp_runtime(path: str) -> bool:
+    """Whether `path` is an OpenMP runtime of the system's or of torch's (`_OPENMP_RUNTIME`)."""
+    return bool(_OPENMP_RUNTIME.search(path)) and (path.startswith(_SYSTEM_LIBRARIES)
+                                                   or os.path.dirname(path) == _torch_lib())
 
 
 def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tuple[float, float]],
@@ -596,8 +616,8 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         if (b := held.of(when)) >= 0:
             live, doubt = histories[pid].live(ip, when)
             path = live.path.removesuffix(" (deleted)") if live is not None else ""
-            if live is None or doubt or not (_OPENMP_RUNTIME.search(path) or path.startswith(harness)
-                                             and not any(path.startswith(r) for r in roots)):
+            if live is None or doubt or any(path.startswith(r) for r in roots) \
+                    or not (_openmp_runtime(path) or path.startswith(harness)):
                 origin.thread_ns[b][tid] += samples.cpu_period_ns.get(cpu, samples.period_ns)
                 origin.thread_n[b][tid] += 1
         if (w := window_of(when)) < 0:
