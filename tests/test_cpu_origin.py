@@ -634,3 +634,21 @@ def test_only_the_systems_and_torchs_openmp_runtimes_are_left_out_of_the_sampled
     for path in ("/root/.cache/cudagym/inline/0123/libgomp_fast.so", "/tmp/ws/site-packages/torch/lib/libgomp.so.1",
                  "/tmp/ws/libgomp.so.1"):
         assert not _openmp_runtime(path), path
+
+
+# The slot of libpython's global offset table through which `time.perf_counter` calls clock_gettime
+# (red team 15 wrote a hook of its own there): here pointed at the vDSO's own clock_gettime, the
+# function libc's calls (the same clock, another address): any write that changes it is a changed clock.
+SLOT_WRITE = '''
+import ctypes, time
+from cudagym.sandbox.worker.integrity import clock_slots
+_vdso = ctypes.cast(ctypes.CDLL("linux-vdso.so.1").__vdso_clock_gettime, ctypes.c_void_p).value
+for _slot, _value in clock_slots([time.perf_counter]):
+    ctypes.c_void_p.from_address(_slot).value = _vdso
+'''
+
+
+def test_a_clock_slot_rewritten_in_libpythons_offset_table_is_refused(evaluator: Evaluator, build_ws) -> None:
+    model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None\n" + SLOT_WRITE)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert_rejected(v, ErrorKind.TAMPER, "timer")

@@ -389,6 +389,58 @@ def entries_changed(entries: list[tuple[int, int, int]]) -> bool:
 
 _word = ctypes.c_void_p.from_address  # bound before any candidate code
 _WORD = ctypes.sizeof(ctypes.c_void_p)
+_CLOCK_CALLS = ("clock_gettime", "clock_gettime64", "__clock_gettime", "__clock_gettime64")
+
+
+def clock_slots(functions: list[Any]) -> list[tuple[int, int]]:
+    """(address, value) of each slot of a global offset table through which the images holding
+    `functions`' C code (libpython's `time.perf_counter`) call `clock_gettime`, read once they
+    have been called (a lazily bound slot holds the function then). Red team 15 wrote its own
+    hook into libpython's slot (plain data, writable) and moved each call's end back; every
+    object, definition and C function of `c_entries` stayed as it was. Compared by
+    `slots_changed`. An image whose relocations cannot be read is left out."""
+    from elftools.elf.elffile import ELFFile
+
+    for f in functions:
+        if isinstance(f, types.BuiltinFunctionType) and f.__name__ in ("perf_counter", "monotonic", "time"):
+            f()  # binds the slot
+    addresses = [meth for _, _, meth in c_entries(functions) if meth]
+    images: dict[str, int] = {}  # path: load base
+    try:
+        with open("/proc/self/maps") as maps:
+            rows = [line.split() for line in maps]
+    except OSError:
+        return []
+    for row in rows:
+        if len(row) < 6 or not row[5].startswith("/"):
+            continue
+        start, end = (int(x, 16) for x in row[0].split("-"))
+        if any(start <= a < end for a in addresses):
+            base = min(int(r[0].split("-")[0], 16) - int(r[2], 16) for r in rows if len(r) >= 6 and r[5] == row[5])
+            images[row[5]] = base
+    out = []
+    for path, base in images.items():
+        try:
+            with open(path, "rb") as fh:
+                elf = ELFFile(fh)
+                load = base if elf.header["e_type"] == "ET_DYN" else 0
+                for name in (".rela.plt",):  # called through the PLT: its jump slots
+                    section = elf.get_section_by_name(name)
+                    if section is None or not hasattr(section, "iter_relocations"):
+                        continue
+                    symbols = elf.get_section(section["sh_link"])
+                    for rel in section.iter_relocations():
+                        if rel["r_info_sym"] and symbols.get_symbol(rel["r_info_sym"]).name in _CLOCK_CALLS:
+                            slot = load + rel["r_offset"]
+                            out.append((slot, _word(slot).value or 0))
+        except Exception:  # noqa: BLE001 - not an ELF image pyelftools can read: left out
+            continue
+    return out
+
+
+def slots_changed(slots: list[tuple[int, int]]) -> bool:
+    """Whether a slot `clock_slots` read holds another address since."""
+    return any(_word(slot).value != value for slot, value in slots)
 
 
 def live_threads() -> int:

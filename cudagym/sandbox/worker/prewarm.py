@@ -66,6 +66,7 @@ def prewarm_host() -> WorkerState:
     integrity.install_inert_switches(state)
     state.originals.update(integrity.watched_now())
     state.c_entries = integrity.c_entries(list(state.originals.values()))  # the built-ins' C functions, now
+    state.clock_slots = integrity.clock_slots(list(state.originals.values()))  # and the clock slots they call through
     with OpRecorder():
         torch.ones(2) + 1
     live_helpers()

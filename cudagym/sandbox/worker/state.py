@@ -52,6 +52,7 @@ class WorkerState:
     # -- integrity (`integrity`)
     originals: dict[str, Any] = field(default_factory=dict)  # the watched functions (`integrity.WATCHED`)
     c_entries: list[tuple[int, int, int]] = field(default_factory=list)  # their C functions (`integrity.c_entries`)
+    clock_slots: list[tuple[int, int]] = field(default_factory=list)  # the slots those call clocks through
     gc_callbacks: tuple[Any, ...] = ()  # `gc.callbacks` before candidate code (torch's own, if any)
     dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
     pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls

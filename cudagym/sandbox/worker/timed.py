@@ -21,8 +21,8 @@ from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, Devic
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
 from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_tamper, entries_changed,
-                                              kernel_watch, kernels_alive, live_threads, op_watch, watch_alive,
-                                              watch_changes)
+                                              kernel_watch, kernels_alive, live_threads, op_watch, slots_changed,
+                                              watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -134,7 +134,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     def timer_modified() -> bool:  # the timer as bound: a plain dict, its callables, its calibration
         mine = vars(timer)
         return type(mine) is not dict or mine.get("calibration") is not calibration \
-            or any(mine.get(k) is not v for k, v in timer_parts.items()) or entries_changed(entries)
+            or any(mine.get(k) is not v for k, v in timer_parts.items()) or entries_changed(entries) \
+            or slots_changed(state.clock_slots)
 
     def mark() -> None:  # right before the call's interval opens; the call waits until the parent has it
         check_channel(state)  # what writes the mark is the harness's
