@@ -397,6 +397,16 @@ _TORCH_GLUE_LIBRARY = re.compile(r"/torch/lib/(libc10|libtorch_python|libtorch_g
 # (`direct_copy_kernel`, `fill_kernel`); any other function of torch's libraries is torch's compute
 # (its dispatch and allocation take a few µs per call: `foreign_allowance` leaves room for them)
 _TORCH_COPY_FILL_SYMBOL = re.compile(r"copy(?!sign)|fill|memset|memcpy|memmove")
+# torch's profiler and RecordFunction bookkeeping (the harness's profiler runs in verify's forward, the
+# op counter's callback in every call): no compute of anyone's
+_TORCH_PROFILER_SYMBOL = re.compile(r"profiler|libkineto|RecordFunction")
+# the dispatcher's plumbing in libtorch_cpu (mangled names): the ops' entry stubs (`at::_ops::*::call`),
+# the kernel wrappers, c10's dispatcher and tensor metadata, autograd's metadata, the global context,
+# stride arithmetic, the PLT stubs (named after `_init`): no compute of anyone's, which runs in the
+# kernels they reach (and in `c10::function_ref` callbacks: TensorIterator's loops, left foreign)
+_TORCH_PLUMBING_SYMBOL = re.compile(r"^_ZN2at4_ops|wrap_kernel_functor_unboxed|"
+                                    r"^_ZNK?3c10(4impl|10Dispatcher|10TensorImpl|11StorageImpl)|AutogradMeta|"
+                                    r"globalContext|computeStride|^_init$")
 
 
 @dataclass
@@ -493,7 +503,8 @@ def classify(path: str, address_in_file: int, own_roots: list[str]) -> tuple[str
     if table is not None:
         address = table.address(address_in_file)
         name = table.name_at(address) if address is not None else None
-    if name and "/torch/lib/" in real and _TORCH_COPY_FILL_SYMBOL.search(name):
+    if name and "/torch/lib/" in real and (_TORCH_COPY_FILL_SYMBOL.search(name) or _TORCH_PROFILER_SYMBOL.search(name)
+                                           or _TORCH_PLUMBING_SYMBOL.search(name)):
         return GLUE, real
     return FOREIGN, f"{Path(real).name}: {demangle(name) if name else f'+{address_in_file:#x}'}"
 
