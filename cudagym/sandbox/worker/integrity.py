@@ -400,6 +400,7 @@ def clock_slots(functions: list[Any]) -> list[tuple[int, int]]:
     object, definition and C function of `c_entries` stayed as it was. Compared by
     `slots_changed`. An image whose relocations cannot be read is left out."""
     from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
 
     for f in functions:
         if isinstance(f, types.BuiltinFunctionType) and f.__name__ in ("perf_counter", "monotonic", "time"):
@@ -429,6 +430,8 @@ def clock_slots(functions: list[Any]) -> list[tuple[int, int]]:
                     if section is None or not hasattr(section, "iter_relocations"):
                         continue
                     symbols = elf.get_section(section["sh_link"])
+                    if not isinstance(symbols, SymbolTableSection):
+                        continue
                     for rel in section.iter_relocations():
                         if rel["r_info_sym"] and symbols.get_symbol(rel["r_info_sym"]).name in _CLOCK_CALLS:
                             slot = load + rel["r_offset"]
