@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 from cudagym.core.verdict import ErrorKind
 from cudagym.rewards.checks import cpu_foreign_work
 from cudagym.rewards.evaluator import Evaluator
+from cudagym.sandbox.worker import wire
 from cudagym.sandbox.cpusamples import SYSTEM, UNMAPPED, CpuSampler, attribute, classify, read_maps, windows_from_marks
 
 from test_reward_hacking import GELU, INIT, assert_rejected
@@ -181,6 +183,25 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
     assert "end was marked" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.6, 10.5)])
     assert "not by 'returned'" in why([("request:trial", None, 9.0), ("forward", 10.0, 10.001),
                                        ("request:evidence", None, 10.5)])
+
+
+def test_a_parent_slow_to_read_verifys_end_marks_keeps_the_harness_out_of_the_windows(
+        evaluator: Evaluator, build_ws, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine the parent reads a mark late (stop 40's CI: the evaluator in a Ray
+    actor on 2 busy cores). Verify's windows close at the later of an end mark's time and its
+    arrival, so the worker waits until the parent has read it: what the harness runs next (the
+    next trial's reference, in torch's kernels; the dispatcher entries it reads) stays outside."""
+    read = wire.read_frame
+
+    def late(read_into, max_payload):
+        frame = read(read_into, max_payload)
+        if frame is not None and frame[0].get("type") == "mark" and frame[0].get("what") == "returned":
+            time.sleep(0.05)  # the reader thread gets the CPU 50 ms after the mark came
+        return frame
+
+    monkeypatch.setattr(wire, "read_frame", late)
+    v = evaluator.evaluate(GELU, build_ws(GELU, _model("never"), {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert v.reward >= 1, v.reasons
 
 
 def test_executable_heap_is_not_the_systems() -> None:

@@ -154,8 +154,8 @@ def run_verify(job: Job, ch: Channel, state: WorkerState) -> None:
                         ch.mark("forward", wait=True, at=clock())  # forward starts once the parent has it
                     out = p.cand(*args)
                 finally:
-                    if marks:  # at once: the checks below see what forward left running as it returned
-                        ch.mark("returned", at=clock())
+                    if marks:  # at once, and the harness goes on once the parent has it (`Channel.mark`)
+                        ch.mark("returned", wait=True, at=clock())
                     if kwatch:
                         kwatch.disarm()
                     watch.disarm()

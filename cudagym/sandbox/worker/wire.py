@@ -269,9 +269,12 @@ class Channel:
 
     def mark(self, what: str, wait: bool = False, **body: Any) -> None:
         """A mark the parent notes with its own clock as it arrives (`FrameReader.marks`): where
-        forward starts (`at`: this process's clock, read just before) and, with `wait`, where it
-        returned (this process then waits until the parent has read it: no CPU time of its own
-        falls between the two). The CPU sampler's windows (`cudagym.sandbox.cpusamples`)."""
+        forward starts and where it returned (`at`: this process's clock, read just before), the
+        CPU sampler's windows (`cudagym.sandbox.cpusamples`). With `wait`, this process goes on
+        once the parent has read it: nothing the harness runs next falls before the arrival (a
+        window opens at the earlier of a start's `at` and its arrival, and closes at the later of
+        an end's: a parent slow to read, on a loaded machine, would stretch verify's windows over
+        the harness's next steps, its reference run and its dispatcher reads)."""
         self.send({"type": "mark", "what": what, "wait": wait, **body})
         if wait:
             self._answer()
