@@ -140,6 +140,10 @@ def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | N
 # next request) and the samples' grain: two samples, and three standard deviations of a sum of one
 # rounding per call (at most half a sample's standard deviation each)
 CPU_TIME_SHARE, CPU_TIME_SLACK_US = 1.25, 150.0
+# the wall time between a call's first and last samples of the candidate's work lies inside the
+# call's interval, which its reported time holds less the timer's calibrated overhead (a few µs):
+# this much per call beside it
+CPU_SPREAD_SLACK_US = 30.0
 
 
 def _fast_calls(windows: list[list[Any]], calls: list[tuple[float | None, bool]],
@@ -164,19 +168,29 @@ def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, 
     is a floor on the call's wall time whatever the worker reports. Native code can rewrite
     what a CPU call reports (the times are the worker's own); this bounds what that gains.
     Samples the kernel `lost` (its ring buffer full: a flood of mapping records) count as
-    though taken in these calls."""
+    though taken in these calls. First, where the windows carry it, the wall time between each
+    call's first and last samples of the candidate's work (`CpuOrigin.work_spread_ns`): the work
+    lasted that long whatever the load (the CPU time shrinks with it: a host loaded threefold
+    leaves a forger two thirds of each call to hide)."""
     fast = _fast_calls(windows, calls, timed)
     if not fast or period_ns <= 0 or any(len(w) < 4 for w, _ in fast):
         return None
-    least = sum(w[3] for w, _ in fast) + lost * period_ns / 1e3
     reported = sum(ms for _, ms in fast) * 1e3
+    called = f"the {len(fast)} timed calls at or below the median time were reported at {reported / 1e3:.3f} ms in all"
+    # the spread: load-independent (a waiting thread stretches the call and its samples' times alike)
+    if all(len(w) >= 5 for w, _ in fast):
+        spread = sum(w[4] for w, _ in fast)
+        if spread > (allowed := reported + len(fast) * CPU_SPREAD_SLACK_US):
+            return (f"{called}, but the kernel sampled the candidate's work in them over {spread / 1e3:.3f} ms of "
+                    f"wall time from first to last sample (allowed {allowed / 1e3:.3f} ms): the reported times are "
+                    "not the calls'")
+    least = sum(w[3] for w, _ in fast) + lost * period_ns / 1e3
     period = period_ns / 1e3
     allowed = CPU_TIME_SHARE * reported + len(fast) * CPU_TIME_SLACK_US + (2 + 1.5 * len(fast) ** 0.5) * period
     if least <= allowed:
         return None
-    return (f"the {len(fast)} timed calls at or below the median time were reported at {reported / 1e3:.3f} ms in all, "
-            f"but the kernel sampled the worker's threads for at least {least / 1e3:.3f} ms of wall time in them "
-            f"(allowed {allowed / 1e3:.3f} ms): the reported times are not the calls'")
+    return (f"{called}, but the kernel sampled the worker's threads for at least {least / 1e3:.3f} ms of wall time "
+            f"in them (allowed {allowed / 1e3:.3f} ms): the reported times are not the calls'")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:

@@ -429,6 +429,10 @@ class CpuOrigin:
     thread_ns: list[Counter[int]] = field(default_factory=list)
     thread_n: list[Counter[int]] = field(default_factory=list)
     cpus: int = 0  # the CPUs sampled (the worker's)
+    # per span of `attribute`'s bounds: the first and the last time (ns) a thread of the worker was
+    # sampled in code that is the candidate's work (own, foreign or unmapped; not the interpreter's,
+    # the system's, torch's glue or the harness's): `work_spread_ns`
+    work_edges: list[list[int]] = field(default_factory=list)
 
     def least_wall_ns(self) -> list[int]:
         """Per span of `attribute`'s bounds, the least wall time its samples leave room for (ns): no thread runs for
@@ -446,6 +450,14 @@ class CpuOrigin:
             busiest = max(v - v // n[t] if n[t] else v for t, v in ns.items())
             out.append(max(busiest, sum(ns.values()) // max(self.cpus, 1)))
         return out
+
+    def work_spread_ns(self) -> list[int]:
+        """Per span of `attribute`'s bounds, the wall time between its first and its last sample of
+        the candidate's work (0 with fewer than two). Samples are stamped by the kernel on the
+        parent's clock: the work lasted at least this long, whatever the worker reports, and
+        however long its threads waited for a CPU (a loaded machine stretches the call and this
+        alike, where it shrinks the CPU time that `least_wall_ns` counts)."""
+        return [last - first if first >= 0 else 0 for first, last in self.work_edges]
 
     def as_counts(self) -> dict[str, int]:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
@@ -621,16 +633,22 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     histories = {pid: _History(base.get(pid, maps.get(pid, [])), [(t, m) for t, p, m in samples.mapped if p == pid],
                                maps.get(pid, [])) for pid in {s[0] for s in samples.taken}}
     origin.thread_ns, origin.thread_n = [Counter() for _ in range(len(held))], [Counter() for _ in range(len(held))]
+    origin.work_edges = [[-1, -1] for _ in range(len(held))]
     origin.cpus = len(samples.cpu_period_ns)
     for pid, tid, when, ip, cpu in samples.taken:
         sampled[tid] += 1
         if (b := held.of(when)) >= 0:
             live, doubt = histories[pid].live(ip, when)
             path = live.path.removesuffix(" (deleted)") if live is not None else ""
-            if live is None or doubt or any(path.startswith(r) for r in roots) \
-                    or not (_openmp_runtime(path) or path.startswith(harness)):
+            own = any(path.startswith(r) for r in roots)
+            if live is None or doubt or own or not (_openmp_runtime(path) or path.startswith(harness)):
                 origin.thread_ns[b][tid] += samples.cpu_period_ns.get(cpu, samples.period_ns)
                 origin.thread_n[b][tid] += 1
+                if live is None or doubt or own or classify(live.path, ip - live.start + live.offset, roots)[0] in (
+                        FOREIGN, UNMAPPED):
+                    edges, ns = origin.work_edges[b], when
+                    edges[0] = ns if edges[0] < 0 else min(edges[0], ns)
+                    edges[1] = max(edges[1], ns)
         if (w := window_of(when)) < 0:
             continue
         origin.forward += 1

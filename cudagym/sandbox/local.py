@@ -622,11 +622,13 @@ class LocalSandbox(SpareWorkerSandbox):
                 [str(self.opwatch_dir / "opwatch")], cpu_before, bounds)
             origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
-            if job.kind != "verify":  # each timed call's window: µs, samples, foreign ones, and the least
-                # wall time (µs) its samples leave room for (`CpuOrigin.least_wall_ns`), in the calls' order
-                least = origin.least_wall_ns()
+            if job.kind != "verify":  # each timed call's window: µs, samples, foreign ones, the least wall
+                # time (µs) its samples leave room for (`CpuOrigin.least_wall_ns`) and the wall time between
+                # its first and last samples of the candidate's work (`work_spread_ns`), in the calls' order
+                least, spread = origin.least_wall_ns(), origin.work_spread_ns()
                 outcome.final["cpu_windows"] = [
-                    [round((b - a) * 1e6), n, bad, *([round(least[i] / 1e3)] if len(least) == len(windows) else [])]
+                    [round((b - a) * 1e6), n, bad,
+                     *([round(least[i] / 1e3), round(spread[i] / 1e3)] if len(least) == len(windows) else [])]
                     for i, ((a, b), (n, bad)) in enumerate(zip(windows, origin.per_window, strict=True))]
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
