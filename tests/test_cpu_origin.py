@@ -20,7 +20,8 @@ from cudagym.core.verdict import ErrorKind
 from cudagym.rewards.checks import cpu_foreign_work
 from cudagym.rewards.evaluator import Evaluator
 from cudagym.sandbox.worker import wire
-from cudagym.sandbox.cpusamples import SYSTEM, UNMAPPED, CpuSampler, attribute, classify, read_maps, windows_from_marks
+from cudagym.sandbox.cpusamples import (SYSTEM, UNMAPPED, CpuSampler, attribute, candidate_loaded_at, classify,
+                                       read_maps, windows_from_marks)
 
 from test_reward_hacking import GELU, INIT, assert_rejected
 
@@ -161,6 +162,14 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
     timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
              ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
     assert windows_from_marks(timed, "request:call", "request:call", stop=True) == ([(10.0, 10.4), (11.0, 11.2)], "")
+    # a timed job's worker marks where the candidate's code begins to load: once, before any call
+    loading = [("candidate", 9.5, 9.6), *timed]
+    assert windows_from_marks(loading, "request:call", "request:call", stop=True)[1] == ""
+    assert candidate_loaded_at(loading) == 9.6 and candidate_loaded_at(timed) is None
+    assert "twice" in windows_from_marks([("candidate", 9.5, 9.6), *loading], "request:call", "request:call",
+                                         stop=True)[1]
+    assert "after a forward call" in windows_from_marks([*timed[:3], ("candidate", 10.6, 10.7), *timed[3:]],
+                                                        "request:call", "request:call", stop=True)[1]
     # a replaced clock only widens verify's windows: an end that reads the start's time again
     # (red team 11's a1) still ends where the parent got the mark; a start read late opens on arrival
     forged = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.0, 10.4),
@@ -746,3 +755,37 @@ def test_a_clock_slot_rewritten_in_libpythons_offset_table_is_refused(evaluator:
     model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None\n" + SLOT_WRITE)
     v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
     assert_rejected(v, ErrorKind.TAMPER, "timer")
+
+
+# A native thread of the candidate's (no Python thread state: the harness's count of threads does
+# not see it), started at import, that works beside the harness: in its own code, or in the C
+# library's; "idle" waits. One that computed the next call's output between calls (the inputs
+# reached through a frame saved from forward) would leave the timed call little to do.
+BESIDE_CPP = """\
+#include <cstring>
+#include <thread>
+#include <unistd.h>
+static volatile unsigned sink;
+static char buffer[1 << 16];
+extern "C" void beside(int mode) {
+    std::thread([mode] {
+        for (;;) {
+            if (mode == 0) { sleep(1000); continue; }
+            if (mode == 1) { for (unsigned i = 0; i < 100000; ++i) sink = sink * 31u + i; continue; }
+            std::memset(buffer, static_cast<int>(sink++), sizeof buffer);
+        }
+    }).detach();
+}
+"""
+
+
+@pytest.mark.parametrize("mode,needle", [(0, ""), (1, "libkernels.so"), (2, "on a thread it started")],
+                         ids=["idle", "own", "libc"])
+def test_a_native_thread_working_between_the_timed_calls_is_refused(evaluator: Evaluator, build_ws, mode: int,
+                                                                    needle: str) -> None:
+    model = _model("never").replace("_GELU = _torch_gelu()", f"_GELU = None\n_lib.beside({mode})")
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP + BESIDE_CPP}))
+    if needle:
+        assert_rejected(v, ErrorKind.AUDIT, "ran between the timed calls", needle)
+    else:
+        assert v.reward >= 1, v.reasons

@@ -54,6 +54,9 @@ UNBUILT_KEY = "kernel\tunbuilt\t"
 # one-sample dispatcher symbols (computeStride, globalContext, a PLT stub) per run at 1 ms samples,
 # and 4 refused them; foreign compute worth having is dozens of samples
 CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE, CPU_FOREIGN_US_PER_CALL = 6, 0.05, 20.0
+# samples of the candidate's work between a timed job's calls that pass (a destructor of its own,
+# a thread of its OpenMP runtime leaving its function as the call returns)
+CPU_BETWEEN_MIN_SAMPLES = 6
 
 
 def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
@@ -191,6 +194,20 @@ def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, 
         return None
     return (f"{called}, but the kernel sampled the worker's threads for at least {least / 1e3:.3f} ms of wall time "
             f"in them (allowed {allowed / 1e3:.3f} ms): the reported times are not the calls'")
+
+
+def cpu_work_between_calls(counts: dict[str, Any]) -> str | None:
+    """CPU target: why the samples between a timed job's calls show the candidate's work there
+    (`CpuOrigin.between`: its own code on any thread, anything on a thread its code started;
+    beyond `CPU_BETWEEN_MIN_SAMPLES`), or None. A thread of its own that computes the next
+    call's output while the harness makes the inputs and opens the interval (it reached them
+    through a frame saved from forward, or the allocator) leaves the call little to time."""
+    origin = CpuOrigin.from_counts(counts)
+    if origin is None or origin.between <= CPU_BETWEEN_MIN_SAMPLES:
+        return None
+    where = "; ".join(f"{k} ({v})" for k, v in origin.between_code.most_common(4))
+    return (f"the candidate's code ran between the timed calls, outside the intervals they are timed in "
+            f"({origin.between} samples, every {origin.period_ns / 1e3:.0f} µs of CPU time): {where}")
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:
@@ -609,6 +626,15 @@ async def cpu_times_agree(run: TimedRun) -> Finding | None:
     return Refusal(ErrorKind.TAMPER, why, why) if why else None
 
 
+async def cpu_work_between(run: TimedRun) -> Finding | None:
+    """CPU target, either mode: refuses a timed job in which the candidate's code ran between
+    its calls (`cpu_work_between_calls`): work outside the interval the reward reads."""
+    if run.cuda:
+        return None
+    why = cpu_work_between_calls(run.timed_ops)
+    return Refusal(ErrorKind.AUDIT, why, why) if why else None
+
+
 async def clock_agrees(run: TimedRun) -> Finding | None:
     """Refuses (GPU) reported call times below the pace the parent's own clock saw (the
     interval between requests holds the call), beyond the probes' overhead and the slack
@@ -672,6 +698,7 @@ PROFILE_CHECKS: tuple[Check, ...] = (
     timed_outputs_match,
     timed_calls_audited,
     cpu_windows_audited,
+    cpu_work_between,
     cpu_times_agree,
     clock_agrees,
     launches_in_window,

@@ -18,8 +18,11 @@ OpenMP runtime), torch's glue (dispatch, allocation, the copies and fills strict
 or foreign compute (any other code of torch's or of another library: `foreign`, by symbol).
 `cudagym.rewards.checks.Audit` holds strict mode to it.
 
-What it does not see: work done outside forward's windows (other checks cover that: outputs
-complete at return, no thread left running), and code between samples (a sample every 250 µs of
+Between a timed job's calls, the candidate's own code on any thread and anything on a thread its
+code started (after the worker's `LOADING_MARK`) is its work outside the timed intervals
+(`CpuOrigin.between`). What it does not see: torch's compute on the harness's threads outside
+forward's windows (the harness makes the next inputs there; other checks cover a thread left
+running and outputs complete at return), and code between samples (a sample every 250 µs of
 CPU time: foreign compute shorter than that per trial may pass unsampled, and gains as little).
 A thread that starts and ends inside one call with less CPU time than a period is never sampled
 (red team 7's a4c ran torch's GELU in 128 such threads per call): its CPU time, counted by the
@@ -45,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cudagym.sandbox.worker.wire import LOADING_MARK
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _TYPE_SOFTWARE, _SW_TASK_CLOCK = 1, 1
@@ -433,6 +438,10 @@ class CpuOrigin:
     # sampled in code that is the candidate's work (own, foreign or unmapped; not the interpreter's,
     # the system's, torch's glue or the harness's): `work_spread_ns`
     work_edges: list[list[int]] = field(default_factory=list)
+    # a timed job's samples between its calls (from the first call's start to the last's end) of
+    # the candidate's work (`attribute`'s `loaded`), and where they fell
+    between: int = 0
+    between_code: Counter[str] = field(default_factory=Counter)
 
     def least_wall_ns(self) -> list[int]:
         """Per span of `attribute`'s bounds, the least wall time its samples leave room for (ns): no thread runs for
@@ -463,7 +472,9 @@ class CpuOrigin:
         """As counts keyed under `CPU_KEY` (they travel with the timed calls' op counts)."""
         out = {CPU_KEY + k: v for k, v in (("forward", self.forward), ("period_ns", self.period_ns),
                                            ("lost", self.lost), ("windows", self.windows),
-                                           ("unseen_ns", self.unseen_ns), ("unseen_threads", self.unseen_threads))}
+                                           ("unseen_ns", self.unseen_ns), ("unseen_threads", self.unseen_threads),
+                                           ("between", self.between))}
+        out.update({CPU_KEY + "between\t" + k: v for k, v in self.between_code.most_common(8)})
         out.update({CPU_KEY + "origin\t" + k: v for k, v in self.by_origin.items()})
         out.update({CPU_KEY + "foreign\t" + k: v for k, v in self.foreign.most_common(24)})
         if self.error:
@@ -480,13 +491,15 @@ class CpuOrigin:
             return None
         origin = cls(forward=mine.get("forward", 0), period_ns=mine.get("period_ns", 0), lost=mine.get("lost", 0),
                      windows=mine.get("windows", 0), unseen_ns=mine.get("unseen_ns", 0),
-                     unseen_threads=mine.get("unseen_threads", 0))
+                     unseen_threads=mine.get("unseen_threads", 0), between=mine.get("between", 0))
         for k, v in mine.items():
             kind, _, rest = k.partition("\t")
             if kind == "origin":
                 origin.by_origin[rest] = v
             elif kind == "foreign":
                 origin.foreign[rest] = v
+            elif kind == "between" and rest:
+                origin.between_code[rest] = v
             elif kind == "error":
                 origin.error = rest
             elif kind == "tamper":
@@ -610,7 +623,7 @@ def _openmp_runtime(path: str) -> bool:
 def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tuple[float, float]],
               own_roots: list[str], harness_roots: list[str] = (),  # type: ignore[assignment]
               before: dict[int, list[Mapping]] | None = None,
-              bounds: list[tuple[float, float]] | None = None) -> CpuOrigin:
+              bounds: list[tuple[float, float]] | None = None, loaded: float | None = None) -> CpuOrigin:
     """The samples inside `windows` (seconds of CLOCK_MONOTONIC), by origin (`classify`), each
     by the mapping its address had when it was taken (`_History`: `before`, the worker's map
     read before the job; the sampler's records of mappings made meanwhile; `maps`, read at the
@@ -619,10 +632,14 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     `bounds`: spans that hold each call whatever the worker's clock said (the parent's own
     times), in which each thread's sampled CPU time is counted (`thread_ns`), the OpenMP
     runtime's and the harness's libraries left out (its close reads every page of the outputs
-    inside the interval, and is not in the reported time): `least_wall_ns`."""
+    inside the interval, and is not in the reported time): `least_wall_ns`. `loaded`: when the
+    candidate's code began to load (`candidate_loaded_at`), for a timed job: what the candidate's
+    code ran between its calls (`between`)."""
+    loaded_ns = round(loaded * 1e9) if loaded is not None else None
     origin = CpuOrigin(period_ns=samples.period_ns, lost=samples.lost, windows=len(windows), error=samples.error)
     spans = _Spans(windows)
     window_of = spans.of
+    loop = (spans.spans[0][0], spans.spans[-1][1]) if len(spans) else (0, -1)
     held = _Spans(bounds or [])
 
     sampled: Counter[int] = Counter()
@@ -650,6 +667,9 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
                     edges[0] = ns if edges[0] < 0 else min(edges[0], ns)
                     edges[1] = max(edges[1], ns)
         if (w := window_of(when)) < 0:
+            if loaded_ns is not None and loop[0] <= when <= loop[1]:
+                _between(origin, histories[pid].live(ip, when), ip, roots, harness,
+                         tid in samples.started and samples.started[tid] >= loaded_ns)
             continue
         origin.forward += 1
         origin.per_window[w][0] += 1
@@ -693,6 +713,27 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     return origin
 
 
+def _between(origin: CpuOrigin, live: tuple[Mapping | None, str], ip: int, roots: list[str], harness: tuple[str, ...],
+             late: bool) -> None:
+    """Count a sample taken between a timed job's calls, where it is the candidate's work: its
+    own code (or code no file holds) on any thread, and anything on a thread its code started
+    (`late`), but the OpenMP runtime's waits and the harness's own libraries. The harness's
+    steps between calls (the next inputs, the evidence, its checks) run on the threads it had
+    before the candidate loaded, in the interpreter, the system's libraries and torch's."""
+    mapping, doubt = live
+    if mapping is None or doubt:
+        kind, label = UNMAPPED, doubt or "<code no longer mapped at the job's end>"
+    else:
+        path = mapping.path.removesuffix(" (deleted)")
+        own = any(path.startswith(r) for r in roots)
+        if not own and (_openmp_runtime(path) or (harness and path.startswith(harness))):
+            return
+        kind, label = classify(mapping.path, ip - mapping.start + mapping.offset, roots)
+    if kind in (OWN, UNMAPPED) or late:
+        origin.between += 1
+        origin.between_code[label + (" (on a thread it started)" if late else "")] += 1
+
+
 # A forward mark's own time may precede its arrival by this much (the pipe, this process's reader thread)
 MARK_DELAY_S = 1.0
 
@@ -719,6 +760,12 @@ def call_bounds(marks: list[tuple[str, Any, float]]) -> list[tuple[float, float]
     return out
 
 
+def candidate_loaded_at(marks: list[tuple[str, Any, float]]) -> float | None:
+    """When the parent had the worker's `LOADING_MARK` (its arrival, this process's clock), or
+    None without one (`windows_from_marks` refuses a second, or one after a forward call)."""
+    return next((arrived for what, _at, arrived in marks if what == LOADING_MARK), None)
+
+
 def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: str,
                        stop: bool = False) -> tuple[list[tuple[float, float]], str]:
     """Forward's windows from a job's marks (`FrameReader.marks`): each from a "forward" mark to
@@ -734,13 +781,15 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
     harness's end marks and wrote its own: both leave windows shorter than the calls).
     The harness writes exactly one forward mark per `per_call` request (verify:
     "request:trial"; the timed loop: "request:call", whose last one is answered `stop`), each
-    followed by its `end` before anything else is marked. Anything else is marks the candidate
+    followed by its `end` before anything else is marked; and at most one `LOADING_MARK` before
+    them (`candidate_loaded_at`). Anything else is marks the candidate
     wrote itself (red team 8's a1 closed a window early with a forged end), or a clock it
     replaced (a time after the mark's arrival, or over `MARK_DELAY_S` before it): why the
     marks cannot be the harness's, else ""."""
     windows: list[tuple[float, float]] = []
     opened: float | None = None
     forwards = calls = 0
+    loading = False
     for what, at, arrived in marks:
         calls += what == per_call
         if what == "forward":
@@ -759,6 +808,10 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
                                  f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
             windows.append((opened, float(at) if what.startswith("request:") else max(float(at), arrived)))
             opened = None
+        elif what == LOADING_MARK:
+            if forwards or loading:
+                return windows, f"{what!r} was marked {'twice' if loading else 'after a forward call'}"
+            loading = True
         elif not what.startswith("request:"):
             return windows, f"{what!r} was marked with no forward call running"
     if opened is not None:

@@ -33,7 +33,7 @@ from cudagym.sandbox.forkserver import ForkedWorker, ForkServer, unshare_flags
 from cudagym.sandbox.gpu import foreign_gpu_use, gpu_local_cpus
 from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, parent_death_prefix
 from cudagym.sandbox.cpusamples import (
-    CpuSampler, attribute, call_bounds, read_maps, thread_cpu_ns, windows_from_marks,
+    CpuSampler, attribute, call_bounds, candidate_loaded_at, read_maps, thread_cpu_ns, windows_from_marks,
 )
 from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
@@ -616,10 +616,11 @@ class LocalSandbox(SpareWorkerSandbox):
             windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
                                else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
             bounds = call_bounds(w.frames.marks) if job.kind != "verify" and not forged else []
+            loaded = candidate_loaded_at(w.frames.marks) if job.kind == "profile" and not forged else None
             origin = await asyncio.to_thread(
                 attribute, samples, cpu_maps, windows,
                 [job.artifact_dir or "", str(Path(job.cache_dir) / "inline") if job.cache_dir else ""],
-                [str(self.opwatch_dir / "opwatch")], cpu_before, bounds)
+                [str(self.opwatch_dir / "opwatch")], cpu_before, bounds, loaded)
             origin.tamper = forged
             outcome.final["cpu_origin"] = origin.as_counts()
             if job.kind != "verify":  # each timed call's window: µs, samples, foreign ones, the least wall

@@ -11,6 +11,7 @@ import secrets
 import sys
 import types
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +32,9 @@ def load_reference(job: Job) -> types.ModuleType:
     return mod
 
 
-def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
-    """Import the workspace's model_new.py (its build's artifact directory on the path) as `model_new`."""
+def load_candidate(job: Job, state: WorkerState, before: Callable[[], None] | None = None) -> types.ModuleType:
+    """Import the workspace's model_new.py (its build's artifact directory on the path) as
+    `model_new`; `before` runs just before the first of its code does."""
     ws = job.workspace
     if job.artifact_dir:
         os.environ[runtime.ENV_VAR] = job.artifact_dir
@@ -44,6 +46,8 @@ def load_candidate(job: Job, state: WorkerState) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("model_new", path)
     if spec is None or spec.loader is None:
         raise CandidateError("exception", "model_new.py cannot be loaded as a Python module")
+    if before is not None:
+        before()
     state.threads_before = live_threads()
     state.candidate_ran = True
     mod = importlib.util.module_from_spec(spec)
@@ -104,12 +108,13 @@ class Problem:
         if with_candidate:
             self.load_candidate()
 
-    def load_candidate(self) -> None:
-        """Import model_new.py and build ModelNew (see the class's text)."""
+    def load_candidate(self, before: Callable[[], None] | None = None) -> None:
+        """Import model_new.py and build ModelNew (see the class's text); `before`: as
+        `load_candidate`'s."""
         job = self.job
         self.input_kernels = self._input_kernels()
         self._ref_names = dict(vars(self.ref_mod))  # what the task's get_inputs reaches (`torch`, helpers)
-        cand_mod = load_candidate(job, self.state)
+        cand_mod = load_candidate(job, self.state, before)
         cls = cand_mod.ModelNew
         if issubclass(cls, self.ref_mod.Model) or any(
             c.__name__ == "Model" and c.__module__ in ("model", "cudagym_reference") for c in cls.__mro__

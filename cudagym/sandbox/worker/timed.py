@@ -26,7 +26,7 @@ from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_cl
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
-from cudagym.sandbox.worker.wire import Channel, Job
+from cudagym.sandbox.worker.wire import LOADING_MARK, Channel, Job
 
 
 def probe_fn(p: Problem) -> Any:
@@ -289,7 +289,14 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     ph.mark("problem")
     timer = job_timer(p, job, state, ch, share_after=True)
     ph.mark("calibration")
-    p.load_candidate()
+
+    def loading() -> None:  # the threads started from here on are the candidate's (`cpusamples.attribute`)
+        threads = torch.get_num_threads()
+        torch.ones(threads << 16).sum()  # torch's OpenMP pool, whole, is the harness's: it runs the next inputs
+        check_channel(state)
+        ch.mark(LOADING_MARK, wait=True, at=ph._clock())  # noqa: SLF001 - the job's clock
+
+    p.load_candidate(loading if p.device.type == "cpu" else None)
     ph.mark("load")
     alone(p, ch)
     ph.mark("wait_alone")

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 JobKind = Literal["verify", "reference", "profile", "baseline", "compile_inline", "build_inline", "probe", "ncu"]
 TIMING_KINDS = ("profile", "baseline")  # need the device to themselves
+# the mark a timed job's worker writes as it is about to import the candidate's code (and waits for
+# the parent to have): a thread started after its arrival was started by the candidate's code
+LOADING_MARK = "candidate"
 
 
 @dataclass
