@@ -586,11 +586,21 @@ def drive_calls(
     try:
         report: dict[str, Any] = {}
         i = 0
-        out: Any = None
+        out: Any = None  # each call's, set in the loop
+        fresh: Any = None
+        hook: Any = None
+        seen: Any = None
+        targets: Any = None
         while (asked := next_call(report)) is not None:
-            # the previous call's output was held until `next_call` sent its evidence: a finalizer
-            # the candidate tied to it (`weakref.finalize`, a storage's deleter) runs only now
-            out = None
+            # Everything of the last call's goes before the next inputs are made, and nothing of the
+            # candidate's reach goes between their making and the interval: a finalizer it tied to
+            # one of them (`weakref.finalize` on its output, on the generated inputs it found in
+            # this frame, on the hook; an object with `__del__` put in `targets` or `seen`) runs
+            # here, before those inputs exist (red team 16's c ran torch's GELU on them from a
+            # finalizer of the last inputs, fired as `fresh` was rebound). The output was held
+            # until `next_call` sent its evidence. The collector stays paused (forward may resume it).
+            out = fresh = hook = seen = targets = None
+            gc.disable()
             seed, is_probe, idle_s = asked
             if idle_s > 0:
                 time.sleep(idle_s)  # server mode: the call arrives after a gap (nothing is timed here)
@@ -599,12 +609,11 @@ def drive_calls(
             targets = [s if s is not None else a for s, a in zip(stage, args)]
             if timer.cuda:  # the open gate copies the staged values at the window's end
                 refill_(targets, fresh)
-            seen: dict[str, Any] = {}
+            seen = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
             spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8,
                                   device=timer.device)
                       if timer.cuda else None)
-            out = None  # the last call's output goes now, not between this call and its report (a finalizer)
             out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k],
                                  refill=None if timer.cuda else functools.partial(refill_, targets, fresh),
                                  send=None if timer.cuda else send, mark=None if timer.cuda else mark)
