@@ -290,7 +290,11 @@ def test_a_timing_job_holds_the_gpu_alone_until_its_loop_stops_then_shares_it():
         assert all(h.released_s is not None for h in sched.holds)
         return events
 
-    assert asyncio.run(main()) == ["loaded", "loop over", "check runs (GPU alone: False)", "end checks over"]
+    events = asyncio.run(main())
+    # the check runs once the stop is answered, beside the end checks: whether it or the timing job's
+    # next step comes first after that answer is the event loop's to choose (a loaded CI host flipped it)
+    assert events[0] == "loaded" and events[-1] == "end checks over", events
+    assert sorted(events[1:3]) == ["check runs (GPU alone: False)", "loop over"], events
 
 
 def test_a_timing_job_keeps_its_turn_until_its_worker_is_gone():
