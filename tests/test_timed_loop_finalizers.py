@@ -1,14 +1,15 @@
 """What the candidate's finalizers can see of the timed loop (CPU target, real workers and builds).
 
 A finalizer of the candidate's runs on the harness's own thread, wherever the object it is tied to
-dies. The timed loop lets everything of the last call's go before it makes the next call's inputs,
-and nothing of the candidate's reach between their making and the interval: a finalizer then finds
-no next inputs to work on before their call is timed (red team 16's c computed the next output with
-torch's GELU from a finalizer of the last inputs, fired as the loop rebound them: +3 in strict mode).
+dies. Red team 16's c computed the next output with torch's GELU from a finalizer of the last
+inputs, fired as the loop rebound them after making the next ones; its d, from a finalizer of the
+last output, fired once the next seed was known, calling the loop's `inputs_for` itself: +3 and
++2 in strict mode. Between a call and its report such code could rewrite the report.
 
-The candidate here is a canary: an honest kernel, and finalizers tied to what the loop drops (the
-output, the inputs it made, the hook it passed the timer, an object put in its list of targets).
-Each looks up the loop's frame and fails the call if the next inputs are already there.
+Nothing of the candidate's reach dies outside a call's interval: each call's objects are held until
+the next call's interval opens. The candidate here is a canary: an honest kernel, and finalizers
+tied to what the loop and the timer drop (the output, the inputs as made, the hook, an object put in
+the loop's list of targets, the timer's reading); the next call fails if one ran outside a call.
 """
 
 from __future__ import annotations
@@ -25,27 +26,26 @@ CANARY = '''
 import sys
 import weakref
 
-_armed = {"fresh": None, "hit": ""}
+_armed = {"hit": ""}
 
 
-def _loop_locals():
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_name != "drive_calls":
+def _frames():
+    f = sys._getframe(2)
+    while f is not None:
+        yield f
         f = f.f_back
-    return f
 
 
 def _trip(where):
-    f = _loop_locals()
-    if f is None:
-        return
-    names = f.f_locals
-    try:
-        fresh = names.get("fresh")
-    finally:
-        names.clear()  # the frame's snapshot would keep the inputs alive
-    if fresh is not None and id(fresh) != _armed["fresh"] and not _armed["hit"]:  # not the list it was set on
-        _armed["hit"] = where
+    """A finalizer of the candidate's: where it ran, from the loop's frame up. Inside a call's
+    interval it runs from a frame named `call` (the timer's, or the worker's armed call)."""
+    for f in _frames():
+        if f.f_code.co_name == "call":
+            _armed["inside"] = _armed.get("inside", 0) + 1
+            return
+        if f.f_code.co_name == "drive_calls":
+            _armed["hit"] = _armed["hit"] or where
+            return
 
 
 class _Tripwire:
@@ -53,32 +53,48 @@ class _Tripwire:
         _trip("an object put in the loop's targets")
 
 
-def _arm(out, what):
-    f = _loop_locals()
-    if f is None:  # verify's trials
-        return
-    names = f.f_locals
+def _locals(frame, *names):
+    """Some of a frame's locals; its snapshot (`f_locals`, kept on the frame) emptied again,
+    or it would keep them all alive."""
+    snapshot = frame.f_locals
     try:
-        fresh, hook, targets = names.get("fresh"), names.get("hook"), names.get("targets")
+        return [snapshot.get(n) for n in names]
     finally:
-        names.clear()
-    _armed["fresh"] = id(fresh)  # not the list itself: held here, it would not die
+        snapshot.clear()
+
+
+def _arm(out, what):
+    frames = list(_frames())
+    loop = next((f for f in frames if f.f_code.co_name == "drive_calls"), None)
+    timer = next((f for f in frames if f.f_code.co_name == "call" and f.f_code.co_filename.endswith("timer.py")),
+                 None)
+    del frames
+    if loop is None or timer is None:  # verify's trials
+        return
+    _armed["armed"] = _armed.get("armed", 0) + 1
+    fresh, hook, targets = _locals(loop, "fresh", "hook", "targets")
+    (reading,) = _locals(timer, "reading")
+    del loop, timer
     if what == "inputs" and fresh:
         weakref.finalize(fresh[0], _trip, "the inputs the loop made")
     elif what == "hook" and hook is not None:
         weakref.finalize(hook, _trip, "the loop's hook")
     elif what == "targets" and targets is not None:
         targets.append(_Tripwire())
+    elif what == "timer" and reading is not None:
+        weakref.finalize(reading, _trip, "the timer's reading")
     elif what == "output":
         weakref.finalize(out, _trip, "the call's output")
 '''
 
 
-@pytest.mark.parametrize("what", ["output", "inputs", "hook", "targets"])
-def test_a_finalizer_never_finds_the_next_calls_inputs(evaluator: Evaluator, build_ws, what: str) -> None:
+@pytest.mark.parametrize("what", ["output", "inputs", "hook", "targets", "timer"])
+def test_a_finalizer_runs_only_inside_a_calls_interval(evaluator: Evaluator, build_ws, what: str) -> None:
     model = gelu_model(f"""
 if _armed["hit"]:
-    raise RuntimeError("a finalizer on " + _armed["hit"] + " found the next call's inputs made")
+    raise RuntimeError("a finalizer on " + _armed["hit"] + " ran between calls")
+if _armed.get("armed", 0) > 8 and not _armed.get("inside"):
+    raise RuntimeError("no finalizer ran: the canary is not armed")
 out = run_kernel(x, self.bias, self.scale)
 _arm(out, {what!r})
 return out

@@ -220,7 +220,7 @@ class DeviceTimer:
     def call(self, fn: Callable[..., Any], args: Sequence[Any],
              after: Callable[[Any], object] | None = None, copies: torch.Tensor | None = None,
              refill: Callable[[], object] | None = None, send: Callable[[], object] | None = None,
-             mark: Callable[[], object] | None = None) -> tuple[Any, float]:
+             mark: Callable[[], object] | None = None, held: list[Any] | None = None) -> tuple[Any, float]:
         """One call under the protocol; returns its output and its time in ms. `after(out)` runs
         once the call has returned, to register its outputs with `read_at_end`, inside the
         interval on both targets (on a GPU: on the timer's stream, before the close kernel, which
@@ -233,7 +233,10 @@ class DeviceTimer:
         that whatever rewrites it before it leaves is timed. `mark()` (CPU): runs right before the
         interval opens (the start of the sandbox's CPU-sample window). CPU: raises `TimerTamperedError`
         after the interval if a Python hook that is not the harness's was active when the call
-        returned."""
+        returned. `held` (`drive_calls`'): this call's own objects go there as it returns, not
+        as its frame ends (a finalizer the candidate tied to one would run before the caller
+        reads the times); on the CPU it is emptied after `mark()`, before the clock starts (a
+        GPU's `fn` empties it, armed, inside the open gate's window)."""
         if not self.cuda:
             # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
             # then one native call that reads every page, draws the positions and gathers the
@@ -245,6 +248,8 @@ class DeviceTimer:
             reading = Reading(0, None)
             if mark is not None:
                 mark()
+            if held is not None:  # inside the sampled window, before the clock: what runs here is
+                held.clear()      # audited by its samples (and held to the call's time by their spread)
             t0 = self._perf()
             out = fn(*args)
             hooks = foreign_hooks()  # read inside the interval: a hook found here is never trusted
@@ -272,6 +277,8 @@ class DeviceTimer:
             ms = call_ms_from(self.calibration, *raw)
             if hooks:
                 raise TimerTamperedError(f"a Python hook the harness did not set was active after the call: {hooks}")
+            if held is not None:
+                held.append([v for k, v in locals().items() if k != "held"])
             return out, ms
         # one stream for the gates, the events and the call (see `cudagym.sandbox.timing`): the caller's
         stream = torch.cuda.current_stream(self.device)
@@ -313,7 +320,10 @@ class DeviceTimer:
         raw = vars(self)["last_raw"] = (max(end_ms, last_ms - TAIL_ALLOWANCE_MS), self.read_phase_ns, reading.dense,
                                         reading.strided)
         read_ns = raw[1] if self.calibration.read_cap_ns else 0
-        return out, call_ms(end_ms, last_ms, self.calibration.left_out_ns(read_ns, reading.dense, reading.strided))
+        ms = call_ms(end_ms, last_ms, self.calibration.left_out_ns(read_ns, reading.dense, reading.strided))
+        if held is not None:
+            held.append([v for k, v in locals().items() if k != "held"])
+        return out, ms
 
     @property
     def stamps_ns(self) -> tuple[int, int, int, int]:
@@ -554,6 +564,7 @@ def drive_calls(
     probe: Callable[..., Any] | None = None,
     send: Callable[[], object] | None = None,
     mark: Callable[[], object] | None = None,
+    held: list[Any] | None = None,
 ) -> int:
     """Make the calls the parent asks for; returns how many were made.
 
@@ -572,6 +583,8 @@ def drive_calls(
     what to report about it; on the CPU target `send()` sends what it read from inside the
     interval (`DeviceTimer.call`'s `send`), and `mark()` runs right before each interval opens.
     The garbage collector is paused so that a collection does not land inside a call.
+    `held`: where each call's objects stay until `fn` empties it, inside the next call's
+    interval (see the loop's text); the last call's go as the loop ends.
     """
     k = len(input_sets)
     # GPU: the fresh values go to a staging copy, which the open gate copies into the call's
@@ -586,21 +599,19 @@ def drive_calls(
     try:
         report: dict[str, Any] = {}
         i = 0
-        out: Any = None  # each call's, set in the loop
-        fresh: Any = None
-        hook: Any = None
-        seen: Any = None
-        targets: Any = None
+        # Each call's objects (its output, its inputs as made, the hook, the targets, the report,
+        # the timer's own) are moved into `held` as the call returns and live nowhere else: the
+        # candidate's code can reach them all (up the stack, from forward), and a finalizer it ties
+        # to one (`weakref.finalize`, an object with `__del__` put in a list or a dict of the loop's)
+        # runs where that object dies. `held` is emptied inside the next call's interval, armed
+        # (`fn` does it): such code runs timed and audited, never between a call and its report
+        # (which it could rewrite) or between the next seed and the interval (where it could
+        # compute the next output: red team 16's c and d ran torch's GELU there, from finalizers of
+        # the last inputs and of the last output, calling `inputs_for` on the seed it read here).
+        held = [] if held is None else held
         while (asked := next_call(report)) is not None:
-            # Everything of the last call's goes before the next inputs are made, and nothing of the
-            # candidate's reach goes between their making and the interval: a finalizer it tied to
-            # one of them (`weakref.finalize` on its output, on the generated inputs it found in
-            # this frame, on the hook; an object with `__del__` put in `targets` or `seen`) runs
-            # here, before those inputs exist (red team 16's c ran torch's GELU on them from a
-            # finalizer of the last inputs, fired as `fresh` was rebound). The output was held
-            # until `next_call` sent its evidence. The collector stays paused (forward may resume it).
-            out = fresh = hook = seen = targets = None
-            gc.disable()
+            del report
+            gc.disable()  # forward may have resumed the collector
             seed, is_probe, idle_s = asked
             if idle_s > 0:
                 time.sleep(idle_s)  # server mode: the call arrives after a gap (nothing is timed here)
@@ -609,18 +620,19 @@ def drive_calls(
             targets = [s if s is not None else a for s, a in zip(stage, args)]
             if timer.cuda:  # the open gate copies the staged values at the window's end
                 refill_(targets, fresh)
-            seen = {}
+            seen: dict[str, Any] = {}
             hook = None if after is None else (lambda out, i=i: seen.update(after(i, out)))
             spacer = (torch.empty(PLACEMENT_BYTES[(i // k) % len(PLACEMENT_BYTES)], dtype=torch.uint8,
                                   device=timer.device)
                       if timer.cuda else None)
             out, ms = timer.call(probe if is_probe and probe is not None else fn, args, hook, plans[i % k],
                                  refill=None if timer.cuda else functools.partial(refill_, targets, fresh),
-                                 send=None if timer.cuda else send, mark=None if timer.cuda else mark)
-            del spacer
+                                 send=None if timer.cuda else send, mark=None if timer.cuda else mark, held=held)
             span_ms, read_ns, dense, strided = vars(timer)["last_raw"]  # not through a class attribute
             report = {"ms": ms, "host_ms": timer.host_ms, "span_ms": span_ms, "read_ns": read_ns, "dense": dense,
                       "strided": strided, **seen}
+            held.append((out, fresh, targets, seen, hook, spacer, report))
+            del out, fresh, targets, hook, spacer
             i += 1
         return i
     finally:

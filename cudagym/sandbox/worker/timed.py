@@ -8,6 +8,7 @@ each call's time and evidence go to it before the next call is asked for.
 
 from __future__ import annotations
 
+import gc
 import os
 import secrets
 from typing import Any
@@ -141,12 +142,18 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         check_channel(state)  # what writes the mark is the harness's
         ch.mark("forward", wait=True, at=clock())
 
+    # the last call's objects, held until the next call's interval opens (`drive_calls`' `held`):
+    # what the candidate tied to them runs inside it, armed (on the CPU, the timer empties it first,
+    # in the sampled window before its clock starts: freeing the last output is not the call's time)
+    held: list[Any] = []
+
     def call(*args: Any) -> Any:
         model_calls[0] += 1
         watch.arm()
         if kwatch:
             kwatch.arm()
         try:
+            held.clear()
             return fn(*args)
         except CandidateError:
             raise
@@ -157,6 +164,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
+            gc.disable()  # the loop's collector stays paused (forward may have resumed it)
 
     def after(i: int, out: Any) -> dict[str, Any]:
         pending.extend((o.shape, timer.read_at_end(o, SAMPLE_SIZE)) for o in as_outputs(out, who, p.device))
@@ -232,11 +240,13 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         if kwatch:
             kwatch.arm()
         try:
+            held.clear()
             return probe(*args)
         finally:
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
+            gc.disable()
 
     def untouched() -> None:  # the dispatcher's table is read by the job's own last check (`run_profile`)
         check_tamper(state, dispatcher=False)
@@ -249,12 +259,13 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     with torch.no_grad():
         try:
             n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed, send=send_evidence,
-                            mark=mark if marks else None)
+                            mark=mark if marks else None, held=held)
         except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
         except Exception:
             untouched()  # a harness the candidate patched, which then raised, is tamper
             raise
+    held.clear()  # the last call's objects: what the candidate tied to them runs before the checks below
     ph.mark(f"{role}_timed_loop")
     ph.extra["harness_overhead_ns"] = calibration.overhead_ns
     ph.extra["read_cap_ns"] = calibration.read_cap_ns
