@@ -235,8 +235,8 @@ class DeviceTimer:
         after the interval if a Python hook that is not the harness's was active when the call
         returned. `held` (`drive_calls`'): this call's own objects go there as it returns, not
         as its frame ends (a finalizer the candidate tied to one would run before the caller
-        reads the times); on the CPU it is emptied after `mark()`, before the clock starts (a
-        GPU's `fn` empties it, armed, inside the open gate's window)."""
+        reads the times); `fn` empties it, armed, once the interval is open (on a GPU, inside
+        the open gate's window)."""
         if not self.cuda:
             # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
             # then one native call that reads every page, draws the positions and gathers the
@@ -248,8 +248,6 @@ class DeviceTimer:
             reading = Reading(0, None)
             if mark is not None:
                 mark()
-            if held is not None:  # inside the sampled window, before the clock: what runs here is
-                held.clear()      # audited by its samples (and held to the call's time by their spread)
             t0 = self._perf()
             out = fn(*args)
             hooks = foreign_hooks()  # read inside the interval: a hook found here is never trusted

@@ -143,8 +143,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ch.mark("forward", wait=True, at=clock())
 
     # the last call's objects, held until the next call's interval opens (`drive_calls`' `held`):
-    # what the candidate tied to them runs inside it, armed (on the CPU, the timer empties it first,
-    # in the sampled window before its clock starts: freeing the last output is not the call's time)
+    # what the candidate tied to them runs inside it, timed and armed (before the clock, untimed, it
+    # could compute the call's output from the inputs already in place). Freeing the last output is
+    # in each call's time, the baselines' as much as the candidate's.
     held: list[Any] = []
 
     def call(*args: Any) -> Any:
