@@ -235,8 +235,7 @@ class DeviceTimer:
         after the interval if a Python hook that is not the harness's was active when the call
         returned. `held` (`drive_calls`'): this call's own objects go there as it returns, not
         as its frame ends (a finalizer the candidate tied to one would run before the caller
-        reads the times); `fn` empties it, armed, once the interval is open (on a GPU, inside
-        the open gate's window)."""
+        reads the times); `fn` empties it, armed, as the next call returns, inside its interval."""
         if not self.cuda:
             # The CPU close (see `cpu_close`): `after` (which registers outputs with `read_at_end`),
             # then one native call that reads every page, draws the positions and gathers the
@@ -581,8 +580,8 @@ def drive_calls(
     what to report about it; on the CPU target `send()` sends what it read from inside the
     interval (`DeviceTimer.call`'s `send`), and `mark()` runs right before each interval opens.
     The garbage collector is paused so that a collection does not land inside a call.
-    `held`: where each call's objects stay until `fn` empties it, inside the next call's
-    interval (see the loop's text); the last call's go as the loop ends.
+    `held`: where each call's objects stay until `fn` empties it as the next call returns, inside
+    its interval (see the loop's text); the last call's go as the loop ends.
     """
     k = len(input_sets)
     # GPU: the fresh values go to a staging copy, which the open gate copies into the call's
@@ -601,8 +600,8 @@ def drive_calls(
         # the timer's own) are moved into `held` as the call returns and live nowhere else: the
         # candidate's code can reach them all (up the stack, from forward), and a finalizer it ties
         # to one (`weakref.finalize`, an object with `__del__` put in a list or a dict of the loop's)
-        # runs where that object dies. `held` is emptied inside the next call's interval, armed
-        # (`fn` does it): such code runs timed and audited, never between a call and its report
+        # runs where that object dies. `held` is emptied as the next call returns, inside its
+        # interval, armed (`fn` does it): such code runs timed and audited, never between a call and its report
         # (which it could rewrite) or between the next seed and the interval (where it could
         # compute the next output: red team 16's c and d ran torch's GELU there, from finalizers of
         # the last inputs and of the last output, calling `inputs_for` on the seed it read here).

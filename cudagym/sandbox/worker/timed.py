@@ -142,10 +142,12 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         check_channel(state)  # what writes the mark is the harness's
         ch.mark("forward", wait=True, at=clock())
 
-    # the last call's objects, held until the next call's interval opens (`drive_calls`' `held`):
-    # what the candidate tied to them runs inside it, timed and armed (before the clock, untimed, it
-    # could compute the call's output from the inputs already in place). Freeing the last output is
-    # in each call's time, the baselines' as much as the candidate's.
+    # the last call's objects, held through the next call (`drive_calls`' `held`), freed as it
+    # returns, still armed and inside its interval: what the candidate tied to them runs timed and
+    # watched (before the clock, untimed, it could compute the call's output from the inputs in
+    # place). Freeing the last output is in each call's time, the baselines' as much as the
+    # candidate's; alive through the next call, it keeps that call's output off its addresses (on a
+    # GPU, with the placement allocation: `drive_calls`).
     held: list[Any] = []
 
     def call(*args: Any) -> Any:
@@ -154,7 +156,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         if kwatch:
             kwatch.arm()
         try:
-            held.clear()
             return fn(*args)
         except CandidateError:
             raise
@@ -162,6 +163,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError(failure_kind(e, state.hook_attempts), f"{who} raised in a timed-loop call:\n"
                                  + candidate_traceback(e, [job.workspace] if job.workspace else [])) from None
         finally:
+            held.clear()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
@@ -241,9 +243,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         if kwatch:
             kwatch.arm()
         try:
-            held.clear()
             return probe(*args)
         finally:
+            held.clear()
             if kwatch:
                 kwatch.disarm()
             watch.disarm()
