@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from typing import Any
+
 import pytest
 
 from cudagym.core.verdict import ErrorKind
@@ -484,12 +486,16 @@ sys.stdin.readline()
 """
 
 
-def test_the_sampled_time_of_a_busy_thread_fits_in_its_window() -> None:
-    """A thread's sampled CPU time in a span (each sample weighed by its CPU's period) is at
-    most the span's wall time, give or take a sample, and is most of it for a thread that spun
-    through it (on a loaded host, what it was given)."""
-    child = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _sampled_child(code: str, hogs: int = 0) -> tuple[list, dict, Any]:
+    """Run `code` in a child (it prints "ready", waits for a line, prints the repr of its spans,
+    waits again) sampled every 500 µs of CPU time; with `hogs` busy processes beside it on one
+    CPU. Its spans, its maps and the samples."""
+    cpu = {min(os.sched_getaffinity(0))}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        for proc in (*busy, child) if hogs else ():
+            os.sched_setaffinity(proc.pid, cpu)
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().strip() == "ready"
         sampler = CpuSampler([child.pid], period_us=500)
@@ -498,10 +504,18 @@ def test_the_sampled_time_of_a_busy_thread_fits_in_its_window() -> None:
         child.stdin.flush()
         spans = eval(child.stdout.readline())  # noqa: S307 - our own child's repr of floats
         maps = read_maps([child.pid])
-        samples = sampler.close()
+        return spans, maps, sampler.close()
     finally:
-        child.kill()
-        child.wait()
+        for proc in (*busy, child):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_sampled_time_of_a_busy_thread_fits_in_its_window() -> None:
+    """A thread's sampled CPU time in a span (each sample weighed by its CPU's period) is at
+    most the span's wall time, give or take a sample, and is most of it for a thread that spun
+    through it (on a loaded host, what it was given)."""
+    spans, maps, samples = _sampled_child(SPINNER)
     origin = attribute(samples, maps, spans, [], bounds=spans)
     least = origin.least_wall_ns()
     period = max(samples.cpu_period_ns.values())
@@ -534,25 +548,7 @@ def test_the_work_samples_spread_over_the_call_on_a_loaded_cpu() -> None:
     """Two busy processes beside the worker on its CPU: its thread runs about a third of each
     call, and its sampled CPU time shows that; the first and the last sample of its work (torch's
     GELU here) still span the call, and the interpreter's steps after it add nothing."""
-    cpu = {min(os.sched_getaffinity(0))}
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    child = subprocess.Popen([sys.executable, "-c", LOADED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        for proc in (*hogs, child):
-            os.sched_setaffinity(proc.pid, cpu)
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
-        sampler = CpuSampler([child.pid], period_us=500)
-        assert not sampler.samples.error, sampler.samples.error
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        spans = eval(child.stdout.readline())  # noqa: S307 - our own child's repr of floats
-        maps = read_maps([child.pid])
-        samples = sampler.close()
-    finally:
-        for proc in (*hogs, child):
-            proc.kill()
-            proc.wait()
+    spans, maps, samples = _sampled_child(LOADED, hogs=2)
     origin = attribute(samples, maps, [(a, b) for a, b, _ in spans], [], bounds=[(a, c) for a, _, c in spans])
     calls = [(b - a) * 1e9 for a, b, _ in spans]
     least, spread = origin.least_wall_ns(), origin.work_spread_ns()
