@@ -312,6 +312,11 @@ class Audit:
         imports = self.imports(artifact_dir, list(final.get("own_objects") or []))
         forbidden: list[str] = []
         reasons: list[str] = []
+        if imports.hooks:  # either mode: code of its own run inside the harness's Python, between its steps
+            forbidden += [s for s, _ in imports.hooks]
+            reasons.append("the candidate's objects import the interpreter's hooks, which run code inside the "
+                           "harness's Python between its steps (outside the timed calls): "
+                           + "; ".join(f"{s} (imported by {f})" for s, f in imports.hooks[:6]))
         if self.config.mode == "strict" and imports.forbidden:
             forbidden += [s for s, _, _ in imports.forbidden]
             reasons.append(FORBIDDEN_IMPORTS + "; ".join(imports.reasons()))

@@ -55,7 +55,7 @@ import os
 import re
 import struct
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -402,6 +402,21 @@ def undefined_symbols(path: Path) -> list[str]:
     return out
 
 
+# The interpreter's ways to run code at the harness's next instruction, on its thread: a pending
+# call, a profile or trace function, a signal handler set below `signal.signal`, an exception thrown
+# into a thread, a frame's locals written back, an audit hook. A kernel library needs none of them
+# (a torch extension imports none); looked up through ctypes, or imported by a built object, in
+# either mode, they are refused.
+_INTERPRETER_HOOK = re.compile(r"^_?(Py_AddPendingCall|PyEval_SetProfile\w*|PyEval_SetTrace\w*|PyFrame_LocalsToFast"
+                               r"|PyThreadState_SetAsyncExc|PyOS_setsig|PySys_AddAuditHook|PyErr_SetInterrupt\w*"
+                               r"|PyUnstable_\w*Watcher\w*|Py\w*_AddWatcher)$")
+
+
+def interpreter_hook(symbol: str) -> bool:
+    """Whether `symbol` is one of the interpreter's ways to run code inside the harness's Python."""
+    return bool(_INTERPRETER_HOOK.match(symbol.split("@")[0]))
+
+
 def forbidden_import(symbol: str) -> str | None:
     """Why strict mode forbids the candidate's objects to import `symbol`; None if allowed."""
     if _RUNTIME_LOOKUP.match(symbol.split("(")[0]):
@@ -434,6 +449,7 @@ class ImportAudit:
 
     forbidden: list[tuple[str, str, str]]  # (symbol, why, file name)
     libraries: set[str]  # library file-name prefixes: "libcublas", "libcudnn", ...
+    hooks: list[tuple[str, str]] = field(default_factory=list)  # (symbol, file name): `interpreter_hook`, either mode
 
     def reasons(self, limit: int = 6) -> list[str]:
         return [f"{sym} ({why}; imported by {file})" for sym, why, file in self.forbidden[:limit]]
@@ -455,8 +471,11 @@ def import_audit(objects: list[Path]) -> ImportAudit:
     can write). Raises `ToolchainError` if one cannot be read."""
     forbidden: list[tuple[str, str, str]] = []
     libraries: set[str] = set()
+    hooks: list[tuple[str, str]] = []
     for obj in objects:
         for sym in undefined_symbols(obj):
+            if interpreter_hook(sym):
+                hooks.append((sym, obj.name))
             for prefix, lib in ALLOWED_LIBRARIES.items():
                 if sym.startswith(prefix):
                     libraries.add(lib)
@@ -465,4 +484,4 @@ def import_audit(objects: list[Path]) -> ImportAudit:
             why = forbidden_import(sym)
             if why:
                 forbidden.append((sym.split("(")[0], why, obj.name))
-    return ImportAudit(forbidden=forbidden, libraries=libraries)
+    return ImportAudit(forbidden=forbidden, libraries=libraries, hooks=hooks)

@@ -21,6 +21,7 @@ import gc
 import os
 import random
 import secrets
+import signal
 import _thread
 import time
 import types
@@ -32,6 +33,7 @@ import torch
 import torch.utils._device
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cudagym.sandbox.origin import interpreter_hook
 from cudagym.sandbox.timing import foreign_hooks
 from cudagym.sandbox.worker.failures import CandidateError
 from cudagym.sandbox.worker.state import Snapshot, WorkerState
@@ -196,6 +198,10 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
             raise RuntimeError(f"{event} is refused in a cudagym worker (it reaches the harness's own objects)")
         if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
             name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
+            if isinstance(name, str) and interpreter_hook(name):
+                seen.append(f"ctypes lookup of {name}")
+                raise PermissionError(f"looking up {name} through ctypes is refused in a cudagym worker "
+                                      "(it runs code of the candidate's inside the harness's Python)")
             if isinstance(name, str) and name.startswith(TORCH_MANGLED):
                 lookups.append(name)  # noted for the reason; the lookup itself fails, whatever
                 # becomes of the note (a Python list in the candidate's process)
@@ -205,12 +211,28 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
     return refuse_hooks
 
 
+def signal_handlers() -> dict[int, Any]:
+    """Python's handler of every signal (`signal.getsignal`; None where none was set from Python)."""
+    return {int(s): signal.getsignal(s) for s in signal.valid_signals()}
+
+
+def foreign_signal_handlers(state: WorkerState) -> str:
+    """The signals whose Python handler is not the one the worker had before candidate code ran
+    (names joined; "" for none). A handler runs on the harness's thread between any two of its
+    instructions (with `signal.setitimer`, every few microseconds): between the next call's
+    inputs and its interval, where it could compute the output untimed, or between a call and
+    its report."""
+    return ", ".join(signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
+                     for s, h in signal_handlers().items() if h is not state.signal_handlers.get(s))
+
+
 def snapshot_originals(state: WorkerState) -> None:
     """Torch rebinds some functions as it loads parts of itself (dynamo rebinds
     torch.manual_seed, for one): the identity snapshot is retaken after each prewarm step, still
     before any candidate code runs; the dispatcher's table with it."""
     state.originals.update(watched_now())
     state.gc_callbacks = tuple(gc.callbacks)
+    state.signal_handlers = signal_handlers()
     state.dispatch.clear()
     state.dispatch.update(dispatch_table(state.originals))
 
@@ -319,6 +341,9 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     check_torch_lookups(state)
     if hooks := foreign_hooks():
         raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")
+    if handlers := foreign_signal_handlers(state):
+        raise CandidateError("tamper", f"a signal handler the harness did not set is active ({handlers}): it would run "
+                             "the candidate's code between the harness's steps")
     if callbacks := [cb for cb in list(gc.callbacks) if not any(cb is old for old in state.gc_callbacks)]:
         raise CandidateError("tamper", "a garbage collector callback the harness did not set is active: "
                              f"{callbacks[0]!r:.120} (it would run the candidate's code inside the harness's checks)")

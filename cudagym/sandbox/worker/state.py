@@ -54,6 +54,7 @@ class WorkerState:
     c_entries: list[tuple[int, int, int]] = field(default_factory=list)  # their C functions (`integrity.c_entries`)
     clock_slots: list[tuple[int, int]] = field(default_factory=list)  # the slots those call clocks through
     gc_callbacks: tuple[Any, ...] = ()  # `gc.callbacks` before candidate code (torch's own, if any)
+    signal_handlers: dict[int, Any] = field(default_factory=dict)  # Python's signal handlers before candidate code
     dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
     pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls
     hook_attempts: list[str] = field(default_factory=list)  # profile/trace/audit hooks refused

@@ -22,8 +22,8 @@ from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, Devic
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
 from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_tamper, entries_changed,
-                                              kernel_watch, kernels_alive, live_threads, op_watch, slots_changed,
-                                              watch_alive, watch_changes)
+                                              foreign_signal_handlers, kernel_watch, kernels_alive, live_threads,
+                                              op_watch, slots_changed, watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -211,9 +211,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():  # noqa: SLF001 - mode stacks
             raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
         if made[0]:
-            if state.hook_attempts or (hooks := foreign_hooks()):
-                raise CandidateError("tamper", "a Python hook the harness did not set, or a search it refuses, "
-                                     "was tried or is active: "
+            if state.hook_attempts or (hooks := foreign_hooks()) or (hooks := foreign_signal_handlers(state)):
+                raise CandidateError("tamper", "a Python hook or signal handler the harness did not set, or a search "
+                                     "it refuses, was tried or is active: "
                                      + (state.hook_attempts[0] if state.hook_attempts else hooks))
             callbacks = state.opwatch_callbacks
             if role == "candidate" and state.callbacks_before is not None and callbacks is not None \
