@@ -152,3 +152,32 @@ def test_a_built_object_importing_a_pending_call_is_refused_in_either_mode(eval_
         v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)"),
                                               {"kernels/gelu.cpp": PENDING_CPP}))
     assert_rejected(v, ErrorKind.AUDIT, "Py_AddPendingCall", "interpreter's hooks")
+
+
+# Reading a name of a module or an object whose class the candidate swapped runs its code (a
+# property of the subclass): the harness reads `random`'s and torch's names as it makes the next
+# inputs (red team 17's e and f computed the next output there). Likewise a module-level
+# `__getattr__` (run for a name the module lacks) and an import hook.
+RECLASSED = {
+    "module": "class _M(types.ModuleType):\n    pass\nrandom.__class__ = _M",
+    "getattr": "sys.__getattr__ = lambda name: None",
+    "import_hook": "sys.meta_path.insert(0, type('_Finder', (), {'find_spec': staticmethod(lambda *a, **k: None)})())",
+    "timer": ("def _swap():\n"
+              "    f = sys._getframe(2)\n"
+              "    while f is not None and f.f_code.co_name != 'timing_run':\n"
+              "        f = f.f_back\n"
+              "    if f is not None:\n"
+              "        t = f.f_locals['timer']\n"
+              "        f.f_locals.clear()\n"
+              "        t.__class__ = type('_T', (type(t),), {})"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(RECLASSED))
+def test_a_swapped_class_a_module_getattr_or_an_import_hook_is_refused(evaluator: Evaluator, build_ws,
+                                                                       what: str) -> None:
+    body = "_swap()\nreturn run_kernel(x, self.bias, self.scale)" if what == "timer" else \
+        "return run_kernel(x, self.bias, self.scale)"
+    model = gelu_model(body, extra="import random, sys, types\n" + RECLASSED[what])
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER)

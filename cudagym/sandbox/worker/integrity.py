@@ -22,6 +22,7 @@ import os
 import random
 import secrets
 import signal
+import sys
 import _thread
 import time
 import types
@@ -117,9 +118,71 @@ WATCHED: dict[str, tuple[Any, str]] = {
 }
 
 
+# each watched name's owner's type, now (before candidate code): `rebound` reads a name only from
+# an owner of the same type (a module's class swapped for a subclass with a property of that name
+# runs the candidate's code at the read: red team 17's e and f computed the next output there)
+_OWNER_TYPES = {name: type(obj) for name, (obj, _) in WATCHED.items()}
+
+
+def _bound(obj: Any, attr: str, kind: type) -> Any:
+    """What `obj.attr` is bound to, read without running anyone's code (`_REPLACED` if `obj`'s
+    type is no longer `kind`): a module's from its dict (a missing name would reach a module
+    `__getattr__`), a class's through its unchanged metaclass."""
+    if type(obj) is not kind:
+        return _REPLACED
+    if issubclass(kind, types.ModuleType):
+        return vars(obj).get(attr, _REPLACED)
+    return getattr(obj, attr, _REPLACED)
+
+
+_REPLACED = object()
+
+
 def rebound(originals: dict[str, Any]) -> list[str]:
     """The watched names bound to something else than before candidate code (a few us)."""
-    return [name for name, (obj, attr) in WATCHED.items() if getattr(obj, attr, None) is not originals[name]]
+    return [name for name, (obj, attr) in WATCHED.items()
+            if _bound(obj, attr, _OWNER_TYPES[name]) is not originals[name]]
+
+
+def object_types(state: WorkerState) -> list[tuple[Any, type, str, bool]]:
+    """Every module loaded now, each watched name's owner and each harness class, with its type,
+    its name and (modules) whether it has a module `__getattr__`: what `reclassed` holds them to."""
+    seen: dict[int, tuple[Any, type, str, bool]] = {}
+    for name, mod in list(sys.modules.items()):
+        if isinstance(mod, types.ModuleType):
+            seen[id(mod)] = (mod, type(mod), name, "__getattr__" in vars(mod))
+    for name, (obj, _) in WATCHED.items():
+        seen.setdefault(id(obj), (obj, type(obj), name.rsplit(".", 1)[0], False))
+    for cls in state.snapshot.class_attrs:
+        seen.setdefault(id(cls), (cls, type(cls), cls.__qualname__, False))
+    return list(seen.values())
+
+
+def reclassed(state: WorkerState) -> str:
+    """Why reading the harness's modules and classes could run the candidate's code, or "": a
+    module or class whose type was swapped (a subclass whose properties shadow its names), a
+    module given a module-level `__getattr__` (run for a name it lacks), an import hook added.
+    Each is how code of the candidate's would run inside the harness's steps between calls (the
+    next inputs made, before their interval); type comparisons and dict lookups only (~0.1 ms)."""
+    for obj, kind, name, had_getattr in state.object_types:
+        if type(obj) is not kind:
+            return f"the class of {name} was swapped"
+        if not had_getattr and issubclass(kind, types.ModuleType) and "__getattr__" in vars(obj):
+            return f"{name} was given a module __getattr__"
+    meta_path, path_hooks = state.import_hooks
+    if tuple(sys.meta_path) != meta_path or tuple(sys.path_hooks) != path_hooks:
+        return "an import hook was added (sys.meta_path, sys.path_hooks)"
+    return ""
+
+
+def check_reclassed(state: WorkerState, *objects: tuple[Any, type]) -> None:
+    """Raise if `reclassed` finds anything, or one of the harness's `objects` is no longer of its
+    class (each `(object, class)`), before any other read of the harness's modules."""
+    if type(state) is not WorkerState or any(type(o) is not cls for o, cls in objects):
+        raise CandidateError("tamper", "the class of one of the harness's objects was swapped by the candidate")
+    if why := reclassed(state):
+        raise CandidateError("tamper", f"{why} by the candidate: reading it would run the candidate's code inside "
+                             "the harness's steps")
 
 
 def watched_now() -> dict[str, Any]:
@@ -233,6 +296,8 @@ def snapshot_originals(state: WorkerState) -> None:
     state.originals.update(watched_now())
     state.gc_callbacks = tuple(gc.callbacks)
     state.signal_handlers = signal_handlers()
+    state.object_types = object_types(state)
+    state.import_hooks = (tuple(sys.meta_path), tuple(sys.path_hooks))
     state.dispatch.clear()
     state.dispatch.update(dispatch_table(state.originals))
 
@@ -338,6 +403,7 @@ def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
     if state.hook_attempts:
         raise CandidateError("tamper", f"the candidate tried a call the worker refuses ({state.hook_attempts[0]}: "
                              "a Python hook, or a search of another thread's frames or of the object graph)")
+    check_reclassed(state)
     check_torch_lookups(state)
     if hooks := foreign_hooks():
         raise CandidateError("tamper", f"a Python hook the harness did not set is active: {hooks}")

@@ -19,7 +19,7 @@ import torch
 from cudagym import runtime
 from cudagym.sandbox.worker.dtypes import WIRE_DTYPES
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import InputKernels, check_tamper, live_threads, rebound
+from cudagym.sandbox.worker.integrity import InputKernels, check_reclassed, check_tamper, live_threads, rebound
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.wire import Job
 
@@ -221,6 +221,7 @@ class Problem:
         generation runs under), the names of the task's module that `get_inputs` reaches."""
         if type(guard) is not InputKernels or type(self.ref_mod) is not types.ModuleType:
             raise CandidateError("tamper", "the harness's input generation was modified by the candidate")
+        check_reclassed(self.state, (self, Problem))  # first: reading a swapped module runs the candidate's code
         InputKernels.check(guard)
         if changed := rebound(self.state.originals):
             raise CandidateError("tamper", f"{changed[0]} was replaced by the candidate (it runs as the harness makes "

@@ -55,6 +55,10 @@ class WorkerState:
     clock_slots: list[tuple[int, int]] = field(default_factory=list)  # the slots those call clocks through
     gc_callbacks: tuple[Any, ...] = ()  # `gc.callbacks` before candidate code (torch's own, if any)
     signal_handlers: dict[int, Any] = field(default_factory=dict)  # Python's signal handlers before candidate code
+    # every module loaded, each watched name's owner and each harness class before candidate code:
+    # (object, its type, its name, whether it had a module `__getattr__`) (`integrity.reclassed`)
+    object_types: list[tuple[Any, type, str, bool]] = field(default_factory=list)
+    import_hooks: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())  # `sys.meta_path`, `sys.path_hooks` then
     dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
     pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls
     hook_attempts: list[str] = field(default_factory=list)  # profile/trace/audit hooks refused

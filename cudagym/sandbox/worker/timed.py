@@ -21,9 +21,9 @@ from cudagym.sandbox.protocol import MAX_IDLE_MS
 from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
-from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_tamper, entries_changed,
-                                              foreign_signal_handlers, kernel_watch, kernels_alive, live_threads,
-                                              op_watch, slots_changed, watch_alive, watch_changes)
+from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_reclassed, check_tamper,
+                                              entries_changed, foreign_signal_handlers, kernel_watch, kernels_alive,
+                                              live_threads, op_watch, slots_changed, watch_alive, watch_changes)
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
@@ -200,6 +200,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         # swapped `vars(timer)` for a dict that rewrote `last_raw`, and `timer._perf`), its class,
         # and what the loop's closures hold (the clock that times the window's end: a cell
         # rewritten through `__closure__`); before that clock is read
+        check_reclassed(state, (timer, DeviceTimer), (p, Problem), (ch, Channel))  # first: no read runs code
         check_classes(state)
         if timer_modified() or any(c.cell_contents is not v for c, v in cells):
             raise CandidateError("tamper", "the harness's timer or its timed loop was modified by the candidate")
