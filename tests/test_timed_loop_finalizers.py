@@ -157,10 +157,11 @@ def test_a_built_object_importing_a_pending_call_is_refused_in_either_mode(eval_
 # Reading a name of a module or an object whose class the candidate swapped runs its code (a
 # property of the subclass): the harness reads `random`'s and torch's names as it makes the next
 # inputs (red team 17's e and f computed the next output there). Likewise a module-level
-# `__getattr__` (run for a name the module lacks) and an import hook.
+# `__getattr__` (run for a name the module lacks), a builtin replaced and an import hook.
 RECLASSED = {
     "module": "class _M(types.ModuleType):\n    pass\nrandom.__class__ = _M",
     "getattr": "sys.__getattr__ = lambda name: None",
+    "builtin": "import builtins\nbuiltins.len = (lambda f: lambda x: f(x))(len)",
     "import_hook": "sys.meta_path.insert(0, type('_Finder', (), {'find_spec': staticmethod(lambda *a, **k: None)})())",
     "timer": ("def _swap():\n"
               "    f = sys._getframe(2)\n"

@@ -16,8 +16,10 @@ What was seen is kept in the `WorkerState`; the verdicts are the parent's.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import gc
+import operator
 import os
 import random
 import secrets
@@ -28,6 +30,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,17 +161,34 @@ def object_types(state: WorkerState) -> list[tuple[Any, type, str, bool]]:
     return list(seen.values())
 
 
+def type_check(objects: list[tuple[Any, type, str, bool]]) -> tuple[tuple[Any, ...], ...]:
+    """`object_types` as `reclassed` reads them (with the builtins as they are now)."""
+    plain = tuple(vars(o) for o, kind, _, had in objects if issubclass(kind, types.ModuleType) and not had)
+    now = dict(vars(builtins))
+    return tuple(o for o, *_ in objects), tuple(k for _, k, *_ in objects), plain, tuple(now), tuple(now.values())
+
+
+# bound now: what `reclassed` runs must not be looked up where the candidate can rebind it
+_type, _map, _any, _vars, _is_not, _contains, _repeat = type, map, any, vars, operator.is_not, operator.contains, repeat
+
+
 def reclassed(state: WorkerState) -> str:
     """Why reading the harness's modules and classes could run the candidate's code, or "": a
     module or class whose type was swapped (a subclass whose properties shadow its names), a
-    module given a module-level `__getattr__` (run for a name it lacks), an import hook added.
-    Each is how code of the candidate's would run inside the harness's steps between calls (the
-    next inputs made, before their interval); type comparisons and dict lookups only (~0.1 ms)."""
-    for obj, kind, name, had_getattr in state.object_types:
-        if type(obj) is not kind:
-            return f"the class of {name} was swapped"
-        if not had_getattr and issubclass(kind, types.ModuleType) and "__getattr__" in vars(obj):
-            return f"{name} was given a module __getattr__"
+    module given a module-level `__getattr__` (run for a name it lacks), a builtin replaced (the
+    harness calls `len`, `isinstance`, ...), an import hook added. Each is how code of the
+    candidate's would run inside the harness's steps between calls (the next inputs made, before
+    their interval); type comparisons and dict lookups in C (~20 µs)."""
+    objs, kinds, plain, names, values = state.type_check
+    if _any(_map(_is_not, _map(_type, objs), kinds)) or _any(_map(_contains, plain, _repeat("__getattr__"))):
+        for obj, kind, name, had_getattr in state.object_types:
+            if _type(obj) is not kind:
+                return f"the class of {name} was swapped"
+            if not had_getattr and issubclass(kind, types.ModuleType) and "__getattr__" in _vars(obj):
+                return f"{name} was given a module __getattr__"
+    found = _vars(builtins)
+    if _any(_map(_is_not, _map(found.get, names), values)):
+        return "a builtin was replaced"
     meta_path, path_hooks = state.import_hooks
     if tuple(sys.meta_path) != meta_path or tuple(sys.path_hooks) != path_hooks:
         return "an import hook was added (sys.meta_path, sys.path_hooks)"
@@ -297,6 +317,7 @@ def snapshot_originals(state: WorkerState) -> None:
     state.gc_callbacks = tuple(gc.callbacks)
     state.signal_handlers = signal_handlers()
     state.object_types = object_types(state)
+    state.type_check = type_check(state.object_types)
     state.import_hooks = (tuple(sys.meta_path), tuple(sys.path_hooks))
     state.dispatch.clear()
     state.dispatch.update(dispatch_table(state.originals))

@@ -58,6 +58,9 @@ class WorkerState:
     # every module loaded, each watched name's owner and each harness class before candidate code:
     # (object, its type, its name, whether it had a module `__getattr__`) (`integrity.reclassed`)
     object_types: list[tuple[Any, type, str, bool]] = field(default_factory=list)
+    # the same, as `reclassed` reads them: the objects, their types, the dicts of the modules that had
+    # no module `__getattr__`, and the builtins' names and values
+    type_check: tuple[tuple[Any, ...], ...] = ((), (), (), (), ())
     import_hooks: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())  # `sys.meta_path`, `sys.path_hooks` then
     dispatch: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `dispatch_table()` before candidate code
     pause_attempts: list[str] = field(default_factory=list)  # the inert profiler switches' calls
