@@ -182,3 +182,34 @@ def test_a_swapped_class_a_module_getattr_or_an_import_hook_is_refused(evaluator
     model = gelu_model(body, extra="import random, sys, types\n" + RECLASSED[what])
     v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
     assert_rejected(v, ErrorKind.TAMPER)
+
+
+# torch.manual_seed is Python that calls names of torch's modules (`torch.cuda.manual_seed_all`,
+# the private-use backend's) at each call: rebound by the candidate, they ran its code as the
+# harness seeded the next inputs (red team 18's g and h). The harness seeds its generators through
+# their own C method: the canary's rebound function never runs inside the timed loop.
+SEED_CANARY = """\
+import sys
+
+_seeded = [""]
+_seed_all = torch.cuda.manual_seed_all
+
+
+def _hook(seed):
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_name != "drive_calls":
+        f = f.f_back
+    if f is not None:
+        _seeded[0] = "torch.cuda.manual_seed_all ran inside the timed loop"
+    return _seed_all(seed)
+
+
+torch.cuda.manual_seed_all = _hook
+"""
+
+
+def test_the_next_inputs_are_seeded_without_torchs_python(evaluator: Evaluator, build_ws) -> None:
+    body = "if _seeded[0]:\n    raise RuntimeError(_seeded[0])\nreturn run_kernel(x, self.bias, self.scale)"
+    model = gelu_model(body, extra=SEED_CANARY)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
+    assert v.reward >= 1, v.reasons

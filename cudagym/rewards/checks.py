@@ -149,21 +149,28 @@ CPU_TIME_SHARE, CPU_TIME_SLACK_US = 1.25, 150.0
 CPU_SPREAD_SLACK_US = 30.0
 
 
-def _fast_calls(windows: list[list[Any]], calls: list[tuple[float | None, bool]],
-                timed: list[bool]) -> list[tuple[list[Any], float]]:
-    """The timed model calls at or below the median time, each with its window."""
-    if not windows or len(windows) != len(calls) or len(timed) != len(calls):
+def _fast_indices(calls: list[tuple[float | None, bool]], timed: list[bool]) -> list[int]:
+    """Which calls are the timed model calls at or below the median time."""
+    if len(timed) != len(calls):
         return []
-    picked = [(w, ms) for w, (ms, probe), t in zip(windows, calls, timed, strict=True)
+    picked = [i for i, ((ms, probe), t) in enumerate(zip(calls, timed, strict=True))
               if t and not probe and ms is not None]
     if not picked:
         return []
-    median = statistics.median(ms for _, ms in picked)
-    return [(w, ms) for w, ms in picked if ms <= median]
+    median = statistics.median(calls[i][0] for i in picked)  # type: ignore[type-var]
+    return [i for i in picked if calls[i][0] <= median]  # type: ignore[operator]
+
+
+def _fast_calls(windows: list[list[Any]], calls: list[tuple[float | None, bool]],
+                timed: list[bool]) -> list[tuple[list[Any], float]]:
+    """The timed model calls at or below the median time, each with its window."""
+    if not windows or len(windows) != len(calls):
+        return []
+    return [(windows[i], float(calls[i][0] or 0.0)) for i in _fast_indices(calls, timed)]
 
 
 def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, bool]], timed: list[bool],
-                      period_ns: int, lost: int = 0) -> str | None:
+                      period_ns: int, lost: int = 0, spans: list[float | None] | None = None) -> str | None:
     """CPU target: why the timed calls at or below the median time were reported faster than
     the kernel's samples of the worker allow (`windows` as `cpu_windows_cover`'s, each with the
     least wall time its samples leave room for, µs: `CpuOrigin.least_wall_ns`), or None. The
@@ -174,7 +181,9 @@ def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, 
     though taken in these calls. First, where the windows carry it, the wall time between each
     call's first and last samples of the candidate's work (`CpuOrigin.work_spread_ns`): the work
     lasted that long whatever the load (the CPU time shrinks with it: a host loaded threefold
-    leaves a forger two thirds of each call to hide)."""
+    leaves a forger two thirds of each call to hide). It is held to each call's whole measured
+    interval where `spans` gives it (ms, the worker's raw span: the call's time adds back what the
+    calibration leaves out of it, an estimate that a loaded host can make too large)."""
     fast = _fast_calls(windows, calls, timed)
     if not fast or period_ns <= 0 or any(len(w) < 4 for w, _ in fast):
         return None
@@ -183,7 +192,12 @@ def cpu_times_sampled(windows: list[list[Any]], calls: list[tuple[float | None, 
     # the spread: load-independent (a waiting thread stretches the call and its samples' times alike)
     if all(len(w) >= 5 for w, _ in fast):
         spread = sum(w[4] for w, _ in fast)
-        if spread > (allowed := reported + len(fast) * CPU_SPREAD_SLACK_US):
+        interval = reported
+        if spans is not None and len(spans) == len(calls):
+            picked = [spans[i] for i in _fast_indices(calls, timed)]
+            if all(isinstance(v, (int, float)) for v in picked):
+                interval = max(reported, sum(float(v) for v in picked if v is not None) * 1e3)
+        if spread > (allowed := interval + len(fast) * CPU_SPREAD_SLACK_US):
             return (f"{called}, but the kernel sampled the candidate's work in them over {spread / 1e3:.3f} ms of "
                     f"wall time from first to last sample (allowed {allowed / 1e3:.3f} ms): the reported times are "
                     "not the calls'")
@@ -627,7 +641,8 @@ async def cpu_times_agree(run: TimedRun) -> Finding | None:
     timed = {id(c) for c in run.feed.timed("candidate")}
     origin = CpuOrigin.from_counts(run.timed_ops)
     why = cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
-                            origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0)
+                            origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0,
+                            [c.host_ms for c in calls])
     return Refusal(ErrorKind.TAMPER, why, why) if why else None
 
 

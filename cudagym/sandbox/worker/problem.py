@@ -24,6 +24,21 @@ from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.wire import Job
 
 
+_GENERATOR = torch.Generator  # torch's C class, bound before any candidate code
+
+
+def input_generators(device: torch.device) -> tuple[torch.Generator, ...]:
+    """The generators a job's inputs draw from: the CPU's; on a GPU, every device's too. Seeded
+    through their own C method (`Problem.inputs`), not `torch.manual_seed`, whose Python reads
+    names of torch's modules at each call (`torch.cuda.manual_seed_all`, the private-use
+    backend's): rebound by the candidate, they ran its code as the harness seeded the next
+    call's inputs, before the interval (red team 18's g and h computed the output there)."""
+    generators = [torch.default_generator]
+    if device.type == "cuda":
+        generators += list(torch.cuda.default_generators)
+    return tuple(generators)
+
+
 def load_reference(job: Job) -> types.ModuleType:
     """The task's code, run as the module `cudagym_reference`."""
     mod = types.ModuleType("cudagym_reference")
@@ -93,6 +108,7 @@ class Problem:
             # copied out of its file (`cudagym.sandbox.maps`), refused in strict mode, credited no
             # own share in permissive mode
             torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp, set as documented
+        self._generators = input_generators(self.device)  # before any candidate code
         self.ref_mod = load_reference(job)
         self._ref_api = {k: getattr(self.ref_mod, k) for k in ("Model", "get_inputs", "get_init_inputs")}
         self.init_seed = job.init_seed or secrets.randbits(62)
@@ -201,7 +217,8 @@ class Problem:
         guard = self.input_kernels  # once candidate code may have run: torch's own kernels make them
         if guard is not None or self.cand is not None:
             self._inputs_untouched(guard)
-        torch.manual_seed(seed)
+        for g in self._generators:  # not `torch.manual_seed` (`input_generators`)
+            g.manual_seed(seed)
         with torch.device(self.device):
             args = list(self.ref_mod.get_inputs())
         out = []
@@ -222,6 +239,10 @@ class Problem:
         if type(guard) is not InputKernels or type(self.ref_mod) is not types.ModuleType:
             raise CandidateError("tamper", "the harness's input generation was modified by the candidate")
         check_reclassed(self.state, (self, Problem))  # first: reading a swapped module runs the candidate's code
+        gens = self._generators
+        if type(gens) is not tuple or not all(type(g) is _GENERATOR for g in gens):
+            raise CandidateError("tamper", "the generators the harness seeds the next inputs with were replaced by the "
+                                 "candidate")
         InputKernels.check(guard)
         if changed := rebound(self.state.originals):
             raise CandidateError("tamper", f"{changed[0]} was replaced by the candidate (it runs as the harness makes "
