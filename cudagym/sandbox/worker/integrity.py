@@ -305,8 +305,11 @@ def foreign_signal_handlers(state: WorkerState) -> str:
     instructions (with `signal.setitimer`, every few microseconds): between the next call's
     inputs and its interval, where it could compute the output untimed, or between a call and
     its report."""
+    before = state.signal_handlers
+    if not _any(_map(_is_not, _map(signal.getsignal, before), before.values())):
+        return ""  # the common case, in C
     return ", ".join(signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
-                     for s, h in signal_handlers().items() if h is not state.signal_handlers.get(s))
+                     for s, h in signal_handlers().items() if h is not before.get(s))
 
 
 def snapshot_originals(state: WorkerState) -> None:
