@@ -160,18 +160,24 @@ def test_windows_come_from_marks_the_parent_stamped() -> None:
               ("returned", 11.25, 11.2501)]
     # each window from the earlier of a start's time and its arrival to the later of an end's
     assert windows_from_marks(verify, "returned", "request:trial") == ([(10.0, 10.501), (11.0, 11.2501)], "")
-    # a timed call's end: the time its worker read as it returned, sent with the next request
-    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
-             ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
-    assert windows_from_marks(timed, "request:call", "request:call", stop=True) == ([(10.0, 10.4), (11.0, 11.2)], "")
+    # a timed call's end: its "returned" mark, written once its interval is over, before the
+    # checks that precede the next request; one per call, and one request more (answered stop)
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.4, 10.4001),
+             ("request:call", None, 10.5), ("forward", 11.0, 11.002), ("returned", 11.2, 11.201),
+             ("request:call", None, 11.25)]
+    assert windows_from_marks(timed, "returned", "request:call", stop=True) == ([(10.0, 10.4001), (11.0, 11.201)], "")
+    assert "2 forward calls were marked for 3 calls" in windows_from_marks(timed, "returned", "request:call")[1]
+    # the request alone does not end a call: the window stays open over the checks before it
+    assert "ended by 'request:call'" in windows_from_marks([*timed[:2], *timed[3:]], "returned", "request:call",
+                                                           stop=True)[1]
     # a timed job's worker marks where the candidate's code begins to load: once, before any call
     loading = [("candidate", 9.5, 9.6), *timed]
-    assert windows_from_marks(loading, "request:call", "request:call", stop=True)[1] == ""
+    assert windows_from_marks(loading, "returned", "request:call", stop=True)[1] == ""
     assert candidate_loaded_at(loading) == 9.6 and candidate_loaded_at(timed) is None
-    assert "twice" in windows_from_marks([("candidate", 9.5, 9.6), *loading], "request:call", "request:call",
+    assert "twice" in windows_from_marks([("candidate", 9.5, 9.6), *loading], "returned", "request:call",
                                          stop=True)[1]
-    assert "after a forward call" in windows_from_marks([*timed[:3], ("candidate", 10.6, 10.7), *timed[3:]],
-                                                        "request:call", "request:call", stop=True)[1]
+    assert "after a forward call" in windows_from_marks([*timed[:4], ("candidate", 10.6, 10.7), *timed[4:]],
+                                                        "returned", "request:call", stop=True)[1]
     # a replaced clock only widens verify's windows: an end that reads the start's time again
     # (red team 11's a1) still ends where the parent got the mark; a start read late opens on arrival
     forged = [("request:trial", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.0, 10.4),
@@ -567,9 +573,10 @@ def test_the_work_samples_spread_over_the_call_on_a_loaded_cpu() -> None:
 def test_call_bounds_are_the_parents_arrivals() -> None:
     from cudagym.sandbox.cpusamples import call_bounds
 
-    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("request:call", 10.4, 10.5),
-             ("forward", 11.0, 11.002), ("request:call", 11.2, 11.25)]
-    assert call_bounds(timed) == [(10.001, 10.5), (11.002, 11.25)]
+    timed = [("request:call", None, 9.0), ("forward", 10.0, 10.001), ("returned", 10.4, 10.41),
+             ("request:call", None, 10.5), ("forward", 11.0, 11.002), ("returned", 11.2, 11.21),
+             ("request:call", None, 11.25)]
+    assert call_bounds(timed) == [(10.001, 10.41), (11.002, 11.21)]
 
 
 # Python that writes memory through ctypes (as native code can): the timer's start, a float on the

@@ -747,14 +747,15 @@ def _plausible(at: Any, arrived: float) -> bool:
 def call_bounds(marks: list[tuple[str, Any, float]]) -> list[tuple[float, float]]:
     """The timed loop's calls as this process's clock holds them, whatever the worker's clock
     says: each from its forward mark's arrival (the worker waits for it to be read before the
-    call starts) to the arrival of the next call request (sent once the call returned). Only
-    for marks that follow the protocol (`windows_from_marks` found nothing wrong)."""
+    call starts) to the arrival of its "returned" mark (written once the call's interval is over;
+    the worker waits for it to be read before its checks of the call). Only for marks that
+    follow the protocol (`windows_from_marks` found nothing wrong)."""
     out: list[tuple[float, float]] = []
     opened: float | None = None
     for what, _at, arrived in marks:
         if what == "forward":
             opened = arrived
-        elif what == "request:call" and opened is not None:
+        elif what == "returned" and opened is not None:
             out.append((opened, arrived))
             opened = None
     return out
@@ -772,13 +773,14 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
     the job's `end`. Every time is this process's (CLOCK_MONOTONIC, the worker's clock too). A
     window opens at the earlier of the time the worker read before writing its forward mark and
     the mark's arrival here (the worker waits for the parent to have the mark before forward
-    runs, so the arrival is never after forward began). It closes at verify's "returned" mark,
-    written as forward returns: the later of its time and its arrival (a replaced clock can only
-    widen the window); or at the time the worker read as a timed call returned, reported with the
-    next call request (`returned_at`: a mark written then would be timed into the call), which
-    `checks.cpu_windows_cover` holds against the call's measured time (red team 11 made every
-    timed window empty with a clock that read the forward mark's time again, then hid the
-    harness's end marks and wrote its own: both leave windows shorter than the calls).
+    runs, so the arrival is never after forward began). It closes at the "returned" mark, written
+    as forward returns (verify) or as a timed call's interval ends (its close and evidence sent),
+    at the later of its time and its arrival (a replaced clock can only widen the window; the
+    worker waits for the parent to have it, so a parent slow to read does not stretch the window
+    over the harness's next steps). `checks.cpu_windows_cover` holds a timed window against the
+    call's measured time (red team 11 made every timed window empty with a clock that read the
+    forward mark's time again, then hid the harness's end marks and wrote its own: both leave
+    windows shorter than the calls).
     The harness writes exactly one forward mark per `per_call` request (verify:
     "request:trial"; the timed loop: "request:call", whose last one is answered `stop`), each
     followed by its `end` before anything else is marked; and at most one `LOADING_MARK` before
@@ -806,7 +808,7 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
             if not _plausible(at, arrived) or float(at) < opened:
                 return windows, (f"a forward call's end was marked at {at!r}, not between its start and the "
                                  f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
-            windows.append((opened, float(at) if what.startswith("request:") else max(float(at), arrived)))
+            windows.append((opened, max(float(at), arrived)))
             opened = None
         elif what == LOADING_MARK:
             if forwards or loading:

@@ -614,7 +614,7 @@ class LocalSandbox(SpareWorkerSandbox):
         outcome.phases.update({f"parent_{k}": v for k, v in steps.spans.items()})
         if samples is not None and outcome.final is not None and outcome.final.get("ok"):
             windows, forged = (windows_from_marks(w.frames.marks, "returned", "request:trial") if job.kind == "verify"
-                               else windows_from_marks(w.frames.marks, "request:call", "request:call", stop=True))
+                               else windows_from_marks(w.frames.marks, "returned", "request:call", stop=True))
             bounds = call_bounds(w.frames.marks) if job.kind != "verify" and not forged else []
             loaded = candidate_loaded_at(w.frames.marks) if job.kind == "profile" and not forged else None
             origin = await asyncio.to_thread(

@@ -124,7 +124,6 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     probe = probe_fn(p)
 
     clock = ph._clock  # noqa: SLF001 - the job's clock (the parent bounds the windows it times)
-    returned_at = [0.0]  # when the last call's interval ended, by that clock: reported with the next request
 
     cells: list[tuple[Any, Any]] = []  # the closures' cells below, checked before each report (`next_call`)
 
@@ -195,17 +194,27 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                 ch.send_tensor("projection", made[0] - 1, j, ev.projections[:PROJECTIONS], pipe=True, seed=ev.seed)
         pending.clear()
 
+    def returned() -> None:  # the last call's interval (its close and evidence too) is over
+        # the parent closes the call's window and its samples' bounds at this mark's arrival (the
+        # worker waits for it), before the checks below: their reads of every module and class
+        # (~1.6 ms of CPU a call on a loaded 2-core host, its caches cold from the call) are the
+        # harness's, not the call's. Whatever runs before the mark, the candidate's code too
+        # (through a read it hijacked, which the checks below then refuse), is in the window.
+        if type(ch) is not Channel:
+            raise CandidateError("tamper", "the class of one of the harness's objects was swapped by the candidate")
+        check_channel(state)
+        ch.mark("returned", wait=True, at=clock())
+
     def next_call(report: dict[str, Any]) -> tuple[int, bool, float] | None:
+        if marks and made[0]:
+            returned()
         # what made the report is as it was bound: the timer (its dict, its callables: red team 13
         # swapped `vars(timer)` for a dict that rewrote `last_raw`, and `timer._perf`), its class,
-        # and what the loop's closures hold (the clock that times the window's end: a cell
-        # rewritten through `__closure__`); before that clock is read
+        # and what the loop's closures hold (a cell rewritten through `__closure__`)
         check_reclassed(state, (timer, DeviceTimer), (p, Problem), (ch, Channel))  # first: no read runs code
         check_classes(state)
         if timer_modified() or any(c.cell_contents is not v for c, v in cells):
             raise CandidateError("tamper", "the harness's timer or its timed loop was modified by the candidate")
-        if marks and made[0]:  # the last call's interval (its close and evidence too) is over
-            returned_at[0] = clock()
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
@@ -230,8 +239,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
         if kwatch:
             ops.update(records_as_counts(kwatch.records()))
-        answer = ch.request("call", role=role, index=made[0], ops=ops, **report,
-                            **({"returned_at": returned_at[0]} if marks and made[0] else {}))
+        answer = ch.request("call", role=role, index=made[0], ops=ops, **report)
         if answer.get("stop"):
             return None
         made[0] += 1
@@ -258,7 +266,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             raise CandidateError("tamper", "the harness's timer was modified by the candidate")
 
     # the loop's closures' cells as bound now (none of them is rebound while the loop runs)
-    cells.extend((c, c.cell_contents) for f in (mark, call, next_call, probed, after, send_evidence, timer_modified)
+    cells.extend((c, c.cell_contents) for f in (mark, returned, call, next_call, probed, after, send_evidence,
+                                                 timer_modified)
                  for c in (f.__closure__ or ()))
     with torch.no_grad():
         try:

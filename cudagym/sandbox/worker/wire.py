@@ -426,7 +426,7 @@ class FrameReader:
                             pass
                     continue
                 if kind == "request":
-                    self.marks.append((f"request:{frame[0].get('what')}", frame[0].get("returned_at"), arrived))
+                    self.marks.append((f"request:{frame[0].get('what')}", None, arrived))
                     self._answer(frame[0], arrived)
                     continue
                 self.frames.append(frame)
