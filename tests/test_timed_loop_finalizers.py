@@ -213,3 +213,89 @@ def test_the_next_inputs_are_seeded_without_torchs_python(evaluator: Evaluator, 
     model = gelu_model(body, extra=SEED_CANARY)
     v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
     assert v.reward >= 1, v.reasons
+
+
+# What the harness runs from a call's end to the next call's interval, read through names the
+# candidate can rebind or shadow: the stdlib's `json` (every frame the worker sends, every answer
+# it reads: the next seed; red team 19's b computed the next output in a `json.loads` of its own,
+# its e halved the reported times in `json.dumps`) and an input buffer's own `copy_` (its
+# instance dict, where forward can put one: red team 19's a ran torch's GELU as the harness
+# refilled the buffer). The canary records any run inside the timed loop; the next call fails.
+READ_CANARY = """\
+import json
+import sys
+
+_ran = [""]
+
+
+def _canary(what, fn):
+    def hook(*args, **kwargs):
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_name != "drive_calls":
+            f = f.f_back
+        if f is not None:
+            _ran[0] = _ran[0] or f"{what} ran inside the timed loop"
+        return fn(*args, **kwargs)
+    return hook
+
+
+json.loads, json.dumps = _canary("json.loads", json.loads), _canary("json.dumps", json.dumps)
+"""
+
+READ_BODY = """\
+if _ran[0]:
+    raise RuntimeError(_ran[0])
+x.copy_ = _canary("the input buffer's own copy_", torch.Tensor.copy_.__get__(x))
+return run_kernel(x, self.bias, self.scale)
+"""
+
+
+def test_the_loop_reads_no_name_the_candidate_rebinds_or_shadows(evaluator: Evaluator, build_ws) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(READ_BODY, extra=READ_CANARY), GELU_KERNELS))
+    assert v.reward >= 1, v.reasons
+
+
+# A timed call ends at the worker's "returned" mark, before the per-call checks: nothing the
+# candidate can reach is read before it but the channel's class. Red team 19's f swapped the
+# worker state's class for one whose `channel` property (read by a channel check there) put the
+# class back and halved the pending report: the swap is refused before any read of the state.
+STATE_SWAP = """\
+import sys
+from cudagym.sandbox.worker.state import WorkerState
+
+_ran = [""]
+
+
+def _swap():
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_name != "timing_run":
+        f = f.f_back
+    if f is None:
+        return
+    state = f.f_locals["state"]
+    f.f_locals.clear()
+    real = type(state)
+
+    def channel(self):
+        self.__class__ = real  # one shot: the class is back before any check of it
+        _ran[0] = "the state's channel property ran"
+        return vars(self)["channel"]
+
+    state.__class__ = type("_S", (real,), {"channel": property(channel)})
+"""
+
+
+def test_a_one_shot_swap_of_the_workers_state_is_refused_before_it_is_read(evaluator: Evaluator, build_ws) -> None:
+    body = "if _ran[0]:\n    raise RuntimeError(_ran[0])\n_swap()\nreturn run_kernel(x, self.bias, self.scale)"
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=STATE_SWAP), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, "swapped")
+
+
+def test_rebinding_what_the_device_mode_calls_is_refused(evaluator: Evaluator, build_ws) -> None:
+    """A GPU job makes its inputs under `torch.device(...)`, whose mode calls torch's
+    `_device_constructors` at each factory op (red team 19's d ran its code there); the CPU
+    target's inputs are made without the mode. Rebound, it is refused on either target."""
+    extra = "import torch.utils._device as _d\n_d._device_constructors = (lambda f: lambda: f())(_d._device_constructors)"
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)",
+                                                            extra=extra), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, "_device_constructors")

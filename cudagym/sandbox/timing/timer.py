@@ -544,11 +544,17 @@ def harness_calibration() -> Calibration:
     return DeviceTimer(torch.device("cuda"), flush_l2=False, calibration=Calibration(0, 0)).calibrate()
 
 
+# bound as the harness is imported: a buffer's own `copy_` would be looked up in its instance dict
+# first, where candidate code that holds the buffer (an argument of forward) can put one (red team
+# 19's a ran torch's GELU on each next call's inputs there, as the harness refilled the buffer)
+_COPY = torch.Tensor.copy_
+
+
 def refill_(buffers: Sequence[Any], fresh: Sequence[Any]) -> None:
     """Copy fresh values into existing input buffers (tensors in place; other args unchanged)."""
     for b, f in zip(buffers, fresh):
         if isinstance(b, torch.Tensor) and isinstance(f, torch.Tensor):
-            b.copy_(f)
+            _COPY(b, f)
 
 
 def drive_calls(

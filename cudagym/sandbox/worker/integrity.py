@@ -105,6 +105,8 @@ WATCHED: dict[str, tuple[Any, str]] = {
     # (the harness makes them under `with torch.device(...)`, whose mode is torch's DeviceContext)
     "torch.utils._device.DeviceContext.__torch_function__": (
         torch.utils._device.DeviceContext, "__torch_function__"),  # noqa: SLF001 - torch.device(...)'s mode
+    # what that mode calls for every factory op (red team 19's d rebound it; a GPU job's inputs only)
+    "torch.utils._device._device_constructors": (torch.utils._device, "_device_constructors"),  # noqa: SLF001
     "torch.manual_seed": (torch, "manual_seed"),
     "torch.random.manual_seed": (torch.random, "manual_seed"),
     "torch.randn": (torch, "randn"),

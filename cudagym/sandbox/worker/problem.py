@@ -219,8 +219,11 @@ class Problem:
             self._inputs_untouched(guard)
         for g in self._generators:  # not `torch.manual_seed` (`input_generators`)
             g.manual_seed(seed)
-        with torch.device(self.device):
-            args = list(self.ref_mod.get_inputs())
+        if self.device.type == "cpu":  # torch's default: no device mode, whose Python reads torch's
+            args = list(self.ref_mod.get_inputs())  # globals at each factory call (red team 19's d)
+        else:
+            with torch.device(self.device):
+                args = list(self.ref_mod.get_inputs())
         out = []
         for a in args:
             if isinstance(a, torch.Tensor):

@@ -141,9 +141,57 @@ _LEN = struct.Struct("<Q")
 MAX_HEADER = 1 << 20
 
 
+def _unencodable(o: Any) -> Any:
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+def _parse_constant(name: str) -> float:
+    return float(name)  # NaN, Infinity, -Infinity
+
+
+# The worker's frames are encoded, and the parent's answers decoded, by `_json`'s C encoder and
+# scanner, made as this module is imported (before any candidate code): `json.dumps`/`loads` are
+# Python that reads the `json` modules' globals on every call, which candidate code can rebind
+# (red team 19's b read each next call's seed through a `json.loads` of its own and computed the
+# output before the interval; its e halved the reported times inside `json.dumps`). The output is
+# `json.dumps`'s (the same separators and escapes); a header holding no JSON type raises TypeError.
+try:
+    from _json import make_encoder as _make_encoder, make_scanner as _make_scanner, \
+        encode_basestring_ascii as _escape
+
+    _ENCODE: Callable[[Any, int], Any] = _make_encoder(None, _unencodable, _escape, None, ": ", ", ", False, False, True)
+    _scanner = _make_scanner(type("_Context", (), {
+        "strict": True, "object_hook": None, "object_pairs_hook": None, "parse_float": float, "parse_int": int,
+        "parse_constant": staticmethod(_parse_constant), "memo": {}})())
+except ImportError:  # an interpreter without the C accelerator
+    _ENCODE, _scanner = None, None  # type: ignore[assignment]
+_JOIN = "".join
+
+
+def dumps(obj: Any) -> str:
+    """`json.dumps(obj)`, in C."""
+    return _JOIN(_ENCODE(obj, 0)) if _ENCODE is not None else json.dumps(obj)
+
+
+def loads(text: str | bytes) -> Any:
+    """`json.loads(text)` of one JSON object (ValueError if it is not one), in C."""
+    if _scanner is None:
+        return json.loads(text)
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode()
+    text = text.strip()
+    try:
+        obj, end = _scanner(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("extra data after the JSON value")
+    return obj
+
+
 def encode_frame_head(header: dict[str, Any], payload_len: int) -> bytes:
     """Everything of a frame but its payload (sent separately, without a copy)."""
-    h = json.dumps(header).encode()
+    h = dumps(header).encode()
     return _HDR.pack(len(h)) + h + _LEN.pack(payload_len)
 
 
@@ -290,7 +338,7 @@ class Channel:
     def _answer(self) -> dict[str, Any]:
         line = self._stdin.readline()
         try:
-            answer = json.loads(line)
+            answer = loads(line)
         except ValueError:
             answer = None
         if not isinstance(answer, dict):
