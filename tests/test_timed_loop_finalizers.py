@@ -299,3 +299,67 @@ def test_rebinding_what_the_device_mode_calls_is_refused(evaluator: Evaluator, b
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)",
                                                             extra=extra), GELU_KERNELS))
     assert_rejected(v, ErrorKind.TAMPER, "_device_constructors")
+
+
+# Whatever read of the harness's the candidate hijacks next, code of its own that runs between the
+# calls and computes the next output with torch runs in functions of torch's that the harness's own
+# steps there (the next inputs, the cache flush) never run. Here: torch's `_len_torch_dispatch_stack`,
+# rebound from forward, read by the loop after its checks of the classes; it puts itself back and
+# rebinds a harness method the next inputs' check calls, which, once they are made, puts itself
+# back too and runs torch's GELU on them (no check of a name or a class sees either).
+BETWEEN_GELU = """\
+import ctypes
+import sys
+import weakref
+from cudagym.sandbox.worker.integrity import InputKernels
+
+_stash, _model = {}, []
+_check, _len = InputKernels.check, torch._C._len_torch_dispatch_stack
+
+
+def _key(t):
+    return tuple(t.shape), ctypes.string_at(t.data_ptr(), 256)  # no torch op: strict mode counts them
+
+
+def _second(guard):
+    f = sys._getframe(2)  # the harness's `inputs` (its check's caller)
+    made = f.f_locals.get("out") if f.f_code.co_name == "inputs" else None
+    f = None
+    if made:
+        InputKernels.check = _check
+        m, x = _model[0], made[0]
+        _stash[_key(x)] = torch.nn.functional.gelu(x * m.scale + m.bias)
+    return _check(guard)
+
+
+def _first():
+    torch._C._len_torch_dispatch_stack = _len
+    InputKernels.check = _second
+    return _len()
+
+
+def _restore():  # the last call's: its output dies after the loop, before the job's last checks
+    InputKernels.check, torch._C._len_torch_dispatch_stack = _check, _len
+
+
+def _in_the_loop():
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_name != "drive_calls":
+        f = f.f_back
+    return f is not None
+"""
+
+BETWEEN_BODY = """\
+_model[:] = [self]
+if _in_the_loop():
+    torch._C._len_torch_dispatch_stack = _first
+got = _stash.pop(_key(x), None)
+out = got if got is not None else run_kernel(x, self.bias, self.scale)
+weakref.finalize(out, _restore)
+return out
+"""
+
+
+def test_torchs_compute_between_the_calls_from_a_hijacked_read_is_refused(evaluator: Evaluator, build_ws) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(BETWEEN_BODY, extra=BETWEEN_GELU), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.AUDIT, "between the timed calls", "never ran")

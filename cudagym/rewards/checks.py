@@ -57,6 +57,14 @@ CPU_FOREIGN_MIN_SAMPLES, CPU_FOREIGN_SHARE, CPU_FOREIGN_US_PER_CALL = 6, 0.05, 2
 # samples of the candidate's work between a timed job's calls that pass (a destructor of its own,
 # a thread of its OpenMP runtime leaving its function as the call returns)
 CPU_BETWEEN_MIN_SAMPLES = 6
+# torch's compute between a timed job's calls (on the harness's threads) in functions the
+# harness's own steps before the candidate loaded never fell in (`CpuOrigin.between_unknown`):
+# refused beyond CPU_BETWEEN_MIN_SAMPLES samples where its steps' samples make that many unlikely
+# to be the harness's (the samples the steps would then have held of them: `steps_foreign` /
+# `between_foreign` of these, expected; none held is e^-4 ~ 2% likely). The 13 bundled honest
+# solutions read 0 or 1 such sample each (a reduction's setup), expected 0-0.9; red team 19's
+# kind of hook, torch's GELU on each next input, 12 (expected 8.2)
+CPU_BETWEEN_UNSEEN_EXPECTED = 4.0
 
 
 def cpu_foreign_work(counts: dict[str, Any], calls: int) -> str | None:
@@ -217,13 +225,27 @@ def cpu_work_between_calls(counts: dict[str, Any]) -> str | None:
     (`CpuOrigin.between`: its own code on any thread, anything on a thread its code started;
     beyond `CPU_BETWEEN_MIN_SAMPLES`), or None. A thread of its own that computes the next
     call's output while the harness makes the inputs and opens the interval (it reached them
-    through a frame saved from forward, or the allocator) leaves the call little to time."""
+    through a frame saved from forward, or the allocator) leaves the call little to time. Then
+    torch's compute on the harness's own threads in functions its own steps there never run
+    (`CpuOrigin.between_unknown`; see `CPU_BETWEEN_UNSEEN_EXPECTED`): the candidate's Python,
+    run from a read of the harness's it hijacked, computing the next output with torch (red team
+    19's a-d: the next seed read in a `json.loads` of its own, an input buffer's own `copy_`)."""
     origin = CpuOrigin.from_counts(counts)
-    if origin is None or origin.between <= CPU_BETWEEN_MIN_SAMPLES:
+    if origin is None:
         return None
-    where = "; ".join(f"{k} ({v})" for k, v in origin.between_code.most_common(4))
-    return (f"the candidate's code ran between the timed calls, outside the intervals they are timed in "
-            f"({origin.between} samples, every {origin.period_ns / 1e3:.0f} µs of CPU time): {where}")
+    if origin.between > CPU_BETWEEN_MIN_SAMPLES:
+        where = "; ".join(f"{k} ({v})" for k, v in origin.between_code.most_common(4))
+        return (f"the candidate's code ran between the timed calls, outside the intervals they are timed in "
+                f"({origin.between} samples, every {origin.period_ns / 1e3:.0f} µs of CPU time): {where}")
+    unseen = origin.unknown_total
+    if unseen > CPU_BETWEEN_MIN_SAMPLES and \
+            unseen * origin.steps_foreign >= CPU_BETWEEN_UNSEEN_EXPECTED * max(origin.between_foreign, 1):
+        where = "; ".join(f"{k} ({v})" for k, v in origin.between_unknown.most_common(3))
+        return (f"torch's compute (or another library's) ran between the timed calls, outside the intervals they are "
+                f"timed in, in functions the harness's own steps there (the next inputs, the cache flush) never ran: "
+                f"{unseen} of the {origin.between_foreign} samples of compute between the calls (its steps before the "
+                f"candidate loaded: {origin.steps_foreign}): {where}")
+    return None
 
 
 def cpu_origin_note(counts: dict[str, Any]) -> str | None:

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from cudagym.sandbox.worker.wire import LOADING_MARK
+from cudagym.sandbox.worker.wire import HARNESS_STEPS_S, LOADING_MARK
 
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _TYPE_SOFTWARE, _SW_TASK_CLOCK = 1, 1
@@ -442,6 +442,14 @@ class CpuOrigin:
     # the candidate's work (`attribute`'s `loaded`), and where they fell
     between: int = 0
     between_code: Counter[str] = field(default_factory=Counter)
+    # a timed job's samples of torch's (or any library's) compute on the harness's own threads
+    # between its calls, and those in functions its samples before the candidate loaded never
+    # fell in (`harness_steps`): the harness's steps between calls (the next inputs, its checks)
+    # are the same code it ran then, its worker having made inputs the same way before the mark
+    between_foreign: int = 0
+    between_unknown: Counter[str] = field(default_factory=Counter)
+    unknown_total: int = 0  # `between_unknown`'s sum (that Counter travels with its most common only)
+    steps_foreign: int = 0  # the samples of anyone's compute before the candidate loaded
 
     def least_wall_ns(self) -> list[int]:
         """Per span of `attribute`'s bounds, the least wall time its samples leave room for (ns): no thread runs for
@@ -473,8 +481,11 @@ class CpuOrigin:
         out = {CPU_KEY + k: v for k, v in (("forward", self.forward), ("period_ns", self.period_ns),
                                            ("lost", self.lost), ("windows", self.windows),
                                            ("unseen_ns", self.unseen_ns), ("unseen_threads", self.unseen_threads),
-                                           ("between", self.between))}
+                                           ("between", self.between), ("between_foreign", self.between_foreign),
+                                           ("between_unknown", self.unknown_total),
+                                           ("steps_foreign", self.steps_foreign))}
         out.update({CPU_KEY + "between\t" + k: v for k, v in self.between_code.most_common(8)})
+        out.update({CPU_KEY + "unknown\t" + k: v for k, v in self.between_unknown.most_common(8)})
         out.update({CPU_KEY + "origin\t" + k: v for k, v in self.by_origin.items()})
         out.update({CPU_KEY + "foreign\t" + k: v for k, v in self.foreign.most_common(24)})
         if self.error:
@@ -491,7 +502,9 @@ class CpuOrigin:
             return None
         origin = cls(forward=mine.get("forward", 0), period_ns=mine.get("period_ns", 0), lost=mine.get("lost", 0),
                      windows=mine.get("windows", 0), unseen_ns=mine.get("unseen_ns", 0),
-                     unseen_threads=mine.get("unseen_threads", 0), between=mine.get("between", 0))
+                     unseen_threads=mine.get("unseen_threads", 0), between=mine.get("between", 0),
+                     between_foreign=mine.get("between_foreign", 0))
+        origin.unknown_total, origin.steps_foreign = mine.get("between_unknown", 0), mine.get("steps_foreign", 0)
         for k, v in mine.items():
             kind, _, rest = k.partition("\t")
             if kind == "origin":
@@ -500,6 +513,8 @@ class CpuOrigin:
                 origin.foreign[rest] = v
             elif kind == "between" and rest:
                 origin.between_code[rest] = v
+            elif kind == "unknown" and rest:
+                origin.between_unknown[rest] = v
             elif kind == "error":
                 origin.error = rest
             elif kind == "tamper":
@@ -643,6 +658,8 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     held = _Spans(bounds or [])
 
     sampled: Counter[int] = Counter()
+    steps: Counter[str] = Counter()  # the functions of anyone's compute sampled before the candidate loaded
+    unknown: Counter[str] = Counter()  # and between the calls, on the harness's threads, by function
     origin.per_window = [[0, 0] for _ in range(len(spans))]
     roots = [os.path.realpath(r) + "/" for r in own_roots if r]
     harness = tuple(os.path.realpath(r) + "/" for r in harness_roots if r)
@@ -667,9 +684,12 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
                     edges[0] = ns if edges[0] < 0 else min(edges[0], ns)
                     edges[1] = max(edges[1], ns)
         if (w := window_of(when)) < 0:
-            if loaded_ns is not None and loop[0] <= when <= loop[1]:
+            if loaded_ns is not None and when < loaded_ns:
+                _harness_step(steps, histories[pid].live(ip, when), ip, roots,
+                              when >= loaded_ns - HARNESS_STEPS_S * 1e9)
+            elif loaded_ns is not None and loop[0] <= when <= loop[1]:
                 _between(origin, histories[pid].live(ip, when), ip, roots, harness,
-                         tid in samples.started and samples.started[tid] >= loaded_ns)
+                         tid in samples.started and samples.started[tid] >= loaded_ns, unknown)
             continue
         origin.forward += 1
         origin.per_window[w][0] += 1
@@ -686,6 +706,9 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
         if kind in (FOREIGN, UNMAPPED):
             origin.foreign[label] += 1
             origin.per_window[w][1] += 1
+    origin.between_unknown = Counter({k: v for k, v in unknown.items() if not steps[k]})
+    origin.steps_foreign = steps[""]
+    origin.unknown_total = sum(origin.between_unknown.values())
     # A thread started inside a bounded call and never sampled (a thread's event starts a whole
     # period after the thread does): its whole CPU time (the kernel's count at its exit, or read at
     # the job's end) is counted in that call, exactly (a fresh thread per call, each running less
@@ -713,13 +736,40 @@ def attribute(samples: Samples, maps: dict[int, list[Mapping]], windows: list[tu
     return origin
 
 
+# torch's functions that compute over a tensor's elements (TensorIterator's loop bodies, the
+# vectorized math, BLAS/oneDNN, the reductions): the rest of torch's libraries between the calls
+# is the dispatcher's plumbing, its schema prints and parses (the harness's `InputKernels` reads),
+# too brief a part of the harness's steps to be sampled before the candidate loads as often as
+# between a hundred calls. Another library's functions all count.
+_TORCH_LIBRARY = re.compile(r"^lib(torch|c10)")
+_COMPUTE_LOOP = re.compile(r"Vectorized|vectorized|Sleef|callback_fn<|kernel|Kernel|::vec::|gemm|dnnl|mkl|blas|"
+                           r"reduc|[Ll]oop")
+
+
+def _harness_step(steps: Counter[str], live: tuple[Mapping | None, str], ip: int, roots: list[str],
+                  timed: bool) -> None:
+    """Note the function of a sample taken before the candidate loaded, where it is anyone's
+    compute (`FOREIGN`): the harness's own (its calibration, the inputs it made); `timed`: within
+    the `HARNESS_STEPS_S` before the mark, the steps between calls it takes there (counted in
+    `steps[""]`)."""
+    mapping, doubt = live
+    if mapping is not None and not doubt:
+        kind, label = classify(mapping.path, ip - mapping.start + mapping.offset, roots)
+        if kind == FOREIGN:
+            steps[label] += 1
+            steps[""] += timed
+
+
 def _between(origin: CpuOrigin, live: tuple[Mapping | None, str], ip: int, roots: list[str], harness: tuple[str, ...],
-             late: bool) -> None:
+             late: bool, unknown: Counter[str]) -> None:
     """Count a sample taken between a timed job's calls, where it is the candidate's work: its
     own code (or code no file holds) on any thread, and anything on a thread its code started
     (`late`), but the OpenMP runtime's waits and the harness's own libraries. The harness's
     steps between calls (the next inputs, the evidence, its checks) run on the threads it had
-    before the candidate loaded, in the interpreter, the system's libraries and torch's."""
+    before the candidate loaded, in the interpreter, the system's libraries and torch's: there,
+    torch's compute (any library's) is counted by function in `unknown`, and `attribute` keeps
+    the functions the harness's own steps before the candidate loaded never fell in (torch's
+    GELU run on the next inputs from a read of the harness's the candidate hijacked)."""
     mapping, doubt = live
     if mapping is None or doubt:
         kind, label = UNMAPPED, doubt or "<code no longer mapped at the job's end>"
@@ -732,6 +782,11 @@ def _between(origin: CpuOrigin, live: tuple[Mapping | None, str], ip: int, roots
     if kind in (OWN, UNMAPPED) or late:
         origin.between += 1
         origin.between_code[label + (" (on a thread it started)" if late else "")] += 1
+    elif kind == FOREIGN:
+        origin.between_foreign += 1
+        library, _, function = label.partition(": ")
+        if not _TORCH_LIBRARY.search(library) or _COMPUTE_LOOP.search(function):
+            unknown[label] += 1
 
 
 # A forward mark's own time may precede its arrival by this much (the pipe, this process's reader thread)

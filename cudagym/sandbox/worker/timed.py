@@ -27,7 +27,7 @@ from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_cl
 from cudagym.sandbox.worker.problem import Problem, as_outputs, clone_args
 from cudagym.sandbox.worker.state import WorkerState
 from cudagym.sandbox.worker.telemetry import Phases
-from cudagym.sandbox.worker.wire import LOADING_MARK, Channel, Job
+from cudagym.sandbox.worker.wire import HARNESS_STEPS_S, LOADING_MARK, Channel, Job
 
 
 def probe_fn(p: Problem) -> Any:
@@ -318,6 +318,15 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     def loading() -> None:  # the threads started from here on are the candidate's (`cpusamples.attribute`)
         threads = torch.get_num_threads()
         torch.ones(threads << 16).sum()  # torch's OpenMP pool, whole, is the harness's: it runs the next inputs
+        # the harness's steps between timed calls, as it will take them there (the next inputs made
+        # and checked, the cache flush): the kernel's samples of them before the mark are what
+        # torch's compute between the calls may be (`cpusamples.attribute`'s `between_unknown`); at
+        # least 2 rounds and HARNESS_STEPS_S of them (whose samples hold each function of theirs)
+        rng, began, made = secrets.SystemRandom(), ph._clock(), 0  # noqa: SLF001 - the job's clock
+        while made < 2 or (ph._clock() - began < HARNESS_STEPS_S and made < 256):  # noqa: SLF001
+            p.inputs(rng.getrandbits(62))
+            timer.flush()
+            made += 1
         check_channel(state)
         ch.mark(LOADING_MARK, wait=True, at=ph._clock())  # noqa: SLF001 - the job's clock
 

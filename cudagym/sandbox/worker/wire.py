@@ -45,6 +45,10 @@ TIMING_KINDS = ("profile", "baseline")  # need the device to themselves
 # the mark a timed job's worker writes as it is about to import the candidate's code (and waits for
 # the parent to have): a thread started after its arrival was started by the candidate's code
 LOADING_MARK = "candidate"
+# how long (s) a CPU profile's worker takes the harness's steps between timed calls (the next inputs,
+# the cache flush) right before that mark: their samples are what torch's compute between the calls
+# may be (`cudagym.sandbox.cpusamples.attribute`)
+HARNESS_STEPS_S = 0.3
 
 
 @dataclass
