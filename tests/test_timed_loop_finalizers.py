@@ -295,7 +295,8 @@ def test_rebinding_what_the_device_mode_calls_is_refused(evaluator: Evaluator, b
     """A GPU job makes its inputs under `torch.device(...)`, whose mode calls torch's
     `_device_constructors` at each factory op (red team 19's d ran its code there); the CPU
     target's inputs are made without the mode. Rebound, it is refused on either target."""
-    extra = "import torch.utils._device as _d\n_d._device_constructors = (lambda f: lambda: f())(_d._device_constructors)"
+    extra = ("import torch.utils._device as _d\n"
+             "_d._device_constructors = (lambda f: lambda: f())(_d._device_constructors)")
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)",
                                                             extra=extra), GELU_KERNELS))
     assert_rejected(v, ErrorKind.TAMPER, "_device_constructors")

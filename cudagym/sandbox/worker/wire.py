@@ -163,7 +163,8 @@ try:
     from _json import make_encoder as _make_encoder, make_scanner as _make_scanner, \
         encode_basestring_ascii as _escape
 
-    _ENCODE: Callable[[Any, int], Any] = _make_encoder(None, _unencodable, _escape, None, ": ", ", ", False, False, True)
+    _ENCODE: Callable[[Any, int], Any] = _make_encoder(None, _unencodable, _escape, None, ": ", ", ",
+                                                       False, False, True)
     _scanner = _make_scanner(type("_Context", (), {
         "strict": True, "object_hook": None, "object_pairs_hook": None, "parse_float": float, "parse_int": int,
         "parse_constant": staticmethod(_parse_constant), "memo": {}})())
