@@ -444,12 +444,12 @@ class CpuOrigin:
     between_code: Counter[str] = field(default_factory=Counter)
     # a timed job's samples of torch's (or any library's) compute on the harness's own threads
     # between its calls, and those in functions its samples before the candidate loaded never
-    # fell in (`harness_steps`): the harness's steps between calls (the next inputs, its checks)
-    # are the same code it ran then, its worker having made inputs the same way before the mark
+    # fell in (`_harness_step`): the harness's steps between calls (the next inputs, the flush)
+    # are the same code it ran then, its worker having taken them the same way before the mark
     between_foreign: int = 0
     between_unknown: Counter[str] = field(default_factory=Counter)
     unknown_total: int = 0  # `between_unknown`'s sum (that Counter travels with its most common only)
-    steps_foreign: int = 0  # the samples of anyone's compute before the candidate loaded
+    steps_foreign: int = 0  # the samples of anyone's compute in the `HARNESS_STEPS_S` before that mark
 
     def least_wall_ns(self) -> list[int]:
         """Per span of `attribute`'s bounds, the least wall time its samples leave room for (ns): no thread runs for
