@@ -442,6 +442,29 @@ def test_reported_times_below_the_sampled_cpu_time_are_refused() -> None:
     assert cpu_times_sampled(unbounded, forged, timed, 1_000_000) is None
 
 
+def test_reported_intervals_shorter_than_the_evaluators_windows_are_refused() -> None:
+    """Each timed call's window runs from the worker's mark before the interval to its mark
+    after it, both stamped on arrival here: a report scaled down on its way (red team 20's b,
+    by 0.65) leaves every window of the calls the reward reads longer than its interval."""
+    from cudagym.rewards.checks import cpu_windows_tight
+
+    calls = [(10.0, False)] * 5 + [(10.0, i % 6 == 5) for i in range(36)]
+    timed = [False] * 5 + [True] * 36
+    # honest: each window holds its 10.2 ms raw interval and the marks' passage (0.3 ms, a few stretched)
+    honest = [[10_500 + (2_500 if i % 4 == 0 else 0), 10, 0] for i in range(41)]
+    assert cpu_windows_tight(honest, calls, [10.2] * 41, timed) is None
+    forged = [(6.5, probe) for _, probe in calls]  # raw intervals and times both scaled by 0.65
+    why = cpu_windows_tight(honest, forged, [6.63] * 41, timed)
+    assert why and "at least 3.870 ms longer" in why, why
+    # one honest call among forged ones does not hide them: the reward reads the forged
+    mixed = [(6.5, probe) if i % 3 else (10.0, probe) for i, (_, probe) in enumerate(calls)]
+    spans = [6.63 if i % 3 else 10.2 for i in range(41)]
+    assert cpu_windows_tight(honest, mixed, spans, timed)
+    near = [(9.7, probe) for _, probe in calls]  # within the allowance
+    assert cpu_windows_tight(honest, near, [9.9] * 41, timed) is None
+    assert cpu_windows_tight(honest, forged, [None] * 41, timed) is None, "no raw intervals: nothing to hold"
+
+
 def test_reported_times_below_the_spread_of_the_work_samples_are_refused_on_a_loaded_host() -> None:
     """On a host loaded threefold a call's threads run a third of its wall time: its CPU time
     leaves a forger room to report a third. The kernel's stamps of the first and the last sample

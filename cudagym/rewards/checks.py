@@ -125,6 +125,40 @@ def cpu_windows_cover(windows: list[list[int]], calls: list[tuple[float | None, 
             "not the harness's")
 
 
+# a timed call's window (from the worker's "forward" mark to its "returned" mark, on the evaluator's
+# clock) holds the call's raw interval (the close and the evidence are inside it) and around it
+# only the marks' passage (the worker waits for the parent to have each one): of the calls at or
+# below the median time, the closest window may exceed its call's raw interval by this much and
+# this share of the median. Honest, on a 2-core host loaded by a test run: 210-343 µs (the closest
+# of 5), single calls up to 2.8 ms
+CPU_WINDOW_EXCESS_US, CPU_WINDOW_EXCESS_SHARE = 1500.0, 0.05
+
+
+def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, bool]], spans: list[float | None],
+                      timed: list[bool], made: list[int] | None = None) -> str | None:
+    """CPU target: why the timed calls at or below the median time (what the reward reads) were
+    reported shorter than the evaluator's own clock saw them run (`windows` as
+    `cpu_windows_cover`'s; `spans`: each call's raw interval, ms, whose time is computed from it;
+    `made`: the inputs maker's time in each window, µs, `cudagym.sandbox.makerlink`), or None. The worker measures and reports each call; a candidate that rewrote the report (red
+    team 20's b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound
+    the call from outside its process. A forger gains only where the calls the reward reads are
+    forged, so the closest of them is held: the load that stretches one window rarely stretches all."""
+    if len(spans) != len(calls):
+        return None
+    picked = [i for i in _fast_indices(calls, timed) if i < len(windows) and spans[i] is not None]
+    if len(picked) < 3 or len(windows) != len(calls):
+        return None
+    made = made if made is not None and len(made) == len(calls) else [0] * len(calls)
+    excess = min(windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked)
+    median = statistics.median(float(calls[i][0] or 0.0) for i in picked) * 1e3
+    allowed = CPU_WINDOW_EXCESS_US + CPU_WINDOW_EXCESS_SHARE * median
+    if excess <= allowed:
+        return None
+    return (f"each of the {len(picked)} timed calls at or below the median time ran at least {excess / 1e3:.3f} ms "
+            f"longer by the evaluator's own clock than its reported interval (allowed {allowed / 1e3:.3f} ms; "
+            f"median reported time {median / 1e3:.3f} ms): the reported times are not the calls'")
+
+
 def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | None, bool]], timed: list[bool],
                            period_ns: int) -> str | None:
     """CPU target, strict: why the timed calls at or below the median time (what the reward
@@ -657,16 +691,19 @@ async def cpu_windows_audited(run: TimedRun) -> Finding | None:
 
 
 async def cpu_times_agree(run: TimedRun) -> Finding | None:
-    """CPU target, either mode: refuses timed calls reported faster than the kernel's samples of
-    the worker's threads allow (`cpu_times_sampled`): forged or tampered timing."""
+    """CPU target, either mode: refuses timed calls reported faster than the evaluator's clock
+    saw them run (`cpu_windows_tight`) or than the kernel's samples of the worker's threads allow
+    (`cpu_times_sampled`): forged or tampered timing."""
     if run.cuda or not (windows := run.final.get("cpu_windows")):
         return None
     calls = run.feed.calls("candidate")
     timed = {id(c) for c in run.feed.timed("candidate")}
     origin = CpuOrigin.from_counts(run.timed_ops)
-    why = cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
-                            origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0,
-                            [c.host_ms for c in calls])
+    why = cpu_windows_tight(windows, [(c.ms, c.probe) for c in calls], [c.span_ms for c in calls],
+                            [id(c) in timed for c in calls], run.final.get("cpu_made_us")) or \
+        cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
+                          origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0,
+                          [c.host_ms for c in calls])
     return Refusal(ErrorKind.TAMPER, why, why) if why else None
 
 

@@ -64,6 +64,7 @@ class Call:
     ms: float | None = None  # the worker's measured time of the call
     probe: bool = False  # the harness's tiny kernel, not the model
     host_ms: float | None = None  # the worker's host span of the call (`DeviceTimer.host_ms`; diagnostic)
+    span_ms: float | None = None  # the raw interval its time is computed from (`call_ms_from`)
     idle_ms: float = 0.0  # server mode: the gap the worker idled before the call (left out of wall_ms)
 
 
@@ -194,6 +195,7 @@ class CallFeed:
                 if not all(_finite(v) and v >= 0 for v in raw):
                     return f"call {len(role.calls) - 1} reported invalid measurements {raw!r}"
                 ms = call_ms_from(self.calibration, float(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]))
+                prev.span_ms = float(raw[0])
             if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) or ms < 0:
                 return f"call {len(role.calls) - 1} reported an invalid time {ms!r}"
             prev.ms = float(ms)

@@ -48,12 +48,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cudagym.errors import SandboxError
+from cudagym.sandbox.worker.wire import MAKER_FDS
 
 if TYPE_CHECKING:
     from cudagym.sandbox.worker.state import WorkerState
 
 # the descriptors a forked worker finds its channel on (what `worker.entry.main` gets from argv)
 RESULT_FD, SHM_FD = 3, 4
+SEEDS_FD, MADE_FD = MAKER_FDS
 _CLONE = {"net": 0x40000000, "mount": 0x00020000, "pid": 0x20000000}
 _MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
@@ -145,7 +147,7 @@ def serve(control_fd: int) -> None:
             _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
         if sock in readable:
             try:
-                msg, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+                msg, fds, _, _ = socket.recv_fds(sock, 65536, 6)
             except ConnectionResetError:
                 msg, fds = b"", []
             if not msg:
@@ -185,10 +187,13 @@ def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t
         high = [os.dup(fd) for fd in fds]  # above every target number, then onto them
         for fd in fds:
             os.close(fd)
-        stdin, out, result, shm = high
-        for src, dst in ((stdin, 0), (out, 1), (out, 2), (result, RESULT_FD), (shm, SHM_FD)):
+        stdin, out, result, shm, *maker = high
+        pairs = [(stdin, 0), (out, 1), (out, 2), (result, RESULT_FD), (shm, SHM_FD)]
+        pairs += list(zip(maker, (SEEDS_FD, MADE_FD)))  # the inputs maker's pipes (`worker.maker`)
+        for src, dst in pairs:
             os.dup2(src, dst, inheritable=True)
-        os.closerange(SHM_FD + 1, max(high) + 1)
+        last = MADE_FD if maker else SHM_FD
+        os.closerange(last + 1, max(high) + 1)
         os.setsid()
         if req.get("nice"):
             os.nice(int(req["nice"]))
@@ -216,6 +221,9 @@ def _become_worker(req: dict[str, Any], fds: list[int], server_fds: list[int], t
 
         main = os.path.join(os.path.dirname(entry.__file__), "__main__.py")
         sys.argv = [main, str(RESULT_FD), str(SHM_FD)]  # as a spawned worker's
+        if maker:
+            sys.argv += [str(SEEDS_FD), str(MADE_FD)]
+            state.maker_fds = (SEEDS_FD, MADE_FD)
         entry.pin_cpus(os.environ.get("CUDAGYM_CPUS"))
         entry.serve(RESULT_FD, SHM_FD, entry.StartupClock({"fork": time.perf_counter() - t_fork}), state)
     except BaseException as e:  # noqa: BLE001 - a worker that cannot start says why, and exits
@@ -380,9 +388,10 @@ class ForkServer:
         loop.add_reader(pidfd, gone)
 
     async def fork(self, stdin: int, stdout: int, result: int, shm: int, stdout_r: int, nice: int,
-                   unshare: list[str]) -> ForkedWorker:
+                   unshare: list[str], maker: tuple[int, int] | None = None) -> ForkedWorker:
         """A new worker on these descriptors (the caller closes its copies of the worker's ends);
-        `stdout_r`, the read end of its stdout, becomes the `ForkedWorker`'s `stdout`."""
+        `stdout_r`, the read end of its stdout, becomes the `ForkedWorker`'s `stdout`; `maker`:
+        the worker's ends of its inputs maker's pipes (`cudagym.sandbox.worker.maker`)."""
         if not self.alive or self._sock is None:
             tail = self._stderr_tail.decode(errors="replace").strip()
             raise SandboxError("the fork server is not running" + (f": {tail[-2000:]}" if tail else ""))
@@ -393,7 +402,7 @@ class ForkServer:
         msg = json.dumps({"spawn": request, "nice": nice, "unshare": unshare}).encode()
         while True:
             try:
-                socket.send_fds(self._sock, [msg], [stdin, stdout, result, shm])
+                socket.send_fds(self._sock, [msg], [stdin, stdout, result, shm, *(maker or ())])
                 break
             except BlockingIOError:
                 await asyncio.sleep(0.001)

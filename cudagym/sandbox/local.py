@@ -35,6 +35,7 @@ from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, pa
 from cudagym.sandbox.cpusamples import (
     CpuSampler, attribute, call_bounds, candidate_loaded_at, read_maps, thread_cpu_ns, windows_from_marks,
 )
+from cudagym.sandbox.makerlink import MakerLink, answering_socket
 from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
@@ -57,6 +58,9 @@ class _Worker:
     shm_fd: int  # the worker's result memory (a sealed memfd), mapped once the worker is gone
     device: str
     stdin_fd: int  # the job line, then the answers to the worker's requests
+    # the parent's ends of the worker's inputs maker's pipes (seeds, written; made, read), where it
+    # has them (`cudagym.sandbox.makerlink`)
+    maker: tuple[int, int] | None = None
     waiter: bool = False  # `proc` only waits for the worker, its child (the init of its PID namespace)
     # a GPU timing job's check for other processes on its device, made before it asked for the
     # lease (`LocalSandbox._before_lease`): why it is refused (or None), since when (NVML's sample
@@ -72,7 +76,7 @@ class _Worker:
 
     def release(self) -> None:
         self.frames.stop()
-        for fd in (self.shm_fd, self.stdin_fd):
+        for fd in (self.shm_fd, self.stdin_fd, *(self.maker or ())):
             try:
                 os.close(fd)
             except OSError:
@@ -135,7 +139,7 @@ class LocalSandbox(SpareWorkerSandbox):
             "CUDAGYM_DEVICE": "cuda" if device.startswith("cuda") else "cpu",
             "CUDAGYM_OPWATCH_DIR": str(self.opwatch_dir),
         }
-        for k in ("OMP_NUM_THREADS", "LD_LIBRARY_PATH", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST",
+        for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_LIBRARY_PATH", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST",
                   "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             if k in os.environ:
                 env[k] = os.environ[k]
@@ -187,29 +191,31 @@ class LocalSandbox(SpareWorkerSandbox):
         r, w = os.pipe()
         job_r, job_w = os.pipe()  # the worker's stdin: written from the frame reader's thread too
         shm = result_memory(self.config.max_result_mb << 20)
+        (seeds_r, seeds_w), (made_r, made_w) = os.pipe(), answering_socket()  # the inputs maker's (`makerlink`)
         try:
-            proc: asyncio.subprocess.Process | ForkedWorker | None = await self._forked(device, job_r, w, shm)
+            proc: asyncio.subprocess.Process | ForkedWorker | None = await self._forked(
+                device, job_r, w, shm, (seeds_r, made_w))
             if proc is None:
-                proc = await self._spawn_process(device, job_r, w, shm)
+                proc = await self._spawn_process(device, job_r, w, shm, (seeds_r, made_w))
         except (OSError, SandboxError) as e:
-            for fd in (r, w, shm, job_r, job_w):
+            for fd in (r, w, shm, job_r, job_w, seeds_r, seeds_w, made_r, made_w):
                 os.close(fd)
             if isinstance(e, _ServerDiedError):
                 raise
             raise SandboxError(f"could not start a worker: {e}") from e
-        os.close(w)
-        os.close(job_r)
+        for fd in (w, job_r, seeds_r, made_w):
+            os.close(fd)
         frames = FrameReader(r, asyncio.get_running_loop(), self.config.max_result_mb << 20, started=asked)
-        return _Worker(proc, frames, shm, device, job_w, waiter="pid" in self._unshare)
+        return _Worker(proc, frames, shm, device, job_w, waiter="pid" in self._unshare, maker=(seeds_w, made_r))
 
-    async def _forked(self, device: str, job_r: int, w: int, shm: int) -> ForkedWorker | None:
+    async def _forked(self, device: str, job_r: int, w: int, shm: int, maker: tuple[int, int]) -> ForkedWorker | None:
         """A worker forked by the device's fork server; None where workers are spawned."""
         server = await self._fork_server(device)
         if server is None:
             return None
         out_r, out_w = os.pipe()
         try:
-            return await server.fork(job_r, out_w, w, shm, out_r, self.config.spare_nice, self._unshare)
+            return await server.fork(job_r, out_w, w, shm, out_r, self.config.spare_nice, self._unshare, maker)
         except BaseException as e:
             os.close(out_r)
             if isinstance(e, SandboxError) and not server.alive:
@@ -218,7 +224,8 @@ class LocalSandbox(SpareWorkerSandbox):
         finally:
             os.close(out_w)
 
-    async def _spawn_process(self, device: str, job_r: int, w: int, shm: int) -> asyncio.subprocess.Process:
+    async def _spawn_process(self, device: str, job_r: int, w: int, shm: int,
+                             maker: tuple[int, int]) -> asyncio.subprocess.Process:
         """A worker started as its own process (`python -m cudagym.sandbox.worker`)."""
         # Spares start at a low CPU priority, so that starting them does not slow the jobs and
         # comparisons running meanwhile; a worker gets normal priority when it takes a job.
@@ -226,10 +233,10 @@ class LocalSandbox(SpareWorkerSandbox):
         # the first process dies with the thread that starts it (the sandbox's), and with it the
         # PID namespace's init (`unshare --kill-child`), which takes every process in it
         cmd = [*parent_death_prefix(), *nice, *self._prefix, self.config.python, "-m", "cudagym.sandbox.worker",
-               str(w), str(shm)]
+               str(w), str(shm), *map(str, maker)]
         return await asyncio.create_subprocess_exec(
             *cmd, stdin=job_r, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm), env=self._env(device), start_new_session=True,
+            stderr=asyncio.subprocess.STDOUT, pass_fds=(w, shm, *maker), env=self._env(device), start_new_session=True,
         )
 
     async def _take(self, device: str, replenish: bool = True) -> _Worker:
@@ -479,6 +486,12 @@ class LocalSandbox(SpareWorkerSandbox):
                    if job.device == "cpu" and job.kind in _CODE_READ_KINDS and self.config.cpu_sample_us > 0 else None)
         cpu_before = read_maps([p.pid for p in self._tree(w.proc.pid)]) if sampler is not None else {}
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
+        link = None
+        if job.kind == "profile" and job.device == "cpu" and w.maker is not None and responder is not None:
+            # its calls' inputs made outside the candidate's process (`cudagym.sandbox.worker.maker`)
+            job = job.model_copy(update={"inputs_maker": True})
+            responder = link = MakerLink(responder, *w.maker, timeout_s=limits.timeout_s)
+            frames.on_mark = link.opened
         quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
                                      shares=lease is not None and lease.shares) if timing and not refused else None)
         frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
@@ -575,6 +588,8 @@ class LocalSandbox(SpareWorkerSandbox):
             samples = sampler.close() if sampler is not None else None
             if samples is not None:
                 samples.alive_ns = alive
+                if link is not None and link.pid is not None:  # the inputs maker's work is the harness's
+                    samples.taken = [t for t in samples.taken if t[0] != link.pid]
             steps.mark("maps_after")
             # The result is in (or the job is over): kill now rather than wait for the worker to
             # tear its CUDA context down. Killing the PID namespace's init takes every leftover
@@ -631,6 +646,8 @@ class LocalSandbox(SpareWorkerSandbox):
                     [round((b - a) * 1e6), n, bad,
                      *([round(least[i] / 1e3), round(spread[i] / 1e3)] if len(least) == len(windows) else [])]
                     for i, ((a, b), (n, bad)) in enumerate(zip(windows, origin.per_window, strict=True))]
+                if link is not None:  # the inputs maker's time in each window (µs), the worker waiting
+                    outcome.final["cpu_made_us"] = [round(s * 1e6) for s in link.made_s]
         if code_seen and outcome.final is not None:  # beside what the worker reported of itself
             outcome.final["unbuilt_code"] = list(dict.fromkeys([*(outcome.final.get("unbuilt_code") or []),
                                                                 *code_seen]))

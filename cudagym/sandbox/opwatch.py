@@ -148,6 +148,7 @@ class OpWatch:
             ("opwatch_alive", ctypes.c_int, []),
             ("opwatch_callbacks_registered", ctypes.c_uint64, []),
             ("cudagym_cpu_close", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64]),
+            ("cudagym_cpu_flush", ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
         ):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -158,6 +159,7 @@ class OpWatch:
         # the CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): plain
         # native code of the harness's, not the op counter's; here because this is the harness's library
         self.cpu_close = lib.cudagym_cpu_close
+        self.cpu_flush = lib.cudagym_cpu_flush  # and its cache flush before each call (`DeviceTimer.flush`)
         self._state_changes = lib.opwatch_state_changes()
 
     @classmethod

@@ -7,6 +7,7 @@ harness pins the functions of `DeviceTimer`'s module against rebinding by the ca
 from __future__ import annotations
 
 import ctypes
+import os
 import functools
 import gc
 import secrets
@@ -156,11 +157,14 @@ class DeviceTimer:
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
-                 calibration: Calibration | None = None, native_close: Any = None) -> None:
+                 calibration: Calibration | None = None, native_close: Any = None, native_flush: Any = None) -> None:
         self.device = device
         # the CPU close (`_close_cpu`): the harness's native one (a worker's timer always has it)
         self._native_close = (None if device.type == "cuda"
                               else native_close or (_NATIVE_CLOSE[0] if _NATIVE_CLOSE else None))
+        # and its cache flush (`flush`), on as many threads as the process may run on
+        self._native_flush = None if device.type == "cuda" else native_flush
+        self._flush_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.cuda = device.type == "cuda"
         self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self._perf = time.perf_counter
@@ -199,8 +203,13 @@ class DeviceTimer:
         self._reading: Reading | None = None
 
     def flush(self) -> None:
-        """The CPU target's cache flush (on a GPU, the open gate kernel reads the buffer)."""
-        if self._flush_buf is not None:
+        """The CPU target's cache flush (on a GPU, the open gate kernel reads the buffer): the
+        harness's native one where the timer has it (no pool's thread left spinning into the call)."""
+        if self._flush_buf is None:
+            return
+        if self._native_flush is not None:
+            self._native_flush(self._flush_buf.data_ptr(), self._flush_buf.numel(), self._flush_threads)
+        else:
             torch.sum(self._flush_buf)
 
     def stages(self, arg: Any) -> bool:

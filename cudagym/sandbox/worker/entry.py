@@ -1,4 +1,4 @@
-"""A worker process's life: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD]`, or
+"""A worker process's life: `python -m cudagym.sandbox.worker RESULT_FD [SHM_FD [SEEDS_FD MADE_FD]]`, or
 `python -m cudagym.sandbox.worker --channel DIR` where descriptors cannot be inherited (a container).
 
 A worker is started ahead of need (a spare): it imports torch and the harness (`warm_host`) and,
@@ -6,7 +6,8 @@ on a GPU, creates its CUDA context (`serve`), then blocks until the parent write
 line on stdin. (A fork server, `cudagym.sandbox.forkserver`, runs `warm_host` once and forks
 workers that start at `serve` with its `WorkerState`.) The worker applies the job's limits
 (writes confined to the workspace, file size, address space), runs the job, writes frames on
-RESULT_FD (tensor bytes into the memfd SHM_FD) and exits. One job per process: nothing survives
+RESULT_FD (tensor bytes into the memfd SHM_FD) and exits. SEEDS_FD and MADE_FD are the pipes of a
+CPU timing job's inputs maker (`cudagym.sandbox.worker.maker`). One job per process: nothing survives
 into the next job.
 
 Imports no torch at its top: `warm_host` times torch's import and the harness's apart.
@@ -84,6 +85,8 @@ def main() -> None:
     pin_cpus(os.environ.get("CUDAGYM_CPUS"))  # before torch starts its threads: they inherit it
     clock = StartupClock()
     state = warm_host(clock)
+    if len(sys.argv) > 4:
+        state.maker_fds = (int(sys.argv[3]), int(sys.argv[4]))
     serve(fd, shm_fd, clock, state)
 
 
@@ -142,6 +145,16 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
     from cudagym.sandbox.worker.prewarm import premap_results, prewarm_device
     from cudagym.sandbox.worker.wire import Channel, Job, encode_frame
 
+    if state.maker_fds is not None and os.environ.get("CUDAGYM_DEVICE") != "cuda":
+        from cudagym.sandbox.worker.maker import fork_early
+
+        state.maker = fork_early(state.maker_fds, state)  # first: no OpenMP region has run in this process
+        state.maker_fds = None
+        clock.step("fork_maker")
+    elif state.maker_fds is not None:  # a GPU's worker makes its inputs itself
+        for maker_fd in state.maker_fds:
+            os.close(maker_fd)
+        state.maker_fds = None
     if os.environ.get("CUDAGYM_DEVICE") == "cuda":
         torch.empty(1, device="cuda")  # create the CUDA context while idle
         clock.step("cuda_context")
@@ -156,6 +169,10 @@ def serve(fd: int, shm_fd: int | None, clock: StartupClock, state: WorkerState) 
     if not line:
         os._exit(0)
     job = Job.model_validate_json(line)
+    state.job_line = line.strip()
+    if state.maker is not None and not (job.inputs_maker and job.kind == "profile" and job.device == "cpu"):
+        os.close(state.maker[1])  # the maker exits: this job makes its inputs itself
+        state.maker = None
     ch = Channel(fd, job.nonce, state.stdin, shm_fd, state.premapped)
     state.channel, state.channel_parts = ch, channel_parts(ch)
     try:

@@ -80,5 +80,11 @@ class WorkerState:
     # -- telemetry and the result memory
     telemetry: DeviceTelemetry = field(default_factory=DeviceTelemetry)
     premapped: mmap.mmap | None = None  # the start of the result memory (`prewarm.premap_results`)
+    # the pipes of a CPU timing job's inputs maker (the parent's seeds, read; its answers, written),
+    # handed to the maker as the worker starts and closed here (`maker.fork_early`); then the
+    # maker's pid and the socket the worker hands it the job on (`maker.attach`)
+    maker_fds: tuple[int, int] | None = None
+    maker: tuple[int, int] | None = None
+    job_line: bytes = b""  # the job as the parent wrote it
     channel: Any = None  # the job's `Channel`, and its state before candidate code (`integrity.check_channel`)
     channel_parts: dict[str, Any] = field(default_factory=dict)

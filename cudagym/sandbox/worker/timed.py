@@ -21,6 +21,8 @@ from cudagym.sandbox.protocol import MAX_IDLE_MS
 from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
                                     drive_calls, foreign_hooks, harness_calibration)
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
+from cudagym.sandbox.worker.maker import Maker
+from cudagym.sandbox.worker.maker import attach as attach_maker
 from cudagym.sandbox.worker.integrity import (c_entries, check_channel, check_classes, check_reclassed, check_tamper,
                                               entries_changed, foreign_signal_handlers, kernel_watch, kernels_alive,
                                               live_threads, op_watch, slots_changed, watch_alive, watch_changes)
@@ -55,7 +57,7 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after
     job's calls itself; this job neither measures it nor asks for the GPU alone for it. With
     `share_after`, a GPU job gives the GPU back once its calibration is in (its candidate then
     loads under a shared lease; `alone` asks for it again before the timed loop)."""
-    native = op_watch(state).cpu_close if p.device.type == "cpu" else None
+    native, flush = (op_watch(state).cpu_close, op_watch(state).cpu_flush) if p.device.type == "cpu" else (None, None)
     known = ch.request("calibration_known").get("calibration") if p.device.type == "cuda" else None
     if isinstance(known, dict):
         calibration = Calibration(**known)
@@ -66,7 +68,7 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after
         calibration = DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0),
                                   native_close=native).calibrate()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
-                        calibration=calibration, native_close=native)
+                        calibration=calibration, native_close=native, native_flush=flush)
     if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
         state.callbacks_before = state.opwatch_callbacks()
     if not isinstance(known, dict):
@@ -85,7 +87,7 @@ def alone(p: Problem, ch: Channel) -> None:
 
 
 def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases, timer: DeviceTimer,
-               state: WorkerState, marks: bool = False) -> int:
+               state: WorkerState, marks: bool = False, maker: Maker | None = None) -> int:
     """Make the calls of `role` that the parent asks for, under the timing protocol
     (`cudagym.sandbox.timing`); returns how many were made.
 
@@ -98,14 +100,19 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     instead, through the same steps. With `marks` (the candidate on the CPU target), each call's
     start is marked on the pipe right before its interval opens and its end is the next call's
     request (`Channel.mark`): the windows of the sandbox's CPU samples (`cudagym.sandbox.cpusamples`).
+    With `maker`, each call's inputs are made outside this process, into its buffers, once the
+    parent has the call's mark (`cudagym.sandbox.worker.maker`): the parent's answer carries no seed.
     """
     rng = secrets.SystemRandom()
     timer_parts = {k: v for k, v in vars(timer).items() if callable(v)}
     timeouts = timer.close_timeouts()  # a baseline job's roles share one timer
     calibration = timer.calibration
-    sets = [p.inputs(rng.getrandbits(62))]
-    n_sets = job.timing.input_sets_for(sum(a.nbytes for a in sets[0] if isinstance(a, torch.Tensor)))
-    sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
+    if maker is not None:  # the buffers the maker writes each call's inputs into
+        sets = maker.sets
+    else:
+        sets = [p.inputs(rng.getrandbits(62))]
+        n_sets = input_sets(job, sets[0])
+        sets += [p.inputs(rng.getrandbits(62)) for _ in range(n_sets - 1)]
     watch = op_watch(state)
     watch.reset()  # the role's counts start here; the parent sees them only grow
     kwatch = kernel_watch(state, p.device) if role == "candidate" else None
@@ -246,6 +253,11 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         made[0] += 1
         idle_ms = answer.get("idle_ms", 0.0)
         idle_s = min(max(float(idle_ms), 0.0), MAX_IDLE_MS) / 1e3 if isinstance(idle_ms, (int, float)) else 0.0
+        if maker is not None:  # the maker writes the inputs once the parent has the call's mark
+            if answer.get("made") is not False or "seed" in answer:
+                raise CandidateError("internal", f"the parent's answer for call {made[0] - 1} does not leave its inputs "
+                                     f"to the inputs maker: {answer!r:.200}")
+            return 0, bool(answer.get("probe")), idle_s
         return int(answer["seed"]), bool(answer.get("probe")), idle_s
 
     def probed(*args: Any) -> Any:  # the op counter goes through the same arm/disarm
@@ -272,7 +284,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                  for c in (f.__closure__ or ()))
     with torch.no_grad():
         try:
-            n = drive_calls(call, sets, p.inputs, next_call, timer, after, probed, send=send_evidence,
+            n = drive_calls(call, sets, p.inputs if maker is None else maker.inputs, next_call, timer, after, probed, send=send_evidence,
                             mark=mark if marks else None, held=held)
         except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
@@ -290,6 +302,11 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     p.intact()
     ph.mark(f"{role}_loop_checks")
     return n
+
+
+def input_sets(job: Job, template: list[Any]) -> int:
+    """How many input sets a timed loop rotates (`TimingConfig.input_sets_for`)."""
+    return job.timing.input_sets_for(sum(a.nbytes for a in template if isinstance(a, torch.Tensor)))
 
 
 def roofline_inputs(p: Problem) -> dict[str, float]:
@@ -330,12 +347,19 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
         check_channel(state)
         ch.mark(LOADING_MARK, wait=True, at=ph._clock())  # noqa: SLF001 - the job's clock
 
+    # the next inputs made outside this process, by a fork of it made now, before candidate code
+    maker = None
+    if job.inputs_maker and state.maker is not None and p.device.type == "cpu":
+        template = p.inputs(secrets.randbits(62))
+        maker = attach_maker(state.maker, state.job_line, template, input_sets(job, template))
+    state.maker = None
     p.load_candidate(loading if p.device.type == "cpu" else None)
     ph.mark("load")
     alone(p, ch)
     ph.mark("wait_alone")
     tele0 = state.telemetry.read() if p.device.type == "cuda" else {}
-    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state, marks=p.device.type == "cpu")
+    calls = timing_run(p, p.cand, job, ch, "candidate", ph, timer, state, marks=p.device.type == "cpu",
+                       maker=maker)
     check(state)
     tele1 = state.telemetry.read() if p.device.type == "cuda" else {}
     ph.mark("telemetry")

@@ -88,6 +88,11 @@ class JobOutcome:
 Responder = Callable[[dict[str, Any], float], dict[str, Any]]
 
 
+# where a forked worker has its inputs maker's pipes: the parent's seeds (read), the maker's
+# answers (written) (`cudagym.sandbox.worker.maker`)
+MAKER_FDS = (5, 6)
+
+
 class Job(BaseModel):
     """One job for one worker, written to its stdin as a JSON line: what to run (`kind`), on which
     task and workspace, under which protocols and limits."""
@@ -98,6 +103,9 @@ class Job(BaseModel):
     task_code: str = ""
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" or "cuda" (the worker sees one GPU as cuda:0)
+    # a CPU profile job: its timed calls' inputs are made by the worker's inputs maker, whose pipes
+    # the sandbox gave it (`cudagym.sandbox.worker.maker`); set by the sandbox, not the evaluator
+    inputs_maker: bool = False
     workspace: str = ""
     artifact_dir: str | None = None
     cache_dir: str = ""
@@ -401,6 +409,9 @@ class FrameReader:
         self.frames: list[tuple[dict[str, Any], memoryview]] = []
         self.error: str | None = None  # a malformed frame (not a worker that died mid-frame)
         self.responder: Responder | None = None  # set when the job starts
+        # run before a mark the worker waits on is acknowledged (its `what`): a dict to acknowledge
+        # with instead of `{}` (`cudagym.sandbox.makerlink.MakerLink.opened`)
+        self.on_mark: Callable[[str], dict[str, Any] | None] | None = None
         self.answer_fd: int | None = None
         self.requests = 0
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
@@ -471,10 +482,12 @@ class FrameReader:
                 self._budget -= len(frame[1])
                 kind = frame[0].get("type")
                 if kind == "mark":  # answered here: no responder sees it
-                    self.marks.append((str(frame[0].get("what")), frame[0].get("at"), arrived))
+                    what = str(frame[0].get("what"))
+                    self.marks.append((what, frame[0].get("at"), arrived))
                     if frame[0].get("wait") and self.answer_fd is not None:
+                        ack = self.on_mark(what) if self.on_mark is not None else None
                         try:
-                            write_all(self.answer_fd, b"{}\n")
+                            write_all(self.answer_fd, (json.dumps(ack) + "\n").encode() if ack else b"{}\n")
                         except OSError:
                             pass
                     continue

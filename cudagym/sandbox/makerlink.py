@@ -1,0 +1,110 @@
+"""The parent's end of a CPU timing job's inputs maker (`cudagym.sandbox.worker.maker`).
+
+`MakerLink` wraps the job's responder: the seed of each answer to a timed call's request is kept
+here and the worker gets the answer without it; once the worker's "forward" mark for that call
+arrives (`opened`, run before the mark is acknowledged), the maker writes the call's inputs into
+its buffers, and the acknowledgement goes only after it said so. A maker that is gone or does not
+answer in time fails the call. The maker's first line carries its credentials (its pid as the
+kernel gives it to this process): its samples (`cudagym.sandbox.cpusamples`) are the harness's.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import time
+from typing import Any
+
+from cudagym.sandbox.worker.wire import Responder
+
+MADE = b"made\n"
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class MakerLink:
+    """A responder (`Responder`) that keeps each timed call's seed from the worker and has its
+    inputs maker make the call's inputs once the call's mark is in (`opened`). `seeds`, `made`:
+    the parent's ends of the maker's pipes (the caller keeps and closes them; `made` is a Unix
+    socket that passes credentials: `answering_socket`)."""
+
+    def __init__(self, inner: Responder, seeds: int, made: int, timeout_s: float) -> None:
+        self.inner, self.seeds, self.made, self.timeout_s = inner, seeds, made, timeout_s
+        self.sets = 0  # the input sets the maker writes, once it said it is ready
+        self.pid: int | None = None  # the maker's, as this process sees it, once it said it is ready
+        self.pending: tuple[int, int] | None = None  # the next call's seed and input set
+        self.made_s: list[float] = []  # the maker's time for each call, from the mark to its answer
+        self.error: str | None = None
+
+    def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
+        answer = self.inner(request, arrived_s)
+        if request.get("what") != "call" or "seed" not in answer:
+            return answer
+        if self.error is None and not self.sets:
+            try:
+                self._ready()
+            except (OSError, TimeoutError, ValueError) as e:
+                self.error = f"the harness's inputs maker failed: {e}"
+        if self.error is not None:
+            return {"refused": self.error}
+        index = request.get("index")
+        slot = index % self.sets if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else 0
+        self.pending = (int(answer.pop("seed")), slot)
+        return {**answer, "made": False}
+
+    def opened(self, what: str) -> dict[str, Any] | None:
+        """Before the worker's mark `what` is acknowledged: for the call's "forward" mark, the
+        maker makes the call's inputs; a refusal to acknowledge with if it fails."""
+        if what != "forward" or self.pending is None:
+            return None
+        (seed, slot), self.pending = self.pending, None
+        began = time.perf_counter()
+        try:
+            os.write(self.seeds, f"{seed} {slot}\n".encode())
+            got = self._line(len(MADE), "make the call's inputs")
+            if got != MADE:
+                raise ValueError(f"it answered {got!r}")
+        except (OSError, TimeoutError, ValueError) as e:
+            self.error = f"the harness's inputs maker failed: {e}"
+            return {"refused": self.error}
+        finally:
+            self.made_s.append(time.perf_counter() - began)
+        return None
+
+    def _ready(self) -> None:
+        """Read the maker's first line ("ready SETS") and the credentials it came with."""
+        if not select.select([self.made], [], [], self.timeout_s)[0]:
+            raise TimeoutError(f"it did not start within {self.timeout_s:.0f} s")
+        with socket.socket(fileno=os.dup(self.made)) as s:
+            data, ancillary, _, _ = s.recvmsg(64, socket.CMSG_SPACE(_UCRED.size))
+        words = data.split()
+        if len(words) != 2 or words[0] != b"ready" or not data.endswith(b"\n") or not words[1].isdigit() \
+                or int(words[1]) < 1:
+            raise ValueError(f"it started with {data!r}")
+        for level, kind, body in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(body) >= _UCRED.size:
+                self.pid = _UCRED.unpack_from(body)[0]
+        self.sets = int(words[1])
+
+    def _line(self, size: int, what: str) -> bytes:
+        """Read up to a newline, at most `size` bytes, within the timeout."""
+        got = b""
+        deadline = time.monotonic() + self.timeout_s
+        while not got.endswith(b"\n") and len(got) < size:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.made], [], [], left)[0]:
+                raise TimeoutError(f"it did not {what} within {self.timeout_s:.0f} s")
+            chunk = os.read(self.made, size - len(got))
+            if not chunk:
+                raise ValueError(f"it exited before it could {what}")
+            got += chunk
+        return got
+
+
+def answering_socket() -> tuple[int, int]:
+    """The maker's answering channel: (the parent's end, the maker's), a Unix socket pair whose
+    parent's end receives the maker's credentials."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    return mine.detach(), theirs.detach()
