@@ -351,12 +351,6 @@ def _second(line):
     return answer
 
 
-def _first():
-    torch._C._len_torch_dispatch_stack = _len
-    wire.loads = _second
-    return _len()
-
-
 def _restore():  # an output's finalizer: it puts everything back only once the loop is over
     f = sys._getframe(1)
     while f is not None and f.f_code.co_name != "drive_calls":
@@ -377,7 +371,7 @@ _model[:] = [self]
 if any(_seen):
     raise RuntimeError(f"the timed loop held a seed: {_seen[:3]}")
 if _in_the_loop():
-    torch._C._len_torch_dispatch_stack = _first
+    wire.loads = _second
 got = _stash.pop(_key(x), None)
 out = got if got is not None else run_kernel(x, self.bias, self.scale)
 weakref.finalize(out, _restore)
@@ -386,9 +380,9 @@ return out
 
 
 def test_the_next_inputs_are_computed_on_only_inside_the_calls_window(evaluator: Evaluator, build_ws) -> None:
-    """Code of the candidate's that runs between its calls through a hijacked read (a one-shot
-    rebinding of the answers' decoder, armed from a name `next_call` reads after its checks) finds
-    no seed there and no next inputs: the inputs maker writes them once the parent has the call's
+    """Code of the candidate's that runs between its calls through a hijacked read (the answers'
+    decoder, rebound from forward and put back by a finalizer once the loop is over) finds no seed
+    there and no next inputs: the inputs maker writes them once the parent has the call's
     mark (`cudagym.sandbox.worker.maker`). Where it reads them, from the answer to that mark, and
     computes the output before the interval opens, it does so inside the call's window on the
     parent's clock, which is held to the reported interval (and, in strict mode, audited)."""

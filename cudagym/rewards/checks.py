@@ -703,7 +703,7 @@ async def cpu_times_agree(run: TimedRun) -> Finding | None:
                             [id(c) in timed for c in calls], run.final.get("cpu_made_us")) or \
         cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
                           origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0,
-                          [c.host_ms for c in calls])
+                          [c.span_ms for c in calls])
     return Refusal(ErrorKind.TAMPER, why, why) if why else None
 
 

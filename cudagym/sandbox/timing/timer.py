@@ -27,13 +27,16 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
+# 13: the CPU target's cache flush is the harness's native code on threads it joins (no OpenMP
+# pool left spinning into the call), its candidate's inputs made outside its process (`worker.maker`),
+# the baselines' records say what the close may project (`close_elements`);
 # 12: the CPU target's close (page reads, sample draw and reads) is one native call inside the interval;
 # 11: the close projects every output (its read phase capped per byte), a CPU call's output pages
 # are read inside its interval; 10: one stream, the close's read phase left out, the overhead of a call
 # that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-12"
+PROTOCOL_VERSION = "gated-events-13"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 # then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed

@@ -129,6 +129,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     ph.mark(f"{role}_setup")
 
     probe = probe_fn(p)
+    # torch's mode stacks' depths, as bound before candidate code (closure cells: checked before each read)
+    dispatch_modes, function_modes = (state.originals["torch._C._len_torch_dispatch_stack"],
+                                      state.originals["torch._C._len_torch_function_stack"])
 
     clock = ph._clock  # noqa: SLF001 - the job's clock (the parent bounds the windows it times)
 
@@ -226,7 +229,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
-        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():  # noqa: SLF001 - mode stacks
+        if dispatch_modes() or function_modes():  # bound before the loop: red teams 20 and 21 armed chains on torch._C's
             raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
         if made[0]:
             if state.hook_attempts or (hooks := foreign_hooks()) or (hooks := foreign_signal_handlers(state)):
@@ -310,7 +313,9 @@ def input_sets(job: Job, template: list[Any]) -> int:
 
 
 def roofline_inputs(p: Problem) -> dict[str, float]:
-    """Bytes moved (inputs + outputs) and FLOPs of one reference call."""
+    """Bytes moved (inputs + outputs) and FLOPs of one reference call, and what a call's CPU
+    close projects of outputs of the reference's shapes at most (`Reading.dense`'s measure):
+    the parent caps what a candidate's call reports of its close with it (`CallFeed`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     args = p.inputs(secrets.randbits(62))
@@ -319,7 +324,8 @@ def roofline_inputs(p: Problem) -> dict[str, float]:
         out = as_outputs(p.ref(*args), "the reference")
     nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
     nbytes += sum(o.numel() * o.element_size() for o in out)
-    return {"bytes": float(nbytes), "flops": float(counter.get_total_flops())}
+    close = sum(max(o.numel(), o.numel() * o.element_size() // 4) for o in out)
+    return {"bytes": float(nbytes), "flops": float(counter.get_total_flops()), "close_elements": int(close)}
 
 
 def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
