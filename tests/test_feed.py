@@ -284,3 +284,31 @@ def test_stopping_early_keeps_the_medians_spread_within_the_rule() -> None:
     assert statistics.pstdev(medians) / statistics.fmean(medians) < 0.003
     assert abs(statistics.fmean(medians) / 0.05 - 1) < 0.001
     assert min(lengths) >= 20 and statistics.median(lengths) < 100 and max(lengths) <= 231
+
+
+def test_what_a_call_says_its_close_projected_is_capped_at_the_reference_outputs_measure() -> None:
+    """Red team 21's d: a report that said its close projected 1e13 strided elements raised the
+    calibrated cap on the left-out read phase past any bound, and a forged read phase then took
+    0.45 of an honest call out of its time (+2). The parent caps the counts at what the
+    reference's outputs measure (`CallFeed.max_close_elements`, from the baseline job)."""
+    cal = Calibration(overhead_ns=0, read_cap_ns=50_000, read_ps_per_element=4_000.0,
+                      read_ps_per_strided_element=8_000.0, base_elements=1 << 16)
+    raw = {"span_ms": 10.0, "read_ns": 4_500_000, "dense": 0, "strided": 10**13}
+    times = []
+    for cap in (None, (1 << 20, 0)):
+        feed = CallFeed(CFG, ("candidate",))
+        feed.max_close_elements = cap
+        assert feed({"what": "calibration", "calibration": cal._asdict()}, 0.0) == {}
+        assert "seed" in feed({"what": "call", "role": "candidate", "index": 0, "ops": {}}, 0.0)
+        assert "seed" in feed({"what": "call", "role": "candidate", "index": 1, "ops": {}, **raw}, 0.011)
+        times.append(feed._roles["candidate"].calls[0].ms)
+    assert times[0] == pytest.approx(10.0 - 4.5), "uncapped: the whole forged read phase is left out"
+    assert times[1] == pytest.approx(10.0 - 50_000 / 1e6), "capped at the reference's: no strided output there"
+    honest = call_ms_from(cal, 10.0, 4_500_000, 1 << 20, 0)
+    feed = CallFeed(CFG, ("candidate",))
+    feed.max_close_elements = (1 << 20, 0)
+    feed({"what": "calibration", "calibration": cal._asdict()}, 0.0)
+    feed({"what": "call", "role": "candidate", "index": 0, "ops": {}}, 0.0)
+    feed({"what": "call", "role": "candidate", "index": 1, "ops": {},
+          **{**raw, "dense": 1 << 20, "strided": 0}}, 0.011)
+    assert feed._roles["candidate"].calls[0].ms == pytest.approx(honest), "an honest count is never capped"

@@ -139,10 +139,11 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     """CPU target: why the timed calls at or below the median time (what the reward reads) were
     reported shorter than the evaluator's own clock saw them run (`windows` as
     `cpu_windows_cover`'s; `spans`: each call's raw interval, ms, whose time is computed from it;
-    `made`: the inputs maker's time in each window, µs, `cudagym.sandbox.makerlink`), or None. The worker measures and reports each call; a candidate that rewrote the report (red
-    team 20's b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound
-    the call from outside its process. A forger gains only where the calls the reward reads are
-    forged, so the closest of them is held: the load that stretches one window rarely stretches all."""
+    `made`: the inputs maker's time in each window, µs, `cudagym.sandbox.makerlink`), or None.
+    The worker measures and reports each call; a candidate that rewrote the report (red team 20's
+    b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound the call
+    from outside its process. A forger gains only where the calls the reward reads are forged, so
+    the closest of them is held: the load that stretches one window rarely stretches all."""
     if len(spans) != len(calls):
         return None
     picked = [i for i in _fast_indices(calls, timed) if i < len(windows) and spans[i] is not None]

@@ -619,7 +619,8 @@ class Evaluator:
         if failure or feed.violations:
             return {"error": failure[1] if failure else feed.violations[0]}
         f = o.final or {}
-        value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "close_elements", "device_name")}
+        value = {k: f.get(k) for k in ("compile_error", "bytes", "flops", "close_elements", "close_strided",
+                                       "device_name")}
         value.update(eager_ms=feed.times_ms("eager"), compile_ms=feed.times_ms("compiled") or None,
                      eager_clock_gap_ms=feed.clock_gap_ms("eager"), eager_late_launches=feed.late_launches("eager"),
                      breakdown=_job_breakdown("baseline", o),
@@ -729,8 +730,9 @@ class Evaluator:
                                  seconds=time.perf_counter() - t0)
         init_seed = secrets.randbits(62) | 1
         feed = CallFeed(timing, ("candidate",))
-        close = base.get("close_elements")
-        feed.max_close_elements = int(close) if isinstance(close, (int, float)) and close >= 0 else None
+        close, strided = base.get("close_elements"), base.get("close_strided")
+        if isinstance(close, (int, float)) and isinstance(strided, (int, float)) and close >= 0 and strided >= 0:
+            feed.max_close_elements = (int(close), int(strided))
         job = self._job("profile", task, workspace, artifact_dir=built.artifact_dir, init_seed=init_seed, timing=timing,
                         params=params)
         o = await self.sandbox.run(job, self.device, feed)

@@ -134,10 +134,12 @@ class CallFeed:
         self.violations: list[str] = []
         # the worker's timer calibration, sent before any candidate code loaded (`calibrated`)
         self.calibration: Calibration | None = None
-        # what a call's close may say it projected at most: the reference's outputs' measure
-        # (`timed.roofline_inputs`' "close_elements"); more would leave more of the call out of its
-        # time (red team 21's d reported 1e13 strided elements: 0.55 of its honest time, +2)
-        self.max_close_elements: int | None = None
+        # what a call's close may say it projected at most, all of it and not contiguous: the
+        # reference's outputs' measures (`timed.roofline_inputs`' "close_elements", "close_strided");
+        # more would leave more of the call out of its time (red team 21's d reported 1e13 strided
+        # elements: 0.55 of its honest time, +2). An output strided where the reference's is not
+        # pays its slower close in its own time.
+        self.max_close_elements: tuple[int, int] | None = None
 
     # -- answering ---------------------------------------------------------------------------
     def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
@@ -200,8 +202,9 @@ class CallFeed:
                     return f"call {len(role.calls) - 1} reported invalid measurements {raw!r}"
                 dense, strided = int(raw[2]), int(raw[3])
                 if self.max_close_elements is not None:
-                    dense = min(dense, self.max_close_elements)
-                    strided = min(strided, self.max_close_elements - dense)
+                    most, most_strided = self.max_close_elements
+                    strided = min(strided, most_strided)
+                    dense = min(dense, most - strided)
                 ms = call_ms_from(self.calibration, float(raw[0]), int(raw[1]), dense, strided)
                 prev.span_ms = float(raw[0])
             if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) or ms < 0:

@@ -139,7 +139,8 @@ class LocalSandbox(SpareWorkerSandbox):
             "CUDAGYM_DEVICE": "cuda" if device.startswith("cuda") else "cpu",
             "CUDAGYM_OPWATCH_DIR": str(self.opwatch_dir),
         }
-        for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_LIBRARY_PATH", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST",
+        for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_LIBRARY_PATH", "CUDA_HOME",
+                  "TORCH_CUDA_ARCH_LIST",
                   "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             if k in os.environ:
                 env[k] = os.environ[k]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-import contextlib
 import itertools
 import os
 import threading
@@ -664,5 +663,7 @@ class SpareWorkerSandbox(Sandbox):
             self._loop_thread.stop()
 
     def __del__(self) -> None:  # best effort: never leave spares behind
-        with contextlib.suppress(Exception):
+        try:  # no module global here: at interpreter exit they may be None already (`contextlib` was)
             self.close()
+        except Exception:  # noqa: BLE001, S110 - nothing to report to at exit
+            pass

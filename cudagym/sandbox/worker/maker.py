@@ -11,15 +11,15 @@ from the worker as it starts (`fork_early`: before any OpenMP parallel region, a
 forked child's first region never returns). It holds the parent's two pipes, whose copies the
 worker closes at once, and the task's input generator, which it sets up itself from the job the
 worker hands it before any candidate code loads (`attach`); it takes no ptrace and no /proc
-access from the worker (not dumpable) and dies with it. The call's input buffers are memory the two processes share. The parent's answer to
-the worker's request for a call carries no seed; the worker flushes the caches and writes the
-call's "forward" mark; the parent, once it has the mark, writes the seed to the maker, which
-writes the inputs into the call's buffers and says so, and only then lets the worker go on
-(`cudagym.sandbox.makerlink`). The inputs exist in the candidate's process only inside the
-call's window on the parent's clock: what reads them before the interval opens runs there,
-sampled, and the window is held to the call's reported interval (`checks.cpu_windows_tight`).
-A candidate that writes into the buffers only changes its own inputs: its outputs are checked
-against the reference's on the parent's seed.
+access from the worker (not dumpable) and dies with it. The call's input buffers are memory the
+two processes share. The parent's answer to the worker's request for a call carries no seed; the
+worker flushes the caches and writes the call's "forward" mark; the parent, once it has the
+mark, writes the seed to the maker, which writes the inputs into the call's buffers and says so,
+and only then lets the worker go on (`cudagym.sandbox.makerlink`). The inputs exist in the
+candidate's process only inside the call's window on the parent's clock: what reads them before
+the interval opens runs there, sampled, and the window is held to the call's reported interval
+(`checks.cpu_windows_tight`). A candidate that writes into the buffers only changes its own
+inputs: its outputs are checked against the reference's on the parent's seed.
 
 Spawned workers get the pipes as two more descriptors; a container's worker (its channel is a
 directory) and Nsight Compute's get none, and make their inputs themselves as before.
@@ -69,7 +69,7 @@ Spot = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
 def _layout(template: list[Any]) -> tuple[list[Spot | None], int]:
     """Where each tensor input of one set lies in the shared memory, and the set's size: each
     keeps the template's strides and storage offset (a task may hand forward a transposed view)."""
-    at, out = 0, []
+    at, out = 0, list[Spot | None]()
     for a in template:
         if not isinstance(a, torch.Tensor):
             out.append(None)
@@ -77,7 +77,7 @@ def _layout(template: list[Any]) -> tuple[list[Spot | None], int]:
         if a.device.type != "cpu":
             raise ValueError("the inputs maker serves the CPU target only")
         nbytes = a.untyped_storage().nbytes()
-        out.append((at, nbytes, a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset()))
+        out.append((at, nbytes, a.dtype, tuple(a.shape), tuple(a.stride()), int(a.storage_offset())))
         at += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
     return out, max(at, _ALIGN)
 

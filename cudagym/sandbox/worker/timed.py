@@ -229,7 +229,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         send_evidence()  # a GPU call's (a CPU call's went from inside its interval)
         # a mode left on torch's stacks sees every op the harness runs: the next call's inputs as
         # they are generated (before its clock starts), the evidence's reads
-        if dispatch_modes() or function_modes():  # bound before the loop: red teams 20 and 21 armed chains on torch._C's
+        if dispatch_modes() or function_modes():  # bound before the loop: red team 20 chained from torch._C's
             raise CandidateError("tamper", "a torch dispatch or function mode was left active by the candidate")
         if made[0]:
             if state.hook_attempts or (hooks := foreign_hooks()) or (hooks := foreign_signal_handlers(state)):
@@ -258,8 +258,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         idle_s = min(max(float(idle_ms), 0.0), MAX_IDLE_MS) / 1e3 if isinstance(idle_ms, (int, float)) else 0.0
         if maker is not None:  # the maker writes the inputs once the parent has the call's mark
             if answer.get("made") is not False or "seed" in answer:
-                raise CandidateError("internal", f"the parent's answer for call {made[0] - 1} does not leave its inputs "
-                                     f"to the inputs maker: {answer!r:.200}")
+                raise CandidateError("internal", f"the parent's answer for call {made[0] - 1} does not leave its "
+                                     f"inputs to the inputs maker: {answer!r:.200}")
             return 0, bool(answer.get("probe")), idle_s
         return int(answer["seed"]), bool(answer.get("probe")), idle_s
 
@@ -287,8 +287,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                  for c in (f.__closure__ or ()))
     with torch.no_grad():
         try:
-            n = drive_calls(call, sets, p.inputs if maker is None else maker.inputs, next_call, timer, after, probed, send=send_evidence,
-                            mark=mark if marks else None, held=held)
+            n = drive_calls(call, sets, p.inputs if maker is None else maker.inputs, next_call, timer, after, probed,
+                            send=send_evidence, mark=mark if marks else None, held=held)
         except TimerTamperedError as e:
             raise CandidateError("tamper", str(e)) from None
         except Exception:
@@ -313,9 +313,10 @@ def input_sets(job: Job, template: list[Any]) -> int:
 
 
 def roofline_inputs(p: Problem) -> dict[str, float]:
-    """Bytes moved (inputs + outputs) and FLOPs of one reference call, and what a call's CPU
-    close projects of outputs of the reference's shapes at most (`Reading.dense`'s measure):
-    the parent caps what a candidate's call reports of its close with it (`CallFeed`)."""
+    """Bytes moved (inputs + outputs) and FLOPs of one reference call, and what a call's close
+    projects of the reference's outputs (`Reading.dense`'s measure of them all, and the elements
+    of those that are not contiguous): the parent caps what a candidate's call reports of its
+    close with them (`CallFeed`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     args = p.inputs(secrets.randbits(62))
@@ -325,7 +326,9 @@ def roofline_inputs(p: Problem) -> dict[str, float]:
     nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
     nbytes += sum(o.numel() * o.element_size() for o in out)
     close = sum(max(o.numel(), o.numel() * o.element_size() // 4) for o in out)
-    return {"bytes": float(nbytes), "flops": float(counter.get_total_flops()), "close_elements": int(close)}
+    strided = sum(o.numel() for o in out if not o.is_contiguous())
+    return {"bytes": float(nbytes), "flops": float(counter.get_total_flops()), "close_elements": int(close),
+            "close_strided": int(strided)}
 
 
 def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
