@@ -234,3 +234,24 @@ def test_uint16_output_of_a_real_candidate_is_an_output_format_verdict(evaluator
     result = evaluator.verify(task, ws)
     assert not result.ok and result.error_kind.value == "output_format", result
     assert "is torch.uint16" in result.reasons[0] and "expected torch.float32" in result.reasons[0], result.reasons
+
+
+def test_every_timed_call_returns_the_references_outputs_in_number_shape_and_dtype() -> None:
+    """Red team 22 returned one element from the timed calls the re-check could not draw: every
+    model call's evidence says what it returned, and each must match the reference's outputs."""
+    from cudagym.rewards.compare import calls_shaped
+
+    reference = [({"role": "reference", "trial": 0, "index": 0, "shape": [4, 8], "dtype": "float32"}, b"")]
+
+    def sample(call: int, shape: list[int], dtype: str = "float32", index: int = 0) -> tuple[dict, bytes]:
+        return {"role": "sample", "trial": call, "index": index, "full_shape": shape, "dtype": dtype}, b""
+
+    honest = [sample(c, [4, 8]) for c in range(5)]
+    assert calls_shaped(honest, reference, list(range(5))) is None
+    assert "output 0 is float32 (1,)" in (calls_shaped([*honest[:3], sample(3, [1]), honest[4]], reference,
+                                                       list(range(5))) or "")
+    assert "float16" in (calls_shaped([*honest[:4], sample(4, [4, 8], "float16")], reference, list(range(5))) or "")
+    assert "returned 0 outputs" in (calls_shaped(honest[:4], reference, list(range(5))) or "")
+    assert "returned 2 outputs" in (calls_shaped([*honest, sample(2, [4, 8], index=1)], reference,
+                                                 list(range(5))) or "")
+    assert calls_shaped(honest[:4], reference, list(range(4))) is None, "only the model calls named"

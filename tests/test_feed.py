@@ -175,15 +175,22 @@ def test_server_gaps_out_of_bounds_are_refused(gap: tuple[float, float]) -> None
         TimingConfig(idle_ms=gap)
 
 
-def test_rechecks_are_drawn_where_an_input_buffer_comes_back() -> None:
+def test_rechecks_are_drawn_where_an_input_buffer_comes_back_and_from_every_timed_call() -> None:
     """Call i uses input set i mod the worker's sets: a result replayed by buffer can only come
-    back from call `input_sets` on, so the re-checked calls are drawn there when enough are."""
+    back from call `input_sets` on, so half the re-checked calls are drawn there when enough are;
+    the other half from every timed call, so that none is out of the draw's reach (red team 22
+    returned nothing from the timed calls below `input_sets`, which were never drawn)."""
     cfg = TimingConfig(warmup_calls=2, warmup_ms=0.0, min_calls=20, max_calls=20, target_ms=1e6, input_sets=8)
     feed = CallFeed(cfg, ("candidate",))
     drive(feed, "candidate", ms=1.0, wall_ms=1.0)
-    for _ in range(20):
+    drawn: set[int] = set()
+    for _ in range(200):
         picks = feed.recheck_sample("candidate", 6)
-        assert len(picks) == 6 and all(i >= cfg.input_sets for i, _ in picks)
+        assert len(picks) == 6 and len({i for i, _ in picks}) == 6
+        assert sum(i >= cfg.input_sets for i, _ in picks) >= 3
+        drawn |= {i for i, _ in picks}
+    model = {i for i, c in enumerate(feed.calls("candidate")) if c in feed.timed("candidate") and not c.probe}
+    assert drawn == model, sorted(model - drawn)  # every timed model call can be drawn
     assert len(feed.recheck_sample("candidate", 1000)) == len(feed.timed("candidate"))  # too few: from all
 
 

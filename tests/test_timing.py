@@ -86,3 +86,20 @@ def test_the_gate_kernels_compile_within_the_register_budget_that_fills_every_sm
     used = [int(n) for n in re.findall(r"Used (\d+) registers", r.stderr)]
     assert len(used) == 2, r.stderr  # open and close
     assert max(used) <= 65536 // (256 * per_sm), r.stderr
+
+
+def test_a_replaced_sys_monitoring_is_a_foreign_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Red team 22 put an object of its own at `sys.monitoring` (absent before Python 3.12): the
+    harness's hook check called its `get_tool`, which rewrote the next report from the stack."""
+    import sys
+
+    from cudagym.sandbox.timing.timer import foreign_hooks
+
+    assert foreign_hooks() == ""
+
+    class Fake:
+        def get_tool(self, i: int) -> None:
+            raise AssertionError("the harness called the candidate's get_tool")
+
+    monkeypatch.setattr(sys, "monitoring", Fake(), raising=False)
+    assert "sys.monitoring replaced" in foreign_hooks()

@@ -28,7 +28,8 @@ from cudagym.core.audit import (
     Origins, foreign_kernels, foreign_work, forbidden_ops, op_counts, own_time_share, unmeasured_work,
 )
 from cudagym.core.verdict import AuditMode, ErrorKind, TimingStats, VerifyResult
-from cudagym.rewards.compare import compare_outputs, in_comparer, projected_mismatch, projection_seeds, sampled_pairs
+from cudagym.rewards.compare import (calls_shaped, compare_outputs, in_comparer, projected_mismatch, projection_seeds,
+                                     sampled_pairs)
 from cudagym.sandbox.worker.wire import JobOutcome
 from cudagym.sandbox.cpusamples import CPU_KEY, CpuOrigin
 from cudagym.sandbox.feed import CallFeed
@@ -653,6 +654,9 @@ async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
             return ErrorKind.OUTPUT_FORMAT, f"outputs of timed calls could not be read: {e}"
         if isinstance(pairs, str):
             return ErrorKind.OUTPUT_FORMAT, wrong + pairs
+        model = [i for i, c in enumerate(run.feed.calls("candidate")) if not c.probe]
+        if why := await in_comparer(calls_shaped, o.tensors, ref.tensors, model):
+            return ErrorKind.OUTPUT_FORMAT, wrong + why
         cmp = await in_comparer(compare_outputs, pairs, task.effective_tolerance)
         if cmp.kind is None:
             why = await in_comparer(projected_mismatch, o.tensors, ref.tensors, picks, task.effective_tolerance)

@@ -376,6 +376,31 @@ def _raw(t: Any) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+def calls_shaped(candidate: list[tuple[dict[str, Any], Any]], reference: list[tuple[dict[str, Any], Any]],
+                 calls: list[int]) -> str | None:
+    """Why a model call of the timed loop (`calls`: their indices) returned outputs other than the
+    reference's in number, shape or dtype (as the evidence it sent says), or None: every call's,
+    not only the re-checked ones' (red team 22's candidate returned one element from the calls
+    the re-check could not draw)."""
+    want: dict[Any, tuple[list[Any], Any]] = {}
+    for h, _ in reference:
+        if h.get("role") == "reference":
+            want.setdefault(h.get("index"), (list(h.get("shape") or []), h.get("dtype")))
+    got: dict[Any, dict[Any, tuple[list[Any], Any]]] = {}
+    for h, _ in candidate:
+        if h.get("role") == "sample":
+            got.setdefault(h.get("trial"), {})[h.get("index")] = (list(h.get("full_shape") or []), h.get("dtype"))
+    for call in calls:
+        outs = got.get(call, {})
+        if sorted(outs, key=str) != sorted(want, key=str):
+            return f"timed call {call}: ModelNew returned {len(outs)} outputs, the reference {len(want)}"
+        for j, (shape, dtype) in outs.items():
+            if (shape, dtype) != want[j]:
+                return (f"timed call {call}: output {j} is {dtype} {tuple(shape)}, expected {want[j][1]} "
+                        f"{tuple(want[j][0])}")
+    return None
+
+
 def sampled_pairs(candidate: list[tuple[dict[str, Any], Any]], reference: list[tuple[dict[str, Any], Any]],
                   picks: list[tuple[int, int]]) -> list[tuple[dict[str, Any], bytes]] | str:
     """Candidate/reference frames for `compare_outputs` from the samples of the picked timed

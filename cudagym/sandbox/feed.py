@@ -322,18 +322,22 @@ class CallFeed:
     def recheck_sample(self, role: str, k: int) -> list[tuple[int, int]]:
         """`k` of the role's timed calls drawn at random by the parent: (call index, seed).
 
-        Drawn from the calls whose input buffers an earlier call already used (call i uses set
-        i mod the worker's sets, at most `cfg.input_sets`), where there are k of them: a result
-        replayed by buffer can only come back there, and with 16 sets a slow call's loop may
-        have few such calls (the CPU target: a replay keyed on the input pointers escaped 6
-        draws from all the calls)."""
+        Half of them (rounded up) from the calls whose input buffers an earlier call already used
+        (call i uses set i mod the worker's sets, at most `cfg.input_sets`), where there are
+        enough: a result replayed by buffer can only come back there, and with 16 sets a slow
+        call's loop may have few such calls (the CPU target: a replay keyed on the input pointers
+        escaped 6 draws from all the calls). The rest from every timed call: drawn from those
+        alone, the first `input_sets` calls were never re-checked, and red team 22's candidate
+        returned nothing from them (a 25 ms warm-up call moved the timed calls up to them)."""
         r = self._roles.get(role)
         if r is None or r.timed_from is None or not r.stopped:
             return []
         model = [i for i in range(r.timed_from, len(r.calls)) if not r.calls[i].probe]
         reused = [i for i in model if i >= self.cfg.input_sets]
-        model = reused if len(reused) >= k else model
-        picked = secrets.SystemRandom().sample(model, min(k, len(model)))
+        draw = secrets.SystemRandom()
+        picked = draw.sample(reused, (k + 1) // 2) if len(reused) >= (k + 1) // 2 else []
+        rest = [i for i in model if i not in picked]
+        picked += draw.sample(rest, min(k - len(picked), len(rest)))
         return sorted((i, r.calls[i].seed) for i in picked)
 
 

@@ -136,6 +136,9 @@ class TimerTamperedError(Exception):
     """Something the candidate set up would run between a call's close and its evidence's send."""
 
 
+_MONITORING = getattr(sys, "monitoring", None)  # Python 3.12+'s, bound as the harness is imported
+
+
 def foreign_hooks() -> str:
     """The Python hooks that run code of someone else's at the harness's next Python call or
     line, on this thread or (`threading`) on threads started later: profile and trace functions,
@@ -145,8 +148,10 @@ def foreign_hooks() -> str:
                                      ("threading.setprofile", getattr(threading, "_profile_hook", None)),
                                      ("threading.settrace", getattr(threading, "_trace_hook", None)))
              if hook is not None]
-    monitoring = getattr(sys, "monitoring", None)
-    if monitoring is not None:
+    monitoring = _MONITORING
+    if getattr(sys, "monitoring", None) is not monitoring:  # red team 22's rewrote the report from its `get_tool`
+        found.append("sys.monitoring replaced")
+    elif monitoring is not None:
         found += [f"sys.monitoring tool {i} ({monitoring.get_tool(i)})" for i in range(6) if monitoring.get_tool(i)]
     return ", ".join(found)
 
