@@ -453,15 +453,18 @@ def test_reported_intervals_shorter_than_the_evaluators_windows_are_refused() ->
     calls = [(10.0, False)] * 5 + [(10.0, i % 6 == 5) for i in range(36)]
     timed = [False] * 5 + [True] * 36
     # honest: each window holds its 10.2 ms raw interval and the marks' passage (0.3 ms, a few stretched)
-    honest = [[10_500 + (2_500 if i % 4 == 0 else 0), 10, 0] for i in range(41)]
+    honest = [[10_500 + (3_500 if i % 4 == 0 else 0), 10, 0] for i in range(41)]
     assert cpu_windows_tight(honest, calls, [10.2] * 41, timed) is None
     forged = [(6.5, probe) for _, probe in calls]  # raw intervals and times both scaled by 0.65
     why = cpu_windows_tight(honest, forged, [6.63] * 41, timed)
-    assert why and "at least 3.870 ms longer" in why, why
-    # one honest call among forged ones does not hide them: the reward reads the forged
+    assert why and "3.870 ms longer (median)" in why, why
+    # honest calls among forged ones do not hide them: the reward reads the forged (red team 23 cut a
+    # few calls within the allowance, the rest by far more, under a rule that held the closest)
     mixed = [(6.5, probe) if i % 3 else (10.0, probe) for i, (_, probe) in enumerate(calls)]
     spans = [6.63 if i % 3 else 10.2 for i in range(41)]
     assert cpu_windows_tight(honest, mixed, spans, timed)
+    few = [(9.8, probe) if i % 4 == 1 else (6.5, probe) for i, (_, probe) in enumerate(calls)]
+    assert cpu_windows_tight(honest, few, [9.9 if i % 4 == 1 else 6.63 for i in range(41)], timed)
     near = [(9.7, probe) for _, probe in calls]  # within the allowance
     assert cpu_windows_tight(honest, near, [9.9] * 41, timed) is None
     assert cpu_windows_tight(honest, forged, [None] * 41, timed) is None, "no raw intervals: nothing to hold"

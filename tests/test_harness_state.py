@@ -88,10 +88,17 @@ def _watch(op, key):
                                          ("randn", "CPU", "timed")])
 def test_a_kernel_for_an_op_of_the_input_generation_is_tamper(evaluator: Evaluator, build_ws, op: str, key: str,
                                                               when: str) -> None:
+    """Refused as tamper, or (a kernel registered from a timed call, where the table the harness
+    compares does not hold its key) never sees a timed call's inputs made: the inputs maker makes
+    them in its own process (`cudagym.sandbox.worker.maker`); the next call fails if it did."""
     extra = INPUT_KERNEL + (f"\n_watch({op!r}, {key!r})\n" if when == "import" else "")
-    body = (f"if not _len_torch_dispatch_stack():\n    _watch({op!r}, {key!r})\n" if when == "timed" else "") + HONEST
+    body = (f"if not _len_torch_dispatch_stack():\n    _watch({op!r}, {key!r})\n" if when == "timed" else "") + \
+        "if _seen and _libs:\n    raise RuntimeError('the kernel saw the inputs of a timed call made')\n" + HONEST
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=extra), GELU_KERNELS))
-    assert_rejected(v, ErrorKind.TAMPER, f"aten::{op}")
+    if v.error_kind == ErrorKind.TAMPER:
+        assert_rejected(v, ErrorKind.TAMPER, f"aten::{op}")
+    else:
+        assert v.reward >= 1, (v.reasons, (v.error or "")[:1500])
 
 
 # torch's GELU looked up through ctypes, its note then erased where the audit hook keeps it

@@ -103,3 +103,14 @@ def test_a_replaced_sys_monitoring_is_a_foreign_hook(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(sys, "monitoring", Fake(), raising=False)
     assert "sys.monitoring replaced" in foreign_hooks()
+
+
+def test_replaced_hook_readers_are_foreign_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Red team 23 put functions of its own at `sys.getprofile` and `signal.getsignal`, which the
+    harness's per-call checks called and which rewrote the pending report from the stack."""
+    import sys
+
+    from cudagym.sandbox.timing.timer import foreign_hooks
+
+    monkeypatch.setattr(sys, "getprofile", lambda: None)
+    assert "sys.getprofile or sys.gettrace replaced" in foreign_hooks()

@@ -129,10 +129,11 @@ def cpu_windows_cover(windows: list[list[int]], calls: list[tuple[float | None, 
 # a timed call's window (from the worker's "forward" mark to its "returned" mark, on the evaluator's
 # clock) holds the call's raw interval (the close and the evidence are inside it) and around it
 # only the marks' passage (the worker waits for the parent to have each one): of the calls at or
-# below the median time, the closest window may exceed its call's raw interval by this much and
-# this share of the median. Honest, on a 2-core host loaded by a test run: 210-343 µs (the closest
-# of 5), single calls up to 2.8 ms
-CPU_WINDOW_EXCESS_US, CPU_WINDOW_EXCESS_SHARE = 1500.0, 0.05
+# below the median time, the median one may exceed its call's raw interval by this much and this
+# share of the median. Honest, on a 2-core host loaded by a test run: 200-650 µs (the median of 5;
+# once 1.57 ms), single calls up to 3.7 ms. The closest one, the rule until red team 23, let one
+# call cut within it carry every other's forged cut (+3 strict)
+CPU_WINDOW_EXCESS_US, CPU_WINDOW_EXCESS_SHARE = 2500.0, 0.05
 
 
 def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, bool]], spans: list[float | None],
@@ -144,21 +145,21 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     The worker measures and reports each call; a candidate that rewrote the report (red team 20's
     b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound the call
     from outside its process. A forger gains only where the calls the reward reads are forged, so
-    the closest of them is held: the load that stretches one window rarely stretches all."""
+    their median is held: the load that stretches some windows rarely stretches most."""
     if len(spans) != len(calls):
         return None
     picked = [i for i in _fast_indices(calls, timed) if i < len(windows) and spans[i] is not None]
     if len(picked) < 3 or len(windows) != len(calls):
         return None
     made = made if made is not None and len(made) == len(calls) else [0] * len(calls)
-    excess = min(windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked)
+    excess = statistics.median(windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked)
     median = statistics.median(float(calls[i][0] or 0.0) for i in picked) * 1e3
     allowed = CPU_WINDOW_EXCESS_US + CPU_WINDOW_EXCESS_SHARE * median
     if excess <= allowed:
         return None
-    return (f"each of the {len(picked)} timed calls at or below the median time ran at least {excess / 1e3:.3f} ms "
-            f"longer by the evaluator's own clock than its reported interval (allowed {allowed / 1e3:.3f} ms; "
-            f"median reported time {median / 1e3:.3f} ms): the reported times are not the calls'")
+    return (f"the {len(picked)} timed calls at or below the median time ran {excess / 1e3:.3f} ms longer (median) by "
+            f"the evaluator's own clock than their reported intervals (allowed {allowed / 1e3:.3f} ms; median reported "
+            f"time {median / 1e3:.3f} ms): the reported times are not the calls'")
 
 
 def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | None, bool]], timed: list[bool],

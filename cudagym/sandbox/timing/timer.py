@@ -137,6 +137,9 @@ class TimerTamperedError(Exception):
 
 
 _MONITORING = getattr(sys, "monitoring", None)  # Python 3.12+'s, bound as the harness is imported
+# and what reads the hooks, as bound then: red team 23 put functions of its own at `sys.getprofile`,
+# which the check called after the per-call checks and which rewrote the pending report
+_HOOK_READERS = (sys.getprofile, sys.gettrace)
 
 
 def foreign_hooks() -> str:
@@ -144,7 +147,9 @@ def foreign_hooks() -> str:
     line, on this thread or (`threading`) on threads started later: profile and trace functions,
     and (Python 3.12+) `sys.monitoring` callbacks of any tool. The harness sets none, so any is
     the candidate's (names joined; "" for none)."""
-    found = [name for name, hook in (("sys.setprofile", sys.getprofile()), ("sys.settrace", sys.gettrace()),
+    if (sys.getprofile, sys.gettrace) != _HOOK_READERS:
+        return "sys.getprofile or sys.gettrace replaced"
+    found = [name for name, hook in (("sys.setprofile", _HOOK_READERS[0]()), ("sys.settrace", _HOOK_READERS[1]()),
                                      ("threading.setprofile", getattr(threading, "_profile_hook", None)),
                                      ("threading.settrace", getattr(threading, "_trace_hook", None)))
              if hook is not None]

@@ -301,6 +301,9 @@ def signal_handlers() -> dict[int, Any]:
     return {int(s): signal.getsignal(s) for s in signal.valid_signals()}
 
 
+_GETSIGNAL = signal.getsignal  # as bound when the harness is imported
+
+
 def foreign_signal_handlers(state: WorkerState) -> str:
     """The signals whose Python handler is not the one the worker had before candidate code ran
     (names joined; "" for none). A handler runs on the harness's thread between any two of its
@@ -308,7 +311,9 @@ def foreign_signal_handlers(state: WorkerState) -> str:
     inputs and its interval, where it could compute the output untimed, or between a call and
     its report."""
     before = state.signal_handlers
-    if not _any(_map(_is_not, _map(signal.getsignal, before), before.values())):
+    if signal.getsignal is not _GETSIGNAL:  # red team 23's rewrote the pending report when called here
+        return "signal.getsignal replaced"
+    if not _any(_map(_is_not, _map(_GETSIGNAL, before), before.values())):
         return ""  # the common case, in C
     return ", ".join(signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
                      for s, h in signal_handlers().items() if h is not before.get(s))
