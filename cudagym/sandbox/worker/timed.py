@@ -303,6 +303,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         ph.extra["gate_holds_every_sm"] = timer.holds_every_sm
     untouched()
     p.intact()
+    if maker is not None:  # the worker's own input generation (verify's trials ran on it) is as it was
+        p._inputs_untouched(p.input_kernels)  # noqa: SLF001 - the problem's own check, once the loop is over
     ph.mark(f"{role}_loop_checks")
     return n
 
