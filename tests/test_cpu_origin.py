@@ -470,6 +470,75 @@ def test_reported_intervals_shorter_than_the_evaluators_windows_are_refused() ->
     assert cpu_windows_tight(honest, forged, [None] * 41, timed) is None, "no raw intervals: nothing to hold"
 
 
+def test_windows_stretched_by_waits_for_a_cpu_are_a_busy_host_never_a_pass() -> None:
+    """On a host with more runnable threads than CPUs, the worker, the maker and the evaluator's
+    frames thread each wait for a CPU at every hand-over of a call: the windows outgrow the calls
+    by tens of ms (CI, sixteen episodes on two cores). The kernel's run-queue delays of those
+    threads tell that load from a forged report: the excess they explain is a busy host (no speed
+    milestone), what they leave beyond the allowance is still forged, and a call within the
+    allowance passes with or without them."""
+    from cudagym.rewards.checks import CPU_HOST_BUSY, cpu_windows_tight
+
+    calls = [(40.0, False)] * 5 + [(40.0, i % 6 == 5) for i in range(36)]
+    timed = [False] * 5 + [True] * 36
+    loaded = [[40_200 + 15_000, 10, 0] for _ in range(41)]  # 15 ms of hand-overs a call
+    why = cpu_windows_tight(loaded, calls, [40.0] * 41, timed, waited=[14_000] * 41)
+    assert why and why.startswith(CPU_HOST_BUSY) and "waited for a CPU 14.000 ms" in why, why
+    # the same windows with waits that explain too little: refused as forged
+    why = cpu_windows_tight(loaded, calls, [40.0] * 41, timed, waited=[5_000] * 41)
+    assert why and not why.startswith(CPU_HOST_BUSY) and "not the calls'" in why, why
+    # a report scaled by 0.65 on a busy host: the waits explain the load, not the cut
+    forged = [(26.0, probe) for _, probe in calls]
+    why = cpu_windows_tight(loaded, forged, [26.0] * 41, timed, waited=[14_000] * 41)
+    assert why and not why.startswith(CPU_HOST_BUSY), why
+    # waits never make a pass of what was within the allowance anyway, nor a refusal of it
+    quiet = [[40_500, 10, 0] for _ in range(41)]
+    assert cpu_windows_tight(quiet, calls, [40.0] * 41, timed, waited=[0] * 41) is None
+    assert cpu_windows_tight(loaded, calls, [40.0] * 41, timed, waited=[14_000] * 3) and \
+        not cpu_windows_tight(loaded, calls, [40.0] * 41, timed, waited=[14_000] * 3).startswith(CPU_HOST_BUSY), \
+        "waits not of every call: not read"
+
+
+def test_the_run_queue_delay_of_a_thread_kept_from_its_cpu_is_read() -> None:
+    """`run_queue_ns` reads what the kernel counts for a thread that was runnable but not running:
+    a thread pinned to one CPU beside two spinning processes pinned there waits for most of its
+    time; one alone on it waits for almost none."""
+    import multiprocessing
+    import threading
+
+    from cudagym.sandbox.makerlink import run_queue_ns
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    got: dict[str, int] = {}
+
+    def spin_for(s: float, name: str) -> None:
+        os.sched_setaffinity(0, {cpu})
+        path = ["/proc/thread-self/schedstat"]
+        before, end = run_queue_ns(path), time.perf_counter() + s
+        while time.perf_counter() < end:
+            pass
+        got[name] = run_queue_ns(path) - before
+
+    t = threading.Thread(target=spin_for, args=(0.3, "alone"))
+    t.start()
+    t.join()
+    ctx = multiprocessing.get_context("fork")
+    hogs = [ctx.Process(target=spin_for, args=(3.0, "hog"), daemon=True) for _ in range(2)]
+    for h in hogs:
+        h.start()
+    try:
+        time.sleep(0.2)
+        t = threading.Thread(target=spin_for, args=(1.0, "beside"))
+        t.start()
+        t.join()
+    finally:
+        for h in hogs:
+            h.kill()
+    assert got["beside"] > 0.5e9, got  # two others on its CPU: it waited about 2 of each 3 ms
+    assert got["alone"] < 0.1e9 + got["beside"] / 10, got
+    assert run_queue_ns(["/proc/0/schedstat"]) == 0, "a thread that is gone counts nothing"
+
+
 def test_reported_times_below_the_spread_of_the_work_samples_are_refused_on_a_loaded_host() -> None:
     """On a host loaded threefold a call's threads run a third of its wall time: its CPU time
     leaves a forger room to report a third. The kernel's stamps of the first and the last sample

@@ -84,7 +84,8 @@ async def test_sixteen_concurrent_episodes_through_two_device_actors(pool, tmp_p
     eps = TrajectoryStore(tmp_path / "run").summaries()
     assert len({e["episode_id"] for e in eps}) == 16
     assert all(e["status"] == "done" for e in eps), [e.get("error") for e in eps]
-    assert all(e["verdict"]["correct"] for e in eps), [e["verdict"]["reasons"] for e in eps]
+    assert all(e["verdict"]["correct"] for e in eps), [e["verdict"]["reasons"] for e in eps
+                                                       if not e["verdict"]["correct"]]
     done = {a["name"]: a["done"] - before[a["name"]] for a in pool.actors()}
     # both device actors judged episodes; every compile went to the compile actor
     assert done["device-0"] >= 1 and done["device-1"] >= 1 and done["device-0"] + done["device-1"] == 16, done

@@ -134,10 +134,11 @@ def cpu_windows_cover(windows: list[list[int]], calls: list[tuple[float | None, 
 # once 1.57 ms), single calls up to 3.7 ms. The closest one, the rule until red team 23, let one
 # call cut within it carry every other's forged cut (+3 strict)
 CPU_WINDOW_EXCESS_US, CPU_WINDOW_EXCESS_SHARE = 2500.0, 0.05
+CPU_HOST_BUSY = "the host's CPUs were busy"  # how `cpu_windows_tight`'s reason starts when the waits explain it
 
 
 def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, bool]], spans: list[float | None],
-                      timed: list[bool], made: list[int] | None = None) -> str | None:
+                      timed: list[bool], made: list[int] | None = None, waited: list[int] | None = None) -> str | None:
     """CPU target: why the timed calls at or below the median time (what the reward reads) were
     reported shorter than the evaluator's own clock saw them run (`windows` as
     `cpu_windows_cover`'s; `spans`: each call's raw interval, ms, whose time is computed from it;
@@ -145,21 +146,34 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     The worker measures and reports each call; a candidate that rewrote the report (red team 20's
     b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound the call
     from outside its process. A forger gains only where the calls the reward reads are forged, so
-    their median is held: the load that stretches some windows rarely stretches most."""
+    their median is held.
+    `waited`, each window's time (µs) the harness's processes waited for a CPU (the kernel's
+    run-queue delay: `MakerLink.waited_s`), only tells why: when the excess less that time is
+    within the allowance, the host was too busy to time on (`CPU_HOST_BUSY`, the reason's start),
+    which costs the speed milestones and never passes a call (session 27: in CI, sixteen episodes
+    through two device actors on two cores stretched honest windows by 5-150 ms, all of it waiting
+    for a CPU)."""
     if len(spans) != len(calls):
         return None
     picked = [i for i in _fast_indices(calls, timed) if i < len(windows) and spans[i] is not None]
     if len(picked) < 3 or len(windows) != len(calls):
         return None
     made = made if made is not None and len(made) == len(calls) else [0] * len(calls)
-    excess = statistics.median(windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked)
+    excess = [windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked]
     median = statistics.median(float(calls[i][0] or 0.0) for i in picked) * 1e3
     allowed = CPU_WINDOW_EXCESS_US + CPU_WINDOW_EXCESS_SHARE * median
-    if excess <= allowed:
+    if statistics.median(excess) <= allowed:
         return None
-    return (f"the {len(picked)} timed calls at or below the median time ran {excess / 1e3:.3f} ms longer (median) by "
-            f"the evaluator's own clock than their reported intervals (allowed {allowed / 1e3:.3f} ms; median reported "
-            f"time {median / 1e3:.3f} ms): the reported times are not the calls'")
+    why = (f"the {len(picked)} timed calls at or below the median time ran {statistics.median(excess) / 1e3:.3f} ms "
+           f"longer (median) by the evaluator's own clock than their reported intervals (allowed {allowed / 1e3:.3f} "
+           f"ms; median reported time {median / 1e3:.3f} ms)")
+    if waited is not None and len(waited) == len(calls):
+        left = statistics.median(e - waited[i] for e, i in zip(excess, picked, strict=True))
+        if left <= allowed:
+            return (f"{CPU_HOST_BUSY}: {why}, and the worker and the evaluator waited for a CPU "
+                    f"{statistics.median(waited[i] for i in picked) / 1e3:.3f} ms (median) of each: the host was too "
+                    "busy to time on (fewer concurrent jobs, or a quieter host)")
+    return f"{why}: the reported times are not the calls'"
 
 
 def cpu_fast_calls_foreign(windows: list[list[int]], calls: list[tuple[float | None, bool]], timed: list[bool],
@@ -706,10 +720,13 @@ async def cpu_times_agree(run: TimedRun) -> Finding | None:
     timed = {id(c) for c in run.feed.timed("candidate")}
     origin = CpuOrigin.from_counts(run.timed_ops)
     why = cpu_windows_tight(windows, [(c.ms, c.probe) for c in calls], [c.span_ms for c in calls],
-                            [id(c) in timed for c in calls], run.final.get("cpu_made_us")) or \
-        cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
-                          origin.period_ns if origin is not None else 0, origin.lost if origin is not None else 0,
-                          [c.span_ms for c in calls])
+                            [id(c) in timed for c in calls], run.final.get("cpu_made_us"),
+                            run.final.get("cpu_waited_us"))
+    if why is not None and why.startswith(CPU_HOST_BUSY):  # no speed milestone, never a pass
+        return Refusal(ErrorKind.DEVICE_BUSY, why, why)
+    why = why or cpu_times_sampled(windows, [(c.ms, c.probe) for c in calls], [id(c) in timed for c in calls],
+                                   origin.period_ns if origin is not None else 0,
+                                   origin.lost if origin is not None else 0, [c.span_ms for c in calls])
     return Refusal(ErrorKind.TAMPER, why, why) if why else None
 
 

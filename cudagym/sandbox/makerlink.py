@@ -29,8 +29,14 @@ class MakerLink:
     the parent's ends of the maker's pipes (the caller keeps and closes them; `made` is a Unix
     socket that passes credentials: `answering_socket`)."""
 
-    def __init__(self, inner: Responder, seeds: int, made: int, timeout_s: float) -> None:
+    def __init__(self, inner: Responder, seeds: int, made: int, timeout_s: float,
+                 pids: list[int] | None = None) -> None:
         self.inner, self.seeds, self.made, self.timeout_s = inner, seeds, made, timeout_s
+        # whose waits for a CPU each call's `waited_s` sums: this thread (the frames reader, which
+        # runs the responder and `opened`) and the main thread of each of the worker's processes
+        self._waits = ["/proc/thread-self/schedstat", *(f"/proc/{pid}/schedstat" for pid in pids or [])]
+        self._waits_from: int | None = None
+        self.waited_s: list[float] = []  # of each timed call, from its request to its "returned" mark
         self.sets = 0  # the input sets the maker writes, once it said it is ready
         self.pid: int | None = None  # the maker's, as this process sees it, once it said it is ready
         self.pending: tuple[int, int] | None = None  # the next call's seed and input set
@@ -51,11 +57,15 @@ class MakerLink:
         index = request.get("index")
         slot = index % self.sets if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else 0
         self.pending = (int(answer.pop("seed")), slot)
+        self._waits_from = run_queue_ns(self._waits)
         return {**answer, "made": False}
 
     def opened(self, what: str) -> dict[str, Any] | None:
         """Before the worker's mark `what` is acknowledged: for the call's "forward" mark, the
         maker makes the call's inputs; a refusal to acknowledge with if it fails."""
+        if what == "returned" and self._waits_from is not None:
+            self.waited_s.append((run_queue_ns(self._waits) - self._waits_from) / 1e9)
+            self._waits_from = None
         if what != "forward" or self.pending is None:
             return None
         (seed, slot), self.pending = self.pending, None
@@ -100,6 +110,19 @@ class MakerLink:
                 raise ValueError(f"it exited before it could {what}")
             got += chunk
         return got
+
+
+def run_queue_ns(paths: list[str]) -> int:
+    """The time (ns) the threads whose `/proc/.../schedstat` files are `paths` have waited, runnable,
+    for a CPU (the kernel's run-queue delay); a thread that is gone counts nothing."""
+    total = 0
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def answering_socket() -> tuple[int, int]:
