@@ -160,6 +160,14 @@ class CpuSampler:
                     self.close()
                     return
 
+    def fill(self) -> float:
+        """The share of the fullest ring buffer that holds samples not drained yet."""
+        fullest = 0
+        for ev in self._events:
+            head, tail = struct.unpack_from("QQ", ev.buf, 1024)
+            fullest = max(fullest, head - tail)
+        return fullest / (_DATA_PAGES * _PAGE)
+
     def drain(self) -> None:
         """Move the samples written so far out of the ring buffers."""
         with self._lock:

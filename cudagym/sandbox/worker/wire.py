@@ -417,6 +417,7 @@ class FrameReader:
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
         # and request (`Channel.mark`): where the job's forward calls began and ended
         self.marks: list[tuple[str, Any, float]] = []
+        self.in_call = False  # between a "forward" mark and its "returned" one (the parent's other work waits)
         self.startup_s: dict[str, float] = {}
         self._started = time.perf_counter() if started is None else started
         self._stop = threading.Event()
@@ -484,6 +485,7 @@ class FrameReader:
                 if kind == "mark":  # answered here: no responder sees it
                     what = str(frame[0].get("what"))
                     self.marks.append((what, frame[0].get("at"), arrived))
+                    self.in_call = what == "forward" or (self.in_call and what != "returned")
                     if frame[0].get("wait") and self.answer_fd is not None:
                         ack = self.on_mark(what) if self.on_mark is not None else None
                         try:
