@@ -707,6 +707,27 @@ def test_a_call_time_rewritten_in_memory_is_refused_by_the_kernels_samples(evalu
         assert v.reward >= 1, v.reasons
 
 
+
+# three processes of the candidate's own spinning beside every call: its worker's threads wait for a
+# CPU, so the run-queue delays the parent reads (`checks.cpu_windows_tight`'s `waited`) grow
+CROWD = """
+if os.fork() == 0 or os.fork() == 0 or os.fork() == 0:
+    while True:
+        pass
+"""
+
+
+def test_a_forged_report_beside_its_own_crowd_of_spinning_processes_is_never_paid(evaluator: Evaluator,
+                                                                                   build_ws) -> None:
+    """The waits for a CPU only ever make a busy host of a refusal. A forger that crowds the CPUs
+    itself to have its cut explained by them gets at most the +1 of a correct candidate whose
+    profile was unavailable, never a speed milestone: its crowd is its own work, sampled in its
+    windows or between its calls (here: -1, "the candidate's code ran between the timed calls")."""
+    model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None" + SHRINK + CROWD)
+    model = model.replace("        return out\n", "        _shrink(0.6)\n        return out\n", 1)
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
+    assert v.reward <= 1 and v.milestone in ("failed", "correct"), v.reasons
+
 # An op name is the candidate's to choose (RECORD_FUNCTION): one with tabs and a newline once broke
 # the worker's parse of the op counts, the profile failed as the harness's fault, and the +1 of an
 # unavailable profile stood without the timed calls' audits (red team 14's d), while torch's own
