@@ -506,7 +506,7 @@ def test_the_run_queue_delay_of_a_thread_kept_from_its_cpu_is_read() -> None:
     import multiprocessing
     import threading
 
-    from cudagym.sandbox.makerlink import run_queue_ns
+    from cudagym.sandbox.cpusamples import run_queue_ns
 
     cpu = sorted(os.sched_getaffinity(0))[0]
     got: dict[str, int] = {}

@@ -254,11 +254,25 @@ def thread_cpu_ns(pids: list[int]) -> dict[int, int]:
         except OSError:
             continue
         for tid in tids:
-            try:
-                out[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
+            if (stat := _schedstat(f"/proc/{pid}/task/{tid}/schedstat")) is not None:
+                out[int(tid)] = stat[0]
     return out
+
+
+def run_queue_ns(paths: list[str]) -> int:
+    """The time (ns) the threads whose `/proc/.../schedstat` files are `paths` have waited, runnable,
+    for a CPU (the kernel's run-queue delay); a thread that is gone counts nothing."""
+    return sum(stat[1] for path in paths if (stat := _schedstat(path)) is not None)
+
+
+def _schedstat(path: str) -> tuple[int, int] | None:
+    """A thread's `schedstat`: the CPU time it ran and the time it waited for a CPU (ns), or None
+    if it cannot be read (gone)."""
+    try:
+        ran, waited = Path(path).read_text().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
 
 
 def _paranoid() -> str:

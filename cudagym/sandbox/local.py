@@ -480,20 +480,20 @@ class LocalSandbox(SpareWorkerSandbox):
         refused, foreign_since, foreign = w.device_check if w.device_check is not None else (None, 0, None)
         w.device_check = None
         outcome.device_busy = refused
+        pids = [p.pid for p in self._tree(w.proc.pid)]  # the worker's processes (no job sent yet: no more)
         # what the worker maps executable, read from outside it, before any candidate code runs
-        code_before = exec_mappings(p.pid for p in self._tree(w.proc.pid)) if job.kind in _CODE_READ_KINDS else None
+        code_before = exec_mappings(pids) if job.kind in _CODE_READ_KINDS else None
         # where a CPU worker's time goes, sampled by the kernel out of its reach (`cudagym.sandbox.cpusamples`)
-        sampler = (CpuSampler([p.pid for p in self._tree(w.proc.pid)],
+        sampler = (CpuSampler(pids,
                               self.config.cpu_sample_timed_us if job.kind == "profile" else self.config.cpu_sample_us)
                    if job.device == "cpu" and job.kind in _CODE_READ_KINDS and self.config.cpu_sample_us > 0 else None)
-        cpu_before = read_maps([p.pid for p in self._tree(w.proc.pid)]) if sampler is not None else {}
+        cpu_before = read_maps(pids) if sampler is not None else {}
         lease = responder if isinstance(responder, JobLease) else None  # a GPU timing job's
         link = None
         if job.kind == "profile" and job.device == "cpu" and w.maker is not None and responder is not None:
             # its calls' inputs made outside the candidate's process (`cudagym.sandbox.worker.maker`)
             job = job.model_copy(update={"inputs_maker": True})
-            responder = link = MakerLink(responder, *w.maker, timeout_s=limits.timeout_s,
-                                         pids=[p.pid for p in self._tree(w.proc.pid)])
+            responder = link = MakerLink(responder, *w.maker, timeout_s=limits.timeout_s, pids=pids)
             frames.on_mark = link.opened
         quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
                                      shares=lease is not None and lease.shares) if timing and not refused else None)
@@ -549,8 +549,10 @@ class LocalSandbox(SpareWorkerSandbox):
                 if not frames.in_call or sampler.fill() >= 0.5:
                     sampler.drain()
 
-        drainer = threading.Thread(target=drain_samples, name="cudagym-samples", daemon=True)
-        drainer.start()
+        drainer = None if sampler is None else threading.Thread(target=drain_samples, name="cudagym-samples",
+                                                                daemon=True)
+        if drainer is not None:
+            drainer.start()
         dog = asyncio.ensure_future(watchdog())
         out_task = asyncio.ensure_future(collect_output())
         result_in = False
@@ -584,7 +586,8 @@ class LocalSandbox(SpareWorkerSandbox):
                 self._pause_running([running], False)
             dog.cancel()
             drained.set()
-            await asyncio.to_thread(drainer.join)
+            if drainer is not None:
+                await asyncio.to_thread(drainer.join)
             steps.mark("worker")  # (the worker's own phases are in it)
             after_check = bool(foreign_since and not refused)  # did another process use the GPU meanwhile?
             tree = self._tree(w.proc.pid)

@@ -17,6 +17,7 @@ import struct
 import time
 from typing import Any
 
+from cudagym.sandbox.cpusamples import run_queue_ns
 from cudagym.sandbox.worker.wire import Responder
 
 MADE = b"made\n"
@@ -110,19 +111,6 @@ class MakerLink:
                 raise ValueError(f"it exited before it could {what}")
             got += chunk
         return got
-
-
-def run_queue_ns(paths: list[str]) -> int:
-    """The time (ns) the threads whose `/proc/.../schedstat` files are `paths` have waited, runnable,
-    for a CPU (the kernel's run-queue delay); a thread that is gone counts nothing."""
-    total = 0
-    for path in paths:
-        try:
-            with open(path, "rb") as f:
-                total += int(f.read().split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
 
 
 def answering_socket() -> tuple[int, int]:
