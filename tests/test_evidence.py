@@ -16,7 +16,8 @@ import torch
 from cudagym.rewards.compare import projection_mismatch
 from cudagym.rewards.evaluator import Evaluator
 from cudagym.core.verdict import ErrorKind
-from cudagym.sandbox.timing import PROJECTIONS, DeviceTimer, projection, touch_pages
+from cudagym.sandbox.protocol import TimingConfig
+from cudagym.sandbox.timing import PROJECTIONS, DeviceTimer, projection, reference_projection, touch_pages
 from cudagym.tasks.model import Tolerance
 
 from conftest import task_of
@@ -58,6 +59,32 @@ def test_an_honest_output_passes_its_projections_and_an_uncomputed_one_fails() -
     off[17] += 1
     assert projection_mismatch(projection(ints, 5, 1)[:PROJECTIONS], projection(ints, 5, 1), 5000, TOL, True) is None
     assert projection_mismatch(projection(off, 5, 1)[:PROJECTIONS], projection(ints, 5, 1), 5000, TOL, True)
+
+
+@pytest.fixture(scope="module")
+def native_project(tmp_path_factory: pytest.TempPathFactory):
+    from cudagym.sandbox.opwatch import OpWatch
+
+    return OpWatch.load(tmp_path_factory.mktemp("opwatch")).cpu_project
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                                   torch.bool, torch.complex64])
+def test_the_reference_workers_native_projection_is_the_close_s(dtype: torch.dtype, native_project) -> None:
+    """The reference-only worker projects each re-checked call's output in the harness's C
+    (`OpWatch.cpu_project`, threads over parts of it): the same 7 sums as `projection`, NaN and
+    infinities counted apart, for every kind the close projects; other weights, other sums."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3001, 1777, generator=g) * 4
+    x = torch.complex(x, -2 * x) if dtype.is_complex else x.to(dtype)
+    seed = 0x0123456789ABCDEF
+    want = projection(x, seed, 2)
+    assert torch.allclose(reference_projection(x, seed, 2, native_project), want, rtol=1e-9, atol=1e-4)
+    assert not torch.allclose(reference_projection(x, seed + 1, 2, native_project)[:PROJECTIONS], want[:PROJECTIONS])
+    if dtype.is_floating_point:
+        x.view(-1)[[7, 100_000]] = torch.tensor([float("nan"), float("inf")]).to(dtype)
+        got, want = reference_projection(x, seed, 2, native_project), projection(x, seed, 2)
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-4, equal_nan=True) and got[-1] == 2, (got, want)
 
 
 def test_the_weights_depend_on_the_seed_and_the_output_and_complex_parts_count_twice() -> None:
@@ -433,6 +460,34 @@ def test_samples_forged_as_they_are_sent_are_caught_by_the_projections(tmp_path,
     task, ws = gpu_workspace(tmp_path, gpu_ev, FORGE_FORWARD, FORGE_SAMPLES)
     v = gpu_ev.evaluate(task, ws)
     assert_rejected(v, ErrorKind.MISMATCH, "projections")
+
+
+# Every call is computed but one timed call of the profile's loop (its forward call `skip`), which
+# returns a buffer of the right shape that nothing wrote: a replay of whatever it held.
+SKIP_ONE_FORWARD = """\
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+if _len_torch_dispatch_stack() != 0:
+    return run_kernel(x, self.bias, self.scale)  # verify: honest
+n = self.__dict__["_calls"] = self.__dict__.get("_calls", 0) + 1
+if n == 12:
+    return torch.empty_like(x)  # never computed
+return run_kernel(x, self.bias, self.scale)
+"""
+
+
+def test_one_uncomputed_timed_call_is_caught_wherever_it_falls(eval_cache, build_ws) -> None:
+    """A loop of 20 timed calls after 2 warm-up calls: the projections of all of them are
+    re-checked, so the one call left uncomputed is a mismatch, not only when it is among the six
+    whose samples are compared (red team 23's escaped those in 4 runs of 6)."""
+    from conftest import cpu_config
+
+    timing = TimingConfig(warmup_calls=2, warmup_ms=0.0, min_calls=20, max_calls=20, target_ms=1e6, stop="fixed")
+    ev = Evaluator(cpu_config(eval_cache).model_copy(update={"timing": timing}))
+    try:
+        v = ev.evaluate(GELU, build_ws(GELU, gelu_model(SKIP_ONE_FORWARD), GELU_KERNELS))
+    finally:
+        ev.close()
+    assert_rejected(v, ErrorKind.MISMATCH, "timed calls")
 
 
 @pytest.fixture(scope="module")

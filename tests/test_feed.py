@@ -194,6 +194,27 @@ def test_rechecks_are_drawn_where_an_input_buffer_comes_back_and_from_every_time
     assert len(feed.recheck_sample("candidate", 1000)) == len(feed.timed("candidate"))  # too few: from all
 
 
+def test_the_projections_of_every_timed_call_of_a_short_loop_are_rechecked() -> None:
+    """Beside the sampled picks, the projections of more timed calls, drawn by the parent: all of
+    them where the loop has no more than `recheck_projected`, none twice, no probe."""
+    cfg = TimingConfig(warmup_calls=2, warmup_ms=0.0, min_calls=20, max_calls=20, target_ms=1e6, input_sets=8)
+    feed = CallFeed(cfg, ("candidate",))
+    drive(feed, "candidate", ms=1.0, wall_ms=1.0)
+    model = {i for i, c in enumerate(feed.calls("candidate")) if c in feed.timed("candidate") and not c.probe}
+    picks = feed.recheck_sample("candidate", 6)
+    rest = feed.projection_sample("candidate", picks, 32)
+    assert not {i for i, _ in picks} & {i for i, _ in rest}
+    assert {i for i, _ in picks} | {i for i, _ in rest} == model
+    seeds = {i: c.seed for i, c in enumerate(feed.calls("candidate"))}
+    assert all(seeds[i] == s for i, s in rest)
+    drawn: set[int] = set()
+    for _ in range(100):
+        few = feed.projection_sample("candidate", picks, 10)
+        assert len(few) == 4 and not {i for i, _ in picks} & {i for i, _ in few}
+        drawn |= {i for i, _ in few}
+    assert drawn == model - {i for i, _ in picks}
+
+
 # -- how long a timed loop runs (`TimingConfig.stop`) -------------------------------------------
 PRECISION = TimingConfig(warmup_calls=3, warmup_ms=0.0, min_calls=20, max_calls=400, target_ms=300.0,
                          min_timed_ms=50.0, precision_rel=0.005)

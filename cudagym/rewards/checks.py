@@ -640,8 +640,9 @@ async def timed_outputs_match(run: TimedRun) -> Finding | None:
     """Refuses timed calls whose outputs were wrong: samples of calls drawn by the parent
     (`CallFeed.recheck_sample`) are compared with a reference-only worker's outputs for the same
     seeds and parameters, and the close's projections of each whole output (the close kernel's
-    on a GPU, the native close's on the CPU target) with the reference's. A candidate correct in
-    verify may compute less once timed."""
+    on a GPU, the native close's on the CPU target) with the reference's, for those calls and up
+    to `TimingConfig.recheck_projected` in all (`CallFeed.projection_sample`). A candidate
+    correct in verify may compute less once timed."""
     why = await _recheck(run)
     return Refusal(why[0], why[1], why[1]) if why else None
 
@@ -652,13 +653,15 @@ async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
     picks = run.feed.recheck_sample("candidate", run.timing.recheck_calls)
     if not picks:
         return ErrorKind.TAMPER, "no timed call could be re-checked"
-    k = len(picks)
-    seeds = projection_seeds(o.tensors, picks)  # the weights the close used in each picked call
+    # the calls whose projections alone are compared follow the sampled ones in the reference's plan
+    checked = picks + run.feed.projection_sample("candidate", picks, run.timing.recheck_projected)
+    n = len(checked)
+    seeds = projection_seeds(o.tensors, checked)  # the weights the close used in each checked call
     if None in seeds:
-        return ErrorKind.TAMPER, f"timed call {picks[seeds.index(None)][0]} came without its projections"
-    ref = await run.reference(trial_seeds=[s for _, s in picks], trial_scales=[1.0] * k,
-                              trial_orders=["reference_first"] * k,
-                              projection_seeds=[s or 0 for s in seeds])
+        return ErrorKind.TAMPER, f"timed call {checked[seeds.index(None)][0]} came without its projections"
+    ref = await run.reference(trial_seeds=[s for _, s in checked], trial_scales=[1.0] * n,
+                              trial_orders=["reference_first"] * n,
+                              projection_seeds=[s or 0 for s in seeds], projected_only_from=len(picks))
     try:
         failure = outcome_failure(ref, "reference")
         if failure:
@@ -674,7 +677,7 @@ async def _recheck(run: TimedRun) -> tuple[ErrorKind, str] | None:
             return ErrorKind.OUTPUT_FORMAT, wrong + why
         cmp = await in_comparer(compare_outputs, pairs, task.effective_tolerance)
         if cmp.kind is None:
-            why = await in_comparer(projected_mismatch, o.tensors, ref.tensors, picks, task.effective_tolerance)
+            why = await in_comparer(projected_mismatch, o.tensors, ref.tensors, checked, task.effective_tolerance)
             if why:
                 return ErrorKind.MISMATCH, wrong + why
     finally:

@@ -347,16 +347,18 @@ def projection_seeds(candidate: list[tuple[dict[str, Any], Any]], picks: list[tu
 def projected_mismatch(candidate: list[tuple[dict[str, Any], Any]], reference: list[tuple[dict[str, Any], Any]],
                        picks: list[tuple[int, int]], tol: Tolerance) -> str | None:
     """Why the projections of the picked timed calls (the close kernel's, on the GPU) cannot
-    come from outputs within `tol` of the reference's (`projection_mismatch`); None if they can."""
+    come from outputs within `tol` of the reference's (`projection_mismatch`); None if they can.
+    `picks[t]` is the reference's trial t; those past the ones whose outputs the reference sent
+    (`Job.projected_only_from`) are checked by their projections alone, with the outputs'
+    shapes and dtypes of its first trial (every call's are the same: `calls_shaped`)."""
     def frames(which: list[tuple[dict[str, Any], Any]], role: str) -> dict[tuple[Any, Any], tuple[dict[str, Any], Any]]:
         return {(h.get("trial"), h.get("index")): (h, p) for h, p in which if h.get("role") == role}
 
     cand, ref_proj = frames(candidate, "projection"), frames(reference, "projection")
     ref_out = frames(reference, "reference")
+    first = sorted(((j, rh) for (tt, j), (rh, _) in ref_out.items() if tt == 0), key=lambda kv: kv[0])
     for t, (call, _seed) in enumerate(picks):
-        for (tt, j), (rh, rp) in sorted(ref_out.items(), key=lambda kv: kv[0][1]):
-            if tt != t:
-                continue
+        for j, rh in first:
             if (call, j) not in cand or (t, j) not in ref_proj:
                 return f"timed call {call}: output {j} has no projections"
             c, r = decode_tensor(*cand[(call, j)]), decode_tensor(*ref_proj[(t, j)])

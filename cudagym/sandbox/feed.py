@@ -340,6 +340,18 @@ class CallFeed:
         picked += draw.sample(rest, min(k - len(picked), len(rest)))
         return sorted((i, r.calls[i].seed) for i in picked)
 
+    def projection_sample(self, role: str, picks: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+        """Up to `n` of the role's timed model calls beside `picks` (`recheck_sample`'s), drawn at
+        random by the parent, whose projections alone are re-checked: every one of them where
+        the loop has no more, so that no call of a short loop (the CPU target's) goes unchecked."""
+        r = self._roles.get(role)
+        if r is None or r.timed_from is None or not r.stopped:
+            return []
+        taken = {i for i, _ in picks}
+        rest = [i for i in range(r.timed_from, len(r.calls)) if not r.calls[i].probe and i not in taken]
+        drawn = secrets.SystemRandom().sample(rest, min(max(n - len(picks), 0), len(rest)))
+        return sorted((i, r.calls[i].seed) for i in drawn)
+
 
 def _finite(v: Any) -> bool:
     """Whether `v` is a finite int or float (not a bool)."""

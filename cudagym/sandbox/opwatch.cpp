@@ -10,6 +10,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -354,7 +355,6 @@ static inline double component(const unsigned char* p) {
 
 struct Sums { double a[4] = {0, 0, 0, 0}; };
 
-// components [first, first + m) of an output, read into `buf`, added to `acc`
 static inline double flipped(double x, uint32_t bit) {  // x, or -x if bit is 1 (no branch: the bits are random)
   uint64_t u;
   std::memcpy(&u, &x, 8);
@@ -394,6 +394,47 @@ static void project(int64_t kind, const unsigned char* buf, uint64_t first, uint
   case 8: project_chunk<8, 4>(buf, first, m, s0, s1, acc); break;
   case 9: project_chunk<9, 8>(buf, first, m, s0, s1, acc); break;
   default: break;
+  }
+}
+
+constexpr uint64_t kProjectStep = 1 << 14;  // components per partial sum of `project_measured`
+
+// A reference output's projections, as the close makes a call's (`cudagym_cpu_project` below),
+// and its three measures the parent's bound on honest differences uses: the sum of |x| and of x^2
+// over the finite components and the number of components that are not finite. Components
+// [lo, hi) of `src` into `out` (7 doubles).
+template <int KIND, int SIZE>
+static void project_measured(const unsigned char* src, uint64_t lo, uint64_t hi, uint32_t s0, uint32_t s1,
+                             double* out) {
+  Sums acc;
+  double a = 0, q = 0, bad = 0;
+  for (uint64_t at = lo; at < hi; at += kProjectStep) {
+    const uint64_t k = std::min<uint64_t>(kProjectStep, hi - at);
+    project_chunk<KIND, SIZE>(src + at * SIZE, at, k, s0, s1, acc);
+    for (uint64_t i = at; i < at + k; ++i) {
+      const double x = component<KIND>(src + i * SIZE);
+      if (std::isfinite(x)) { a += std::fabs(x); q += x * x; } else { bad += 1; }
+    }
+  }
+  for (int k = 0; k < 4; ++k) out[k] = acc.a[k];
+  out[4] = a; out[5] = q; out[6] = bad;
+}
+
+template <int KIND, int SIZE>
+static void project_measured_on(const unsigned char* src, uint64_t m, uint32_t s0, uint32_t s1, double* out) {
+  const uint64_t hw = std::max(1u, std::thread::hardware_concurrency());
+  const uint64_t threads = std::max<uint64_t>(1, std::min<uint64_t>({hw, 8, m / (16 * kProjectStep)}));
+  std::vector<std::array<double, 7>> parts(threads);
+  auto part = [&](uint64_t t) {
+    project_measured<KIND, SIZE>(src, m * t / threads, m * (t + 1) / threads, s0, s1, parts[t].data());
+  };
+  std::vector<std::thread> pool;
+  for (uint64_t t = 1; t < threads; ++t) pool.emplace_back(part, t);
+  part(0);
+  for (auto& th : pool) th.join();
+  for (int k = 0; k < 7; ++k) {
+    out[k] = 0;
+    for (const auto& p : parts) out[k] += p[k];
   }
 }
 
@@ -515,4 +556,31 @@ extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* phase_ns) {
     for (int64_t k = 0; k < n; ++k) outs[k].seed = seed;
   seed = 0;
   return code;
+}
+
+// `cudagym.sandbox.timing.projection` of a contiguous output in this process's memory (`src`,
+// `components` real components of `kind`, `PROJECTED_KINDS`) with a seed the caller gives: the
+// reference-only worker's side of the parent's re-check of timed calls, which projects each
+// call's reference output with the weights the close drew for that call. `out`: 7 doubles.
+// Returns 0; -1 for a kind it does not project.
+extern "C" int cudagym_cpu_project(const void* src, int64_t components, int64_t kind, int64_t index,
+                                   uint64_t seed, double* out) {
+  const uint32_t idx = static_cast<uint32_t>(index);
+  const uint32_t s0 = static_cast<uint32_t>(seed) ^ mix32(2 * idx + 1);
+  const uint32_t s1 = static_cast<uint32_t>(seed >> 32) ^ mix32(2 * idx + 2);
+  const auto* p = static_cast<const unsigned char*>(src);
+  const uint64_t m = components > 0 ? static_cast<uint64_t>(components) : 0;
+  switch (kind) {
+  case 1: case 11: project_measured_on<1, 4>(p, m, s0, s1, out); break;
+  case 2: case 12: project_measured_on<2, 8>(p, m, s0, s1, out); break;
+  case 3: case 10: project_measured_on<3, 2>(p, m, s0, s1, out); break;
+  case 4: project_measured_on<4, 2>(p, m, s0, s1, out); break;
+  case 5: project_measured_on<5, 1>(p, m, s0, s1, out); break;
+  case 6: project_measured_on<6, 1>(p, m, s0, s1, out); break;
+  case 7: project_measured_on<7, 2>(p, m, s0, s1, out); break;
+  case 8: project_measured_on<8, 4>(p, m, s0, s1, out); break;
+  case 9: project_measured_on<9, 8>(p, m, s0, s1, out); break;
+  default: return -1;
+  }
+  return 0;
 }

@@ -149,6 +149,8 @@ class OpWatch:
             ("opwatch_callbacks_registered", ctypes.c_uint64, []),
             ("cudagym_cpu_close", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64]),
             ("cudagym_cpu_flush", ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
+            ("cudagym_cpu_project", ctypes.c_int,
+             [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]),
         ):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -160,6 +162,7 @@ class OpWatch:
         # native code of the harness's, not the op counter's; here because this is the harness's library
         self.cpu_close = lib.cudagym_cpu_close
         self.cpu_flush = lib.cudagym_cpu_flush  # and its cache flush before each call (`DeviceTimer.flush`)
+        self.cpu_project = lib.cudagym_cpu_project  # a reference output's projections (`reference_projection`)
         self._state_changes = lib.opwatch_state_changes()
 
     @classmethod

@@ -118,6 +118,12 @@ class TimingConfig(BaseModel):
     input_sets: int = 16
     input_set_bytes: int = 512 * 2**20
     recheck_calls: int = 6  # timed calls, drawn by the parent (`CallFeed.recheck_sample`), whose samples are re-checked
+    # timed calls whose projections of every output element are re-checked against the
+    # reference's: the `recheck_calls` and more drawn among the rest (`CallFeed.projection_sample`),
+    # every timed call of a loop that has no more (the CPU target's loops: 20-30 calls). A call
+    # left uncomputed is then caught wherever it is, not only among the sampled six (red team
+    # 23's escaped them in 4 of 6 runs); what the extra calls cost is the reference's work on them
+    recheck_projected: int = Field(default=32, ge=0)
     flush_l2: bool = True
     # GPU: every SM is held this long while each call is launched, so that the host's work of
     # launching it is not timed (host work beyond it is); the call's inputs take their values at

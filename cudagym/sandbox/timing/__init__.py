@@ -142,8 +142,8 @@ from cudagym.sandbox.protocol import (CALIBRATION_ELEMENTS, MAX_OVERHEAD_NS, REA
 from cudagym.sandbox.timing.timer import (CALIBRATION_CALLS, CPU_CALIBRATION, LARGE_CALIBRATION_CALLS,
                                           LARGE_CALIBRATION_ELEMENTS, PLACEMENT_BYTES, PROJECTIONS, PROTOCOL_VERSION,
                                           SAMPLE_SIZE, STRIDED_CALIBRATION_ELEMENTS, DeviceTimer, TimerTamperedError,
-                                          call_ms, drive_calls, foreign_hooks, harness_calibration, projection, refill_,
-                                          touch_pages, use_native_close)
+                                          call_ms, drive_calls, foreign_hooks, harness_calibration, projection,
+                                          reference_projection, refill_, touch_pages, use_native_close)
 
 __all__ = ["call_ms_from", "CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CPU_CALIBRATION",
            "CLOSE_TIMEOUT_NS", "GATE_THREADS", "LARGE_CALIBRATION_CALLS",
@@ -152,4 +152,4 @@ __all__ = ["call_ms_from", "CALIBRATION_CALLS", "CALIBRATION_ELEMENTS", "CPU_CAL
            "PROJECTED_KINDS", "PROJECTIONS", "PROTOCOL_VERSION", "READ_SLACK_NS", "READ_SLACK_REL", "SAMPLE_SIZE",
            "STRIDED_CALIBRATION_ELEMENTS", "TAIL_ALLOWANCE_MS", "Calibration", "DeviceTimer", "Evidence", "Gate",
            "TimerTamperedError", "call_ms", "drive_calls", "foreign_hooks", "gate_kernels", "gate_source",
-           "harness_calibration", "projection", "refill_", "touch_pages", "use_native_close"]
+           "harness_calibration", "projection", "reference_projection", "refill_", "touch_pages", "use_native_close"]

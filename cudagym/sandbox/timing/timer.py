@@ -107,6 +107,21 @@ def projection(t: torch.Tensor, seed: int, index: int) -> torch.Tensor:
     return sums
 
 
+def reference_projection(t: torch.Tensor, seed: int, index: int, native: Any = None) -> torch.Tensor:
+    """`projection`, of a CPU tensor by the harness's native `cudagym_cpu_project` (`native`,
+    `OpWatch.cpu_project`) where given: the reference-only worker projects every re-checked call's
+    output, and torch's steps over a 16M-element output took 2 s a call on two cores (native: the
+    close's own pass). The same sums, in another order of addition."""
+    kind = PROJECTED_KINDS.get(t.dtype, 0)
+    if native is None or t.is_cuda or kind == 0:
+        return projection(t, seed, index)
+    c = t.detach().contiguous()
+    out = torch.zeros(PROJECTIONS + 3, dtype=torch.float64)
+    if native(c.data_ptr(), c.numel() * (2 if c.is_complex() else 1), kind, index, seed, out.data_ptr()) != 0:
+        return projection(t, seed, index)
+    return out
+
+
 def touch_pages(out: Any) -> None:
     """Read every page of each CPU tensor in `out` (a tensor, or a list or tuple of them), with
     torch: the CPU close of a timer without the harness's native close (tools, tests; a worker's

@@ -24,7 +24,7 @@ import torch
 from cudagym.core.audit import STRICT_ALLOWED, forbidden_ops
 from cudagym.sandbox.inline import inline_problems
 from cudagym.sandbox.origin import records_as_counts
-from cudagym.sandbox.timing import PROJECTIONS, projection
+from cudagym.sandbox.timing import PROJECTIONS, projection, reference_projection
 from cudagym.sandbox.worker.failures import CandidateError, candidate_traceback, failure_kind
 from cudagym.sandbox.worker.integrity import (OpRecorder, check_channel, check_tamper, check_torch_lookups,
                                               check_torch_modes, kernel_watch, kernels_alive, live_helpers, op_watch,
@@ -243,19 +243,21 @@ def run_reference_outputs(job: Job, ch: Channel, state: WorkerState) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     p = Problem(job, state, with_candidate=False)
+    native = getattr(state.opwatch, "cpu_project", None)  # the CPU's projections, in the harness's C
     ph.mark("load")
     with torch.no_grad():
         for t, (seed, scale) in enumerate(zip(job.trial_seeds, job.trial_scales)):
             out = as_outputs(p.ref(*p.inputs(seed, scale)), "the reference")
             p.sync()
             ph.mark("reference")
+            sent = job.projected_only_from is None or t < job.projected_only_from  # else its projections only
             for i, o in enumerate(out):
                 if t < len(job.evidence_seeds) and not sent_whole(o, job):
                     send_evidence(ch, "reference", t, i, o, job.evidence_seeds[t])
-                else:
+                elif sent:
                     ch.send_tensor("reference", t, i, o)
                 if t < len(job.projection_seeds):  # the re-check of a timed call: its projections, same weights
-                    ch.send_tensor("projection", t, i, projection(o, job.projection_seeds[t], i))
+                    ch.send_tensor("projection", t, i, reference_projection(o, job.projection_seeds[t], i, native))
             _poison(p, out)
             del out
             ph.mark("send")

@@ -128,6 +128,9 @@ class Job(BaseModel):
     # reference (re-check of timed calls): trial t's outputs are also projected with the weights of
     # the call's seed (`cudagym.sandbox.timing.projection`)
     projection_seeds: list[int] = Field(default_factory=list)
+    # reference (re-check): the trials from this one on send their projections only, not their
+    # outputs (the timed calls whose samples are not compared)
+    projected_only_from: int | None = None
     # reference (verify): the seed of trial t's evidence, for outputs above
     # `verify.whole_output_mb` (`cudagym.sandbox.worker.verify.output_evidence`); the candidate's
     # worker gets it from the parent once the trial's outputs exist (`TrialFeed`)
