@@ -105,6 +105,29 @@ def test_own_kernels_in_two_steps_pass(evaluator: Evaluator, build_ws) -> None:
     assert v.reward >= 1, v.reasons
 
 
+def test_a_job_the_host_was_too_busy_to_time_runs_again_once(evaluator: Evaluator, build_ws, monkeypatch) -> None:
+    """A CPU timing job whose windows say the host was too busy to time on (here: every one, the
+    pass bound below any hand-over) runs once more after a pause; the second job's verdict
+    stands, and says the first was busy. A correct candidate keeps +1."""
+    import cudagym.rewards.checks as checks
+
+    ws = build_ws(GELU, _model("never"), {"kernels/steps.cpp": TWO_STEPS_CPP})
+    monkeypatch.setattr(checks, "CPU_WINDOW_PASS_US", -1e9)
+    jobs: list[str] = []
+    run = evaluator.sandbox.run
+
+    async def counted(job: Any, *args: Any, **kwargs: Any) -> Any:
+        jobs.append(job.kind)
+        return await run(job, *args, **kwargs)
+
+    monkeypatch.setattr(evaluator.sandbox, "run", counted)
+    v = evaluator.evaluate(GELU, ws)
+    p = v.profile_result
+    assert p is not None and not p.ok and p.error_kind == ErrorKind.DEVICE_BUSY, (p and p.error_kind, p and p.error)
+    assert jobs.count("profile") == 2 and "timed again" in p.reasons[0], (" ".join(jobs), p.reasons)
+    assert v.reward == 1 and v.correct, v.reasons
+
+
 @pytest.mark.parametrize("when,needle", [("always", "not your own"), ("timed", "during timed calls")])
 def test_torchs_cpu_kernel_through_a_function_pointer_is_refused_in_strict_mode(evaluator: Evaluator, build_ws,
                                                                                   when: str, needle: str) -> None:
@@ -468,6 +491,25 @@ def test_reported_intervals_shorter_than_the_evaluators_windows_are_refused() ->
     near = [(9.7, probe) for _, probe in calls]  # within the allowance
     assert cpu_windows_tight(honest, near, [9.9] * 41, timed) is None
     assert cpu_windows_tight(honest, forged, [None] * 41, timed) is None, "no raw intervals: nothing to hold"
+
+
+def test_a_report_cut_within_a_busy_hosts_hand_overs_costs_the_speed_milestones() -> None:
+    """Red team 28's a11: 2 ms calls reported at 0.35x their time left each window 1.7 ms longer
+    than its report, within the 2.5 ms a loaded host's hand-overs may take (+3 strict). Past what
+    they take on a host with CPUs to spare, the host was too busy to time on: no pass, whatever
+    the waits."""
+    from cudagym.rewards.checks import CPU_HOST_BUSY, CPU_WINDOW_PASS_US, cpu_windows_tight
+
+    calls = [(2.0, False)] * 5 + [(2.0, i % 6 == 5) for i in range(36)]
+    timed = [False] * 5 + [True] * 36
+    windows = [[2_400, 10, 0] for _ in range(41)]  # 2.0 ms calls and 0.4 ms of hand-overs
+    assert cpu_windows_tight(windows, calls, [2.0] * 41, timed) is None
+    cut = [(0.7, probe) for _, probe in calls]
+    for waited in (None, [0] * 41, [5_000] * 41):
+        why = cpu_windows_tight(windows, cut, [0.7] * 41, timed, waited=waited)
+        assert why and why.startswith(CPU_HOST_BUSY) and "1.700 ms longer" in why, why
+    light = [(2.0 - (CPU_WINDOW_PASS_US - 450) / 1e3, probe) for _, probe in calls]  # within the pass bound
+    assert cpu_windows_tight(windows, light, [c for c, _ in light], timed) is None
 
 
 def test_windows_stretched_by_waits_for_a_cpu_are_a_busy_host_never_a_pass() -> None:

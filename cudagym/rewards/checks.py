@@ -134,6 +134,11 @@ def cpu_windows_cover(windows: list[list[int]], calls: list[tuple[float | None, 
 # once 1.57 ms), single calls up to 3.7 ms. The closest one, the rule until red team 23, let one
 # call cut within it carry every other's forged cut (+3 strict)
 CPU_WINDOW_EXCESS_US, CPU_WINDOW_EXCESS_SHARE = 2500.0, 0.05
+# ... and passes only within this much and the same share: what the hand-overs take on a host with
+# CPUs to spare (honest medians 330-610 µs on the 2-core host beside one other check). Between it
+# and the allowance above the host was too busy to time on (`CPU_HOST_BUSY`): red team 28 reported
+# 2 ms calls at 0.35x their time within the 2.5 ms (+3 strict), which now costs the speed milestones
+CPU_WINDOW_PASS_US = 750.0
 CPU_HOST_BUSY = "the host's CPUs were busy"  # how `cpu_windows_tight`'s reason starts when the waits explain it
 
 
@@ -147,9 +152,11 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound the call
     from outside its process. A forger gains only where the calls the reward reads are forged, so
     their median is held.
-    `waited`, each window's time (µs) the harness's processes waited for a CPU (the kernel's
-    run-queue delay: `MakerLink.waited_s`), only tells why: when the excess less that time is
-    within the allowance, the host was too busy to time on (`CPU_HOST_BUSY`, the reason's start),
+    An excess over what an idle host's hand-overs take (`CPU_WINDOW_PASS_US`) but within the
+    allowance is a host too busy to time on (`CPU_HOST_BUSY`, the reason's start): no speed
+    milestone. `waited`, each window's time (µs) the harness's processes waited for a CPU (the kernel's
+    run-queue delay: `MakerLink.waited_s`), only tells why beyond that: when the excess less that time is
+    within the allowance, the host was too busy to time on as well,
     which costs the speed milestones and never passes a call (session 27: in CI, sixteen episodes
     through two device actors on two cores stretched honest windows by 5-150 ms, all of it waiting
     for a CPU)."""
@@ -162,11 +169,15 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     excess = [windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked]
     median = statistics.median(float(calls[i][0] or 0.0) for i in picked) * 1e3
     allowed = CPU_WINDOW_EXCESS_US + CPU_WINDOW_EXCESS_SHARE * median
-    if statistics.median(excess) <= allowed:
+    passed = CPU_WINDOW_PASS_US + CPU_WINDOW_EXCESS_SHARE * median
+    if statistics.median(excess) <= passed:
         return None
     why = (f"the {len(picked)} timed calls at or below the median time ran {statistics.median(excess) / 1e3:.3f} ms "
            f"longer (median) by the evaluator's own clock than their reported intervals (allowed {allowed / 1e3:.3f} "
            f"ms; median reported time {median / 1e3:.3f} ms)")
+    if statistics.median(excess) <= allowed:
+        return (f"{CPU_HOST_BUSY}: {why}, more than the hand-overs take on a host with CPUs to spare "
+                f"({passed / 1e3:.3f} ms): timed on a quieter host, or reported shorter than they ran")
     if waited is not None and len(waited) == len(calls):
         left = statistics.median(e - waited[i] for e, i in zip(excess, picked, strict=True))
         if left <= allowed:
