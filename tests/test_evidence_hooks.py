@@ -410,7 +410,7 @@ def test_cpu_inputs_take_their_values_only_after_the_flush() -> None:
     timer.flush = lambda: seen_at_flush.append(float(buf[0][0]))  # type: ignore[method-assign]
     seeds = iter([1.0, 2.0, 3.0])
 
-    def next_call(report: dict) -> tuple[int, bool, float] | None:
+    def next_call(report: tuple) -> tuple[int, bool, float] | None:
         seed = next(seeds, None)
         return None if seed is None else (int(seed), False, 0.0)
 

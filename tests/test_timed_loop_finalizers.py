@@ -389,3 +389,78 @@ def test_the_next_inputs_are_computed_on_only_inside_the_calls_window(evaluator:
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(BETWEEN_BODY, extra=BETWEEN_GELU), GELU_KERNELS))
     assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.AUDIT}, "timed calls")
     assert "held a seed" not in "\n".join(v.reasons) + (v.error or "")
+
+
+def test_the_interpreters_frames_looked_up_through_ctypes_are_refused(evaluator: Evaluator, build_ws) -> None:
+    """Red team 28's a14 reached the harness's pending report from `PyEval_GetFrame`, which
+    raises no audit event as `sys._getframe` does."""
+    model = gelu_model("return run_kernel(x, self.bias, self.scale)",
+                       extra="_frame = ctypes.pythonapi.PyEval_GetFrame")
+    v = evaluator.evaluate(GELU, build_ws(GELU, model, GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, "PyEval_GetFrame")
+
+
+# Red team 28's first links: an attribute the loop reads after its per-call checks, replaced from
+# forward for one read (the replacement puts the original back as it runs). Its a1 replaced the
+# state's `opwatch_callbacks` and edited the pending report in `next_call`'s frame; its a8 put a
+# `request` of its own in the result channel's dict.
+ONE_SHOT = """\
+import sys
+
+_seen = {"ran": 0, "edited": 0}
+
+
+def _frame(name):
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_name != name:
+        f = f.f_back
+    return f
+
+
+def _link(how):
+    f = _frame("timing_run")
+    if f is None:  # verify's trials
+        return
+    loop = f.f_locals
+    state, ch = loop["state"], loop["ch"]
+    loop.clear()
+    del f
+    if how == "callbacks":
+        real = state.opwatch_callbacks
+
+        def fake():
+            state.opwatch_callbacks = real  # one shot
+            _seen["ran"] += 1
+            g = _frame("next_call")
+            report = g.f_locals.get("report") if g is not None else None
+            if isinstance(report, dict):  # the report as the old loop held it
+                report["host_ms"] = report.get("host_ms")
+                _seen["edited"] += 1
+            return real()
+
+        state.opwatch_callbacks = fake
+    else:
+        def fake(*args, **kwargs):
+            del vars(ch)["request"]  # one shot
+            _seen["ran"] += 1
+            _seen["edited"] += 1
+            return ch.request(*args, **kwargs)
+
+        vars(ch)["request"] = fake
+"""
+
+
+@pytest.mark.parametrize("how", ["callbacks", "request"])
+def test_a_one_shot_link_after_the_checks_finds_no_report_to_rewrite(evaluator: Evaluator, build_ws,
+                                                                      how: str) -> None:
+    """The report is an immutable tuple when the loop's reads after its checks run, and the
+    channel is checked as the report leaves: the state's callback reader replaced for one read
+    finds nothing to edit (the candidate stays honest, +1 or more), a `request` in the channel's
+    dict is tamper."""
+    body = (f"if _seen['edited']:\n    raise RuntimeError('the pending report was rewritten')\n"
+            f"_link({how!r})\nreturn run_kernel(x, self.bias, self.scale)")
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=ONE_SHOT), GELU_KERNELS))
+    if how == "callbacks":
+        assert v.reward >= 1 and v.profile_result is not None and v.profile_result.ok, v.reasons
+    else:
+        assert_rejected(v, ErrorKind.TAMPER, "result channel was modified")

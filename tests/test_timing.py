@@ -23,8 +23,9 @@ def test_the_loop_makes_the_calls_the_parent_asks_for_with_each_calls_inputs() -
     reports: list[dict] = []
     seeds = iter([3, 5, 7])
 
-    def next_call(report: dict) -> tuple[int, bool, float] | None:
-        reports.append(report)
+    def next_call(report: tuple) -> tuple[int, bool, float] | None:
+        assert type(report) is tuple  # nothing to edit in place
+        reports.append(dict(report))
         seed = next(seeds, None)
         return None if seed is None else (seed, seed == 5, 0.0)  # the second call is a probe
 

@@ -21,6 +21,7 @@ import ctypes
 import gc
 import operator
 import os
+import re
 import random
 import secrets
 import signal
@@ -262,6 +263,13 @@ class InputKernels:
 # counter (no dispatcher) sees; nothing honest looks up torch's mangled C++ names from Python
 TORCH_MANGLED = ("_ZN2at", "_ZNK2at", "_ZN3c10", "_ZNK3c10", "_ZN5torch", "_ZNK5torch")
 _HOOK_EVENTS = ("sys.setprofile", "sys.settrace", "sys.addaudithook", "sys.monitoring.register_callback")
+# the interpreter's frames and their locals, reached through ctypes without `sys._getframe`'s audit
+# event (red team 28's a14 walked up to the harness's pending report from `PyEval_GetFrame`). Only
+# looked up through ctypes: pybind11's error path imports `PyFrame_GetBack`, so a built object may
+_FRAME_ACCESS = re.compile(r"^_?(PyEval_GetFrame\w*|PyThreadState_GetFrame|PyFrame_GetBack|PyFrame_GetLocals"
+                           r"|PyFrame_GetGlobals|PyFrame_FastToLocals\w*|PyEval_GetLocals|PyEval_GetGlobals"
+                           r"|PyEval_GetFrameLocals|PyEval_GetFrameGlobals|PyThreadState_Get(Unchecked)?"
+                           r"|PyGILState_GetThisThreadState|_PyThreadState_UncheckedGet)$")
 # another thread's frames and the whole object graph: how code beside the harness finds the next
 # call's inputs before its interval opens (red team 14's b read `drive_calls`'s through
 # `sys._current_frames` from a thread of its own and ran torch's GELU on them meanwhile)
@@ -283,7 +291,7 @@ def audit_hook(state: WorkerState) -> Callable[[str, tuple], None]:
             raise RuntimeError(f"{event} is refused in a cudagym worker (it reaches the harness's own objects)")
         if event in ("ctypes.dlsym", "ctypes.dlsym/handle") and args:
             name = args[-1].decode(errors="replace") if isinstance(args[-1], bytes) else args[-1]
-            if isinstance(name, str) and interpreter_hook(name):
+            if isinstance(name, str) and (interpreter_hook(name) or _FRAME_ACCESS.match(name)):
                 seen.append(f"ctypes lookup of {name}")
                 raise PermissionError(f"looking up {name} through ctypes is refused in a cudagym worker "
                                       "(it runs code of the candidate's inside the harness's Python)")
