@@ -815,10 +815,16 @@ def _between(origin: CpuOrigin, live: tuple[Mapping | None, str], ip: int, roots
 MARK_DELAY_S = 1.0
 
 
-def _plausible(at: Any, arrived: float) -> bool:
-    """Whether a mark's own time can be the harness's: read before the mark arrived, and not
-    over `MARK_DELAY_S` before."""
-    return isinstance(at, (int, float)) and arrived - MARK_DELAY_S <= float(at) <= arrived
+def _stamp(at: Any, arrived: float) -> float | None:
+    """A mark's own time as a window may use it: None where it cannot be the harness's clock (not
+    a number, or after the mark's arrival here: the worker's clock is this process's); its
+    arrival where it is over `MARK_DELAY_S` before it. A mark that waited that long for the
+    parent's reader, which an honest one did beside twelve other checks on two cores (the
+    fixture of every honest solution at once), or a clock that reads the past, opens the window
+    no earlier than the parent had the mark: the worker waits for that before forward runs."""
+    if not isinstance(at, (int, float)) or float(at) > arrived:
+        return None
+    return float(at) if arrived - MARK_DELAY_S <= float(at) else arrived
 
 
 def call_bounds(marks: list[tuple[str, Any, float]]) -> list[tuple[float, float]]:
@@ -863,7 +869,7 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
     followed by its `end` before anything else is marked; and at most one `LOADING_MARK` before
     them (`candidate_loaded_at`). Anything else is marks the candidate
     wrote itself (red team 8's a1 closed a window early with a forged end), or a clock it
-    replaced (a time after the mark's arrival, or over `MARK_DELAY_S` before it): why the
+    replaced (a time after the mark's arrival; one over `MARK_DELAY_S` before it is not used: `_stamp`): why the
     marks cannot be the harness's, else ""."""
     windows: list[tuple[float, float]] = []
     opened: float | None = None
@@ -875,17 +881,17 @@ def windows_from_marks(marks: list[tuple[str, Any, float]], end: str, per_call: 
             forwards += 1
             if opened is not None:
                 return windows, "a forward call was marked as started twice"
-            if not _plausible(at, arrived):
-                return windows, (f"a forward call's start was marked at {at!r}, not within {MARK_DELAY_S:.0f} s before "
-                                 f"the evaluator received the mark ({arrived:.6f}): the worker's clock was replaced")
-            opened = min(float(at), arrived)
+            if (start := _stamp(at, arrived)) is None:
+                return windows, (f"a forward call's start was marked at {at!r}, after the evaluator received the "
+                                 f"mark ({arrived:.6f}): the worker's clock was replaced")
+            opened = min(start, arrived)
         elif opened is not None:
             if what != end:
                 return windows, f"a forward call was ended by {what!r}, not by {end!r}"
-            if not _plausible(at, arrived) or float(at) < opened:
+            if (stop_at := _stamp(at, arrived)) is None or stop_at < opened:
                 return windows, (f"a forward call's end was marked at {at!r}, not between its start and the "
                                  f"evaluator's receipt of the mark ({arrived:.6f}): the worker's clock was replaced")
-            windows.append((opened, max(float(at), arrived)))
+            windows.append((opened, max(stop_at, arrived)))
             opened = None
         elif what == LOADING_MARK:
             if forwards or loading:
