@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +136,17 @@ def pytest_configure(config: pytest.Config) -> None:
         "ignore:Exception ignored in. <function BaseSubprocessTransport.__del__"
         ":pytest.PytestUnraisableExceptionWarning",
     )
+
+
+@pytest.fixture
+def jobs(evaluator, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The kinds of the jobs the (module's) evaluator's sandbox runs from now on, in order."""
+    kinds: list[str] = []
+    run = evaluator.sandbox.run
+
+    async def recording(job: Any, *args: Any, **kw: Any) -> Any:
+        kinds.append(job.kind)
+        return await run(job, *args, **kw)
+
+    monkeypatch.setattr(evaluator.sandbox, "run", recording)
+    yield kinds

@@ -105,7 +105,8 @@ def test_own_kernels_in_two_steps_pass(evaluator: Evaluator, build_ws) -> None:
     assert v.reward >= 1, v.reasons
 
 
-def test_a_job_the_host_was_too_busy_to_time_runs_again_once(evaluator: Evaluator, build_ws, monkeypatch) -> None:
+def test_a_job_the_host_was_too_busy_to_time_runs_again_once(evaluator: Evaluator, build_ws, monkeypatch,
+                                                              jobs: list[str]) -> None:
     """A CPU timing job whose windows say the host was too busy to time on (here: every one, the
     pass bound below any hand-over) runs once more after a pause; the second job's verdict
     stands, and says the first was busy. A correct candidate keeps +1."""
@@ -113,14 +114,6 @@ def test_a_job_the_host_was_too_busy_to_time_runs_again_once(evaluator: Evaluato
 
     ws = build_ws(GELU, _model("never"), {"kernels/steps.cpp": TWO_STEPS_CPP})
     monkeypatch.setattr(checks, "CPU_WINDOW_PASS_US", -1e9)
-    jobs: list[str] = []
-    run = evaluator.sandbox.run
-
-    async def counted(job: Any, *args: Any, **kwargs: Any) -> Any:
-        jobs.append(job.kind)
-        return await run(job, *args, **kwargs)
-
-    monkeypatch.setattr(evaluator.sandbox, "run", counted)
     v = evaluator.evaluate(GELU, ws)
     p = v.profile_result
     assert p is not None and not p.ok and p.error_kind == ErrorKind.DEVICE_BUSY, (p and p.error_kind, p and p.error)

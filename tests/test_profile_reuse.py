@@ -6,9 +6,7 @@ by a wrapper around the sandbox's `run`."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,20 +21,6 @@ from cudagym.tasks.model import Target
 from conftest import SOLUTIONS, solution_workspace, task_of
 
 TASK = task_of("ew_scale_bias_gelu").for_target(Target.CPU)
-
-
-@pytest.fixture
-def jobs(evaluator: Evaluator, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The kinds of the jobs the evaluator's sandbox runs from now on, in order."""
-    kinds: list[str] = []
-    run = evaluator.sandbox.run
-
-    async def recording(job: Any, *args: Any, **kw: Any) -> Any:
-        kinds.append(job.kind)
-        return await run(job, *args, **kw)
-
-    monkeypatch.setattr(evaluator.sandbox, "run", recording)
-    yield kinds
 
 
 @pytest.fixture
