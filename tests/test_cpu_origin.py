@@ -954,3 +954,60 @@ def test_a_native_thread_working_between_the_timed_calls_is_refused(evaluator: E
         assert_rejected(v, ErrorKind.AUDIT, "ran between the timed calls", needle)
     else:
         assert v.reward >= 1, v.reasons
+
+
+# a process whose main thread and two more spin, and a child that spins: what the maker's link stops
+SPINNERS = """
+import os, sys, threading
+def spin():
+    while True:
+        pass
+for _ in range(2):
+    threading.Thread(target=spin, daemon=True).start()
+if os.fork() == 0:
+    spin()
+print(os.getpid(), flush=True)
+spin()
+"""
+
+
+def _states(pid: int) -> set[bytes]:
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            out.add(f.read().rsplit(b")", 1)[1].split()[0])
+    return out
+
+
+def test_the_workers_processes_are_stopped_while_the_maker_writes_the_inputs() -> None:
+    """Red team 28's a15 computed each call's outputs from two native threads while the maker
+    wrote its inputs (a time the window rule leaves out). The link stops every thread of every
+    process below the worker's root but the maker's (here: the child is kept, as the maker is)
+    and waits until each is stopped; SIGCONT lets them go on."""
+    import signal
+
+    from cudagym.sandbox.makerlink import _children, stop_tree
+
+    p = subprocess.Popen([sys.executable, "-c", SPINNERS], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and int(p.stdout.readline()) == p.pid
+        deadline = time.monotonic() + 10
+        while not _children(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (child,) = _children(p.pid)
+        stopped = stop_tree(p.pid, keep=None, timeout_s=5)
+        assert sorted(stopped) == sorted([p.pid, child])
+        assert _states(p.pid) <= {b"T", b"t"} and len(os.listdir(f"/proc/{p.pid}/task")) == 3
+        assert _states(child) <= {b"T", b"t"}
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.2)
+        assert b"R" in _states(p.pid)
+        assert stop_tree(p.pid, keep=child, timeout_s=5) == [p.pid]  # the maker's (kept) runs on
+        time.sleep(0.05)
+        assert b"R" in _states(child) and _states(p.pid) <= {b"T", b"t"}
+        os.kill(p.pid, signal.SIGCONT)
+        os.kill(child, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
