@@ -464,3 +464,28 @@ def test_a_one_shot_link_after_the_checks_finds_no_report_to_rewrite(evaluator: 
         assert v.reward >= 1 and v.profile_result is not None and v.profile_result.ok, v.reasons
     else:
         assert_rejected(v, ErrorKind.TAMPER, "result channel was modified")
+
+
+# Red team 29's a17: the loop's module global `MODEL_CALLS_KEY` made a `str` whose hash, run by the
+# loop's `ops[MODEL_CALLS_KEY] = ...` after every per-call check, could put a `dict` of its own in
+# the module's globals for the next lookup, the report's `dict(report)`.
+KEY_HASH = """\
+import cudagym.sandbox.worker.timed as _timed
+
+_hashed = [0]
+
+
+class _Key(str):
+    def __hash__(self):
+        _hashed[0] += 1
+        return str.__hash__(self)
+"""
+
+
+def test_a_name_of_the_loops_module_replaced_from_forward_is_never_read_after_the_checks(evaluator: Evaluator,
+                                                                                         build_ws) -> None:
+    body = ("if _hashed[0]:\n    raise RuntimeError('the loop hashed the replaced key')\n"
+            "_timed.MODEL_CALLS_KEY = _Key(_timed.MODEL_CALLS_KEY)\n"
+            "return run_kernel(x, self.bias, self.scale)")
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=KEY_HASH), GELU_KERNELS))
+    assert "hashed the replaced key" not in (v.error or "") + "".join(v.reasons), v.reasons

@@ -137,6 +137,12 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     cells: list[tuple[Any, Any]] = []  # the closures' cells below, checked before each report (`next_call`)
     request = Channel.request  # the class's, as checked with the channel (`check_channel`): not the instance's
+    # and what builds the report's body, bound now (cells, checked before each report): red team 29's
+    # a17 made the module's `MODEL_CALLS_KEY` a `str` whose hash put a `dict` of its own in this
+    # module's globals for the next lookup, `dict(report)`, which rewrote the report
+    as_dict, calls_key = type({}), str(MODEL_CALLS_KEY)
+    if type(MODEL_CALLS_KEY) is not str:
+        raise CandidateError("tamper", "a name of the harness's timed loop was replaced by the candidate")
 
     # the clocks' C functions as they were before candidate code (red team 14's a rewrote the one
     # behind `time.perf_counter` at import), and the timer's own
@@ -247,14 +253,14 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
             if live_threads() > threads:
                 raise CandidateError("audit", f"{who} left threads running after it returned (or started them "
                                      "beside the harness when it loaded)")
-        ops = dict(watch.counts())
-        ops[MODEL_CALLS_KEY] = model_calls[0]  # the parent's per-call rules divide by it
+        ops = as_dict(watch.counts())
+        ops[calls_key] = model_calls[0]  # the parent's per-call rules divide by it
         if kwatch:
             ops.update(records_as_counts(kwatch.records()))
         # the channel that sends the report is the harness's as the report leaves (red team 28's a8 put a
         # `request` of its own in the channel's dict for one call, which took itself out as it ran)
         check_channel(state)
-        answer = request(ch, "call", role=role, index=made[0], ops=ops, **dict(report))
+        answer = request(ch, "call", role=role, index=made[0], ops=ops, **as_dict(report))
         if answer.get("stop"):
             return None
         made[0] += 1
