@@ -140,7 +140,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     # and what builds the report's body, bound now (cells, checked before each report): red team 29's
     # a17 made the module's `MODEL_CALLS_KEY` a `str` whose hash put a `dict` of its own in this
     # module's globals for the next lookup, `dict(report)`, which rewrote the report
-    as_dict, calls_key = type({}), str(MODEL_CALLS_KEY)
+    as_dict: type[dict[Any, Any]] = type({})
+    calls_key = str(MODEL_CALLS_KEY)
     if type(MODEL_CALLS_KEY) is not str:
         raise CandidateError("tamper", "a name of the harness's timed loop was replaced by the candidate")
 
