@@ -88,11 +88,7 @@ class MakerLink:
             self.error = f"the harness's inputs maker failed: {e}"
             return {"refused": self.error}
         finally:
-            for pid in stopped:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except OSError:
-                    pass
+            _continue(stopped)
             self.made_s.append(time.perf_counter() - began)
         return None
 
@@ -126,37 +122,43 @@ class MakerLink:
         return got
 
 
-def _children(pid: int) -> list[int]:
-    """`pid`'s child processes, from each of its threads' `children` list (Linux 3.5+)."""
-    out: list[int] = []
+def _per_thread(pid: int, name: str) -> list[bytes] | None:
+    """`/proc/PID/task/TID/NAME` of each thread of `pid` (a thread gone meanwhile left out);
+    None if `pid` is gone."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return None
+    out: list[bytes] = []
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                out += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
+            with open(f"/proc/{pid}/task/{tid}/{name}", "rb") as f:
+                out.append(f.read())
+        except OSError:
             continue
     return out
 
 
+def _children(pid: int) -> list[int]:
+    """`pid`'s child processes, from each of its threads' `children` list (Linux 3.5+)."""
+    return [int(c) for text in _per_thread(pid, "children") or [] for c in text.split() if c.isdigit()]
+
+
 def _stopped(pid: int) -> bool:
     """Whether every thread of `pid` is stopped (state T or t), or gone."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in (b"T", b"t", b"Z", b"X"):
+    for stat in _per_thread(pid, "stat") or []:
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if fields and fields[0] not in (b"T", b"t", b"Z", b"X"):
             return False
     return True
+
+
+def _continue(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
 
 
 def stop_tree(root: int | None, keep: int | None, timeout_s: float) -> list[int]:
@@ -184,11 +186,7 @@ def stop_tree(root: int | None, keep: int | None, timeout_s: float) -> list[int]
     for pid in stopped:
         while not _stopped(pid):
             if time.monotonic() > deadline:
-                for p in stopped:
-                    try:
-                        os.kill(p, signal.SIGCONT)
-                    except OSError:
-                        pass
+                _continue(stopped)
                 raise TimeoutError(f"the worker's process {pid} did not stop within {timeout_s:.0f} s")
             time.sleep(0)
     return stopped
