@@ -139,6 +139,15 @@ CPU_WINDOW_EXCESS_US, CPU_WINDOW_EXCESS_SHARE = 2500.0, 0.05
 # and the allowance above the host was too busy to time on (`CPU_HOST_BUSY`): red team 28 reported
 # 2 ms calls at 0.35x their time within the 2.5 ms (+3 strict), which now costs the speed milestones
 CPU_WINDOW_PASS_US = 750.0
+# ... or within this much above the same job's probes (the harness's tiny kernel through the same
+# hand-overs, every `feed.PROBE_EVERY`th call), whichever is more, up to the allowance: the
+# hand-overs' cost on the host as it is. Session 29, the CI host class (2 cores, a VM whose memory
+# a daemon reclaims): honest medians 0.77-2.06 ms, 0.9-1.6 ms on an idle host, the probes' 0.46-1.38
+# ms beside them; the candidate's less the probes' 0.14-0.68 ms (its calls leave the caches colder).
+# A probe's own interval is a few µs, so a forged report of it moves its excess by no more; what
+# could stretch a probe's hand-overs is code of the candidate's run inside its window (the open class
+# of one-shot lookups of the harness's), so the bound the probes set stops at CPU_PROBE_CAP_US
+CPU_PROBE_MARGIN_US, CPU_PROBE_CAP_US = 750.0, 2000.0
 CPU_HOST_BUSY = "the host's CPUs were busy"  # how `cpu_windows_tight`'s reason starts when the waits explain it
 
 
@@ -147,14 +156,16 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     """CPU target: why the timed calls at or below the median time (what the reward reads) were
     reported shorter than the evaluator's own clock saw them run (`windows` as
     `cpu_windows_cover`'s; `spans`: each call's raw interval, ms, whose time is computed from it;
-    `made`: the inputs maker's time in each window, µs, `cudagym.sandbox.makerlink`), or None.
+    `made`: the harness's time in each window before the call could start, µs, from its open to
+    the worker's resume once the maker wrote the inputs, `cudagym.sandbox.makerlink`), or None.
     The worker measures and reports each call; a candidate that rewrote the report (red team 20's
     b scaled it by 0.65 on the wire) cannot move the marks' arrivals here, which bound the call
     from outside its process. A forger gains only where the calls the reward reads are forged, so
     their median is held.
-    An excess over what an idle host's hand-overs take (`CPU_WINDOW_PASS_US`) but within the
-    allowance is a host too busy to time on (`CPU_HOST_BUSY`, the reason's start): no speed
-    milestone. `waited`, each window's time (µs) the harness's processes waited for a CPU (the kernel's
+    An excess over what the hand-overs take (`CPU_WINDOW_PASS_US`, or the job's probes' excess
+    and `CPU_PROBE_MARGIN_US`: the harness's own calls through the same steps, whichever is more)
+    but within the allowance is a host too busy to time on (`CPU_HOST_BUSY`, the reason's start):
+    no speed milestone. `waited`, each window's time (µs) the harness's processes waited for a CPU (the kernel's
     run-queue delay: `MakerLink.waited_s`), only tells why beyond that: when the excess less that time is
     within the allowance, the host was too busy to time on as well,
     which costs the speed milestones and never passes a call (session 27: in CI, sixteen episodes
@@ -169,15 +180,20 @@ def cpu_windows_tight(windows: list[list[int]], calls: list[tuple[float | None, 
     excess = [windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i] for i in picked]
     median = statistics.median(float(calls[i][0] or 0.0) for i in picked) * 1e3
     allowed = CPU_WINDOW_EXCESS_US + CPU_WINDOW_EXCESS_SHARE * median
-    passed = CPU_WINDOW_PASS_US + CPU_WINDOW_EXCESS_SHARE * median
+    probes = [windows[i][0] - float(spans[i] or 0.0) * 1e3 - made[i]
+              for i, (ms, probe) in enumerate(calls) if probe and ms is not None and spans[i] is not None]
+    handovers = statistics.median(probes) if probes else 0.0
+    passed = max(CPU_WINDOW_PASS_US, min(handovers + CPU_PROBE_MARGIN_US, CPU_PROBE_CAP_US)) \
+        + CPU_WINDOW_EXCESS_SHARE * median
     if statistics.median(excess) <= passed:
         return None
     why = (f"the {len(picked)} timed calls at or below the median time ran {statistics.median(excess) / 1e3:.3f} ms "
            f"longer (median) by the evaluator's own clock than their reported intervals (allowed {allowed / 1e3:.3f} "
            f"ms; median reported time {median / 1e3:.3f} ms)")
     if statistics.median(excess) <= allowed:
-        return (f"{CPU_HOST_BUSY}: {why}, more than the hand-overs take on a host with CPUs to spare "
-                f"({passed / 1e3:.3f} ms): timed on a quieter host, or reported shorter than they ran")
+        return (f"{CPU_HOST_BUSY}: {why}, more than the hand-overs take on this host "
+                f"({passed / 1e3:.3f} ms; the job's {len(probes)} probes: {handovers / 1e3:.3f} ms): timed on a "
+                "quieter host, or reported shorter than they ran")
     if waited is not None and len(waited) == len(calls):
         left = statistics.median(e - waited[i] for e, i in zip(excess, picked, strict=True))
         if left <= allowed:

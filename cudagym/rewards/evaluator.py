@@ -762,7 +762,7 @@ class Evaluator:
             await asyncio.sleep(CPU_BUSY_PAUSE_S)
             again = await self._timed_profile(task, workspace, built, timing, t0, measured, params, busy_tries - 1)
             note = f"timed again: the host was too busy to time the first job ({refusal.reason})"
-            return again.model_copy(update={"reasons": [note, *again.reasons]})
+            return again.model_copy(update={"reasons": [*again.reasons, note]})
         if refusal is not None and not refusal.measured:
             return ProfileResult(ok=False, error_kind=refusal.kind, error=refusal.error, reasons=[refusal.reason],
                                  clock_gap_ms=refusal.clock_gap_ms, seconds=time.perf_counter() - t0)

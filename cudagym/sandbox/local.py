@@ -36,7 +36,7 @@ from cudagym.sandbox.limits import JobCgroup, landlock_abi, namespace_prefix, pa
 from cudagym.sandbox.cpusamples import (
     CpuSampler, attribute, call_bounds, candidate_loaded_at, read_maps, thread_cpu_ns, windows_from_marks,
 )
-from cudagym.sandbox.makerlink import MakerLink, answering_socket
+from cudagym.sandbox.makerlink import MakerLink, answering_socket, made_in_windows
 from cudagym.sandbox.maps import exec_mappings, unbuilt
 from cudagym.sandbox.opwatch import build_library
 from cudagym.sandbox.schedule import JobLease, RunningJob, SpareWorkerSandbox
@@ -494,7 +494,7 @@ class LocalSandbox(SpareWorkerSandbox):
             # its calls' inputs made outside the candidate's process (`cudagym.sandbox.worker.maker`)
             job = job.model_copy(update={"inputs_maker": True})
             responder = link = MakerLink(responder, *w.maker, timeout_s=limits.timeout_s, pids=pids)
-            frames.on_mark = link.opened
+            frames.on_mark, frames.on_acked = link.opened, link.acked
         quiet = (self._quiet_windows(device, w, begin=lease is None or lease.exclusive,
                                      shares=lease is not None and lease.shares) if timing and not refused else None)
         frames.responder, frames.answer_fd = quiet.responder(responder) if quiet else responder, w.stdin_fd
@@ -661,8 +661,9 @@ class LocalSandbox(SpareWorkerSandbox):
                     [round((b - a) * 1e6), n, bad,
                      *([round(least[i] / 1e3), round(spread[i] / 1e3)] if len(least) == len(windows) else [])]
                     for i, ((a, b), (n, bad)) in enumerate(zip(windows, origin.per_window, strict=True))]
-                if link is not None:  # the inputs maker's time in each window (µs), the worker waiting
-                    outcome.final["cpu_made_us"] = [round(s * 1e6) for s in link.made_s]
+                if link is not None:  # the harness's time in each window before the call could start (µs):
+                    # from its open to the worker's resume, the maker's writes and the mark's hand-over
+                    outcome.final["cpu_made_us"] = made_in_windows(windows, link.resumed_s)
                     # and the time the harness's processes waited for a CPU in each (why a loaded host's
                     # windows are long: `checks.cpu_windows_tight`)
                     outcome.final["cpu_waited_us"] = [round(s * 1e6) for s in link.waited_s]

@@ -3,9 +3,12 @@
 `MakerLink` wraps the job's responder: the seed of each answer to a timed call's request is kept
 here and the worker gets the answer without it; once the worker's "forward" mark for that call
 arrives (`opened`, run before the mark is acknowledged), the maker writes the call's inputs into
-its buffers, and the acknowledgement goes only after it said so. A maker that is gone or does not
-answer in time fails the call. The maker's first line carries its credentials (its pid as the
-kernel gives it to this process): its samples (`cudagym.sandbox.cpusamples`) are the harness's.
+its buffers, and the acknowledgement goes only after it said so, written while the worker's
+processes are still stopped (`acked` lets them go on: the worker finds its answer waiting, and
+the call's time on this process's clock runs from that moment, `resumed_s`). A maker that is
+gone or does not answer in time fails the call. The maker's first line carries its credentials
+(its pid as the kernel gives it to this process): its samples (`cudagym.sandbox.cpusamples`) are
+the harness's.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ class MakerLink:
         self.sets = 0  # the input sets the maker writes, once it said it is ready
         self.pid: int | None = None  # the maker's, as this process sees it, once it said it is ready
         self.pending: tuple[int, int] | None = None  # the next call's seed and input set
-        self.made_s: list[float] = []  # the maker's time for each call, from the mark to its answer
+        # when each timed call's worker went on (this process's clock, right before its SIGCONT, its
+        # answer already written): nothing of the call's ran before (`stop_tree`)
+        self.resumed_s: list[float] = []
+        self._stopped: list[int] | None = None  # the worker's processes stopped for the pending mark
         self.error: str | None = None
 
     def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
@@ -65,21 +71,21 @@ class MakerLink:
 
     def opened(self, what: str) -> dict[str, Any] | None:
         """Before the worker's mark `what` is acknowledged: for the call's "forward" mark, the
-        maker makes the call's inputs; a refusal to acknowledge with if it fails."""
+        worker's processes are stopped and the maker makes the call's inputs; a refusal to
+        acknowledge with if it fails. `acked` lets them go on."""
         if what == "returned" and self._waits_from is not None:
             self.waited_s.append((run_queue_ns(self._waits) - self._waits_from) / 1e9)
             self._waits_from = None
         if what != "forward" or self.pending is None:
             return None
         (seed, slot), self.pending = self.pending, None
-        began = time.perf_counter()
-        stopped: list[int] = []
+        self._stopped = stopped = []
         try:
             # every process of the worker's but the maker stopped while the maker writes: the time
-            # is left out of the call's window (`made_s`), and red team 28's a15 used it, two
+            # is left out of the call's window (`made_in_windows`), and red team 28's a15 used it, two
             # threads chasing the maker's writes row by row and computing the outputs before the
             # call began
-            stopped = stop_tree(self.root, keep=self.pid, timeout_s=self.timeout_s)
+            stopped += stop_tree(self.root, keep=self.pid, timeout_s=self.timeout_s)
             os.write(self.seeds, f"{seed} {slot}\n".encode())
             got = self._line(len(MADE), "make the call's inputs")
             if got != MADE:
@@ -87,10 +93,18 @@ class MakerLink:
         except (OSError, TimeoutError, ValueError) as e:
             self.error = f"the harness's inputs maker failed: {e}"
             return {"refused": self.error}
-        finally:
-            _continue(stopped)
-            self.made_s.append(time.perf_counter() - began)
         return None
+
+    def acked(self, what: str) -> None:
+        """Once the worker's mark `what` is acknowledged (or could not be): the processes
+        `opened` stopped go on, and a "forward" mark's call is timed from now (`resumed_s`). The
+        acknowledgement waits on the pipe for the worker, so what the call's window holds of the
+        hand-over (`made_in_windows`) is the worker's waking, none of this process's steps."""
+        if what != "forward" or self._stopped is None:
+            return
+        stopped, self._stopped = self._stopped, None
+        self.resumed_s.append(time.perf_counter())
+        _continue(stopped)
 
     def _ready(self) -> None:
         """Read the maker's first line ("ready SETS") and the credentials it came with."""
@@ -120,6 +134,16 @@ class MakerLink:
                 raise ValueError(f"it exited before it could {what}")
             got += chunk
         return got
+
+
+def made_in_windows(windows: list[tuple[float, float]], resumed_s: list[float]) -> list[int]:
+    """Each timed call's time (µs) from its window's open (`cpusamples.windows_from_marks`) to
+    the worker's resume (`MakerLink.resumed_s`, one per call, in order): the harness's part of the
+    window, which `checks.cpu_windows_tight` leaves out; bounded by the window. A call without a
+    resume (counts that differ) gets none of it."""
+    if len(resumed_s) != len(windows):
+        return [0] * len(windows)
+    return [round(min(max(r - a, 0.0), b - a) * 1e6) for (a, b), r in zip(windows, resumed_s, strict=True)]
 
 
 def _per_thread(pid: int, name: str) -> list[bytes] | None:

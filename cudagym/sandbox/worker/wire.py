@@ -415,6 +415,7 @@ class FrameReader:
         # run before a mark the worker waits on is acknowledged (its `what`): a dict to acknowledge
         # with instead of `{}` (`cudagym.sandbox.makerlink.MakerLink.opened`)
         self.on_mark: Callable[[str], dict[str, Any] | None] | None = None
+        self.on_acked: Callable[[str], None] | None = None  # run once that acknowledgement is written (or failed)
         self.answer_fd: int | None = None
         self.requests = 0
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
@@ -490,11 +491,14 @@ class FrameReader:
                     self.marks.append((what, frame[0].get("at"), arrived))
                     self.in_call = what == "forward" or (self.in_call and what != "returned")
                     if frame[0].get("wait") and self.answer_fd is not None:
-                        ack = self.on_mark(what) if self.on_mark is not None else None
                         try:
+                            ack = self.on_mark(what) if self.on_mark is not None else None
                             write_all(self.answer_fd, (json.dumps(ack) + "\n").encode() if ack else b"{}\n")
                         except OSError:
                             pass
+                        finally:
+                            if self.on_acked is not None:
+                                self.on_acked(what)
                     continue
                 if kind == "request":
                     self.marks.append((f"request:{frame[0].get('what')}", None, arrived))
