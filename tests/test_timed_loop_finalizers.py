@@ -385,9 +385,13 @@ def test_the_next_inputs_are_computed_on_only_inside_the_calls_window(evaluator:
     there and no next inputs: the inputs maker writes them once the parent has the call's
     mark (`cudagym.sandbox.worker.maker`). Where it reads them, from the answer to that mark, and
     computes the output before the interval opens, it does so inside the call's window on the
-    parent's clock, which is held to the reported interval (and, in strict mode, audited)."""
+    parent's clock, which is held to the reported interval (and, in strict mode, audited). Since
+    session 29 the decoder rebound in the channel's module is found first, at the next call's
+    request (`integrity.globals_check`)."""
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(BETWEEN_BODY, extra=BETWEEN_GELU), GELU_KERNELS))
-    assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.AUDIT}, "timed calls")
+    assert_rejected(v, {ErrorKind.TAMPER, ErrorKind.AUDIT})
+    why = "\n".join(v.reasons) + (v.error or "")
+    assert "loads was replaced" in why or "timed calls" in why, why
     assert "held a seed" not in "\n".join(v.reasons) + (v.error or "")
 
 
@@ -489,3 +493,55 @@ def test_a_name_of_the_loops_module_replaced_from_forward_is_never_read_after_th
             "return run_kernel(x, self.bias, self.scale)")
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=KEY_HASH), GELU_KERNELS))
     assert "hashed the replaced key" not in (v.error or "") + "".join(v.reasons), v.reasons
+
+
+# The class red teams 16-29 found one name at a time: a global of a harness module that the loop,
+# its checks or the channel look up after the per-call checks, replaced from forward by a fake that
+# puts the original back as it runs. Here the channel's `dumps` (every frame's header, the report's
+# too) and the loop's `MAX_IDLE_MS` (read once the next call's answer is in).
+MODULE_GLOBAL = """\
+import sys
+
+import cudagym.sandbox.worker.timed as _timed
+import cudagym.sandbox.worker.wire as _wire
+
+_saw = {"report": 0}
+
+
+def _one_shot(module, name):
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_name != "drive_calls":  # only in the timed loop (verify checks it all)
+        f = f.f_back
+    if f is None or vars(module)[name].__class__.__name__ == "fake" or getattr(vars(module)[name], "_fake", 0):
+        return
+    original = vars(module)[name]
+    if callable(original):
+        def fake(*args, **kwargs):  # in place through the other frames, gone at the report
+            if args and isinstance(args[0], dict) and args[0].get("what") == "call":
+                vars(module)[name] = original
+                _saw["report"] += 1  # a forger would edit args[0] here
+            return original(*args, **kwargs)
+    else:
+        class fake(float):
+            def __gt__(self, other):
+                vars(module)[name] = original
+                _saw["report"] += 1  # after the answer: the next seed is up the stack
+                return float.__gt__(self, other)
+            __lt__ = __gt__
+        fake = fake(original)
+    fake._fake = 1
+    vars(module)[name] = fake
+"""
+
+
+@pytest.mark.parametrize("module,name", [("_wire", "dumps"), ("_timed", "MAX_IDLE_MS")])
+def test_a_global_of_the_harness_replaced_for_one_lookup_is_refused_before_the_report_leaves(
+        evaluator: Evaluator, build_ws, module: str, name: str) -> None:
+    """Every global of the harness's modules is checked against its value before candidate code
+    (`integrity.globals_check`) first in each call's request and again right before the report
+    leaves: the fake is found before it runs there."""
+    body = ("if _saw['report']:\n    raise RuntimeError('the fake ran after the checks')\n"
+            f"_one_shot({module}, {name!r})\nreturn run_kernel(x, self.bias, self.scale)")
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=MODULE_GLOBAL), GELU_KERNELS))
+    assert "fake ran" not in (v.error or "") + "".join(v.reasons), v.reasons
+    assert_rejected(v, ErrorKind.TAMPER, "replaced by the candidate")  # the loop's end names a callable again

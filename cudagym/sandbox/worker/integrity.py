@@ -389,6 +389,27 @@ def take_snapshot(modules: Iterable[types.ModuleType], other_modules: Iterable[t
                     {cls: dict(vars(cls)) for cls in classes})
 
 
+def globals_check(modules: Iterable[types.ModuleType]) -> Callable[[], str]:
+    """A check of every global of `modules` as bound now (made before any candidate code): the
+    name of the first module one of whose globals was rebound, added or removed since, or "".
+    Between a timed call and its report (and the next seed) the harness looks up names in these
+    modules' globals (the channel's `dumps`, `loads` and frame helpers, the loop's constants, the
+    checks' own helpers): a one-shot replacement there, put back as it ran, would run the
+    candidate's code after the per-call checks (red team 29's a17 did it through timed.py's
+    `MODEL_CALLS_KEY`). Everything it calls is bound in its closure (C functions: identity
+    comparisons of a few hundred names, ~10 µs)."""
+    snaps = tuple((vars(m), tuple(vars(m)), tuple(vars(m).values()), m.__name__) for m in modules)
+    any_, map_, is_not, len_ = any, map, operator.is_not, len
+
+    def changed() -> str:
+        for found, names, values, name in snaps:
+            if len_(found) != len_(names) or any_(map_(is_not, map_(found.get, names), values)):
+                return name
+        return ""
+
+    return changed
+
+
 def check_classes(state: WorkerState) -> None:
     """Raise if an attribute of a harness class was added, removed or rebound since the snapshot
     (a few µs: each timed call's request checks it before its report leaves)."""

@@ -81,6 +81,9 @@ def prewarm_host() -> WorkerState:
         pass
     sys.addaudithook(integrity.audit_hook(state))  # once per process: a later one is refused
     snapshot_originals(state)
+    # the globals the timed loop reads between a call and its report, checked at each call's request
+    state.globals_changed = integrity.globals_check(dict.fromkeys(
+        [*modules, *_timer_modules(), sys.modules[OpWatch.__module__], sys.modules[KernelWatch.__module__]]))
     freeze_heap()
     return state
 

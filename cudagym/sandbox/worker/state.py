@@ -71,6 +71,8 @@ class WorkerState:
     opwatch_changes: Callable[[], int] | None = None  # its C library's count of arms, disarms and resets
     opwatch_callbacks: Callable[[], int] | None = None  # RecordFunction callbacks registered so far (opwatch.cpp)
     callbacks_before: int | None = None  # their number before the candidate's code loaded (`timed.job_timer`)
+    # whether a global of the harness's modules changed since before candidate code (`integrity.globals_check`)
+    globals_changed: Callable[[], str] = lambda: ""
     candidate_ran: bool = False  # the candidate's code has been loaded: a failure from here on may be its doing
     threads_before: int | None = None  # Python threads beside the main one before that (`integrity.live_helpers`)
     # -- the kernel watcher (`cudagym.sandbox.origin`), loaded by `prewarm_device` (GPU workers)

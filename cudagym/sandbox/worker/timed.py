@@ -144,6 +144,11 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
     calls_key = str(MODEL_CALLS_KEY)
     if type(MODEL_CALLS_KEY) is not str:
         raise CandidateError("tamper", "a name of the harness's timed loop was replaced by the candidate")
+    # every global of the harness's modules as bound before candidate code (a cell; its own cells are
+    # checked with the loop's): read after the per-call checks' first step and right before the report
+    # leaves, so that no name this loop, its checks or the channel look up can run the candidate's code
+    # in between (the class of one-shot replacements that red teams 16-29 found one name at a time)
+    globals_changed = state.globals_changed
 
     # the clocks' C functions as they were before candidate code (red team 14's a rewrote the one
     # behind `time.perf_counter` at import), and the timer's own
@@ -230,7 +235,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         # what made the report is as it was bound: the timer (its dict, its callables: red team 13
         # swapped `vars(timer)` for a dict that rewrote `last_raw`, and `timer._perf`), its class,
         # and what the loop's closures hold (a cell rewritten through `__closure__`)
-        check_reclassed(state, (timer, DeviceTimer), (p, Problem), (ch, Channel))  # first: no read runs code
+        if changed := globals_changed():  # before this function's first lookup in this module's globals
+            raise CandidateError("tamper", f"a global of the harness's module {changed} was replaced by the candidate")
+        check_reclassed(state, (timer, DeviceTimer), (p, Problem), (ch, Channel))  # no read runs code
         check_classes(state)
         if timer_modified() or any(c.cell_contents is not v for c, v in cells):
             raise CandidateError("tamper", "the harness's timer or its timed loop was modified by the candidate")
@@ -261,6 +268,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         # the channel that sends the report is the harness's as the report leaves (red team 28's a8 put a
         # `request` of its own in the channel's dict for one call, which took itself out as it ran)
         check_channel(state)
+        if changed := globals_changed():
+            raise CandidateError("tamper", f"a global of the harness's module {changed} was replaced by the candidate")
         answer = request(ch, "call", role=role, index=made[0], ops=ops, **as_dict(report))
         if answer.get("stop"):
             return None
@@ -294,7 +303,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
 
     # the loop's closures' cells as bound now (none of them is rebound while the loop runs)
     cells.extend((c, c.cell_contents) for f in (mark, returned, call, next_call, probed, after, send_evidence,
-                                                 timer_modified)
+                                                 timer_modified, globals_changed)
                  for c in (f.__closure__ or ()))
     with torch.no_grad():
         try:
