@@ -545,3 +545,23 @@ def test_a_global_of_the_harness_replaced_for_one_lookup_is_refused_before_the_r
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=MODULE_GLOBAL), GELU_KERNELS))
     assert "fake ran" not in (v.error or "") + "".join(v.reasons), v.reasons
     assert_rejected(v, ErrorKind.TAMPER, "replaced by the candidate")  # the loop's end names a callable again
+
+
+def test_the_globals_check_names_the_module_of_a_rebound_added_or_removed_global() -> None:
+    import types
+
+    from cudagym.sandbox.worker.integrity import globals_check
+
+    first, second = types.ModuleType("first"), types.ModuleType("second")
+    first.a, second.b, second.c = 1.5, None, "x"
+    changed = globals_check([first, second])
+    assert changed() == ""
+    second.b = 0.0
+    assert changed() == "second"
+    second.b = None
+    assert changed() == ""
+    del second.b  # a name bound to None removed: its count says so
+    assert changed() == "second"
+    second.b = None
+    first.d = 1
+    assert changed() == "first"

@@ -398,14 +398,25 @@ def globals_check(modules: Iterable[types.ModuleType]) -> Callable[[], str]:
     candidate's code after the per-call checks (red team 29's a17 did it through timed.py's
     `MODEL_CALLS_KEY`). Everything it calls is bound in its closure (C functions: identity
     comparisons of a few hundred names, ~10 µs)."""
-    snaps = tuple((vars(m), tuple(vars(m)), tuple(vars(m).values()), m.__name__) for m in modules)
-    any_, map_, is_not, len_ = any, map, operator.is_not, len
+    modules = tuple(modules)
+    found = tuple(vars(m) for m in modules)
+    sizes = tuple(len(g) for g in found)
+    each = tuple(g for g in found for _ in g)  # one flat pass over every name: ~30 µs for ~700 names
+    names = tuple(k for g in found for k in g)
+    values = tuple(v for g in found for v in g.values())
+    titles = tuple(m.__name__ for m in modules)
+    any_, map_, is_not, ne, len_, get = any, map, operator.is_not, operator.ne, len, dict.get
 
     def changed() -> str:
-        for found, names, values, name in snaps:
-            if len_(found) != len_(names) or any_(map_(is_not, map_(found.get, names), values)):
-                return name
-        return ""
+        if not (any_(map_(is_not, map_(get, each, names), values)) or any_(map_(ne, map_(len_, found), sizes))):
+            return ""
+        at = 0  # which module (the job is refused either way)
+        for g, size, title in zip(found, sizes, titles, strict=True):
+            if len_(g) != size or any_(map_(is_not, map_(get, each[at:at + size], names[at:at + size]),
+                                            values[at:at + size])):
+                return title
+            at += size
+        return titles[0]
 
     return changed
 
