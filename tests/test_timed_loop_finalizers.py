@@ -565,3 +565,34 @@ def test_the_globals_check_names_the_module_of_a_rebound_added_or_removed_global
     second.b = None
     first.d = 1
     assert changed() == "first"
+
+
+# Red team 30's link: the channel's reader rebinds its buffer at each read, so the channel's check
+# skipped it; a `bytearray` subclass put there ran its `__contains__` at every answer's read.
+READER_BUFFER = """\
+import sys
+
+
+class _Buf(bytearray):
+    def __contains__(self, item):
+        return bytearray.__contains__(self, item)
+
+
+def _swap():
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_name != "drive_calls":
+        f = f.f_back
+    if f is None:
+        return
+    ch = f.f_locals["next_call"].__closure__  # the loop's closure: its channel among the cells
+    for cell in ch:
+        reader = vars(cell.cell_contents).get("_stdin") if hasattr(cell.cell_contents, "__dict__") else None
+        if reader is not None and type(vars(reader)["_buf"]) is bytearray:
+            vars(reader)["_buf"] = _Buf(vars(reader)["_buf"])
+"""
+
+
+def test_a_subclass_put_in_the_channels_reader_buffer_is_tamper(evaluator: Evaluator, build_ws) -> None:
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("_swap()\nreturn run_kernel(x, self.bias, self.scale)",
+                                                            extra=READER_BUFFER), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, "buffer is not a bytearray")

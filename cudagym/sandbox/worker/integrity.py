@@ -464,6 +464,11 @@ def check_channel(state: WorkerState) -> None:
     now = channel_parts(ch)
     if now.keys() != state.channel_parts.keys() or any(now[k] is not v for k, v in state.channel_parts.items()):
         raise CandidateError("tamper", "the harness's result channel was modified by the candidate")
+    # the reader's buffer, rebound by each read, must stay a plain bytearray: red team 30 put a subclass
+    # there whose `__contains__` ran at every answer's read (after the worker's resume, before any check)
+    if type(vars(vars(ch).get("_stdin")).get("_buf")) is not bytearray:
+        raise CandidateError("tamper", "the harness's result channel was modified by the candidate (its reader's "
+                             "buffer is not a bytearray)")
 
 
 def check_tamper(state: WorkerState, dispatcher: bool = True) -> None:
