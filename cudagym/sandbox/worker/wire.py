@@ -373,15 +373,19 @@ class LineReader:
         self._read = os.read
 
     def readline(self) -> bytes:
-        while b"\n" not in self._buf:
+        buf = self._buf
+        if type(buf) is not bytearray:  # before any method of it runs (red team 30's subclass ran its `in`)
+            raise CandidateError("tamper", "the harness's result channel was modified by the candidate (its "
+                                 "reader's buffer is not a bytearray)")
+        while b"\n" not in buf:
             chunk = self._read(self._fd, 1 << 16)
             if not chunk:
-                line, self._buf = bytes(self._buf), bytearray()
-                return line
-            self._buf += chunk
-        end = self._buf.index(b"\n") + 1
-        line = bytes(self._buf[:end])
-        del self._buf[:end]
+                self._buf = bytearray()
+                return bytes(buf)
+            buf += chunk
+        end = buf.index(b"\n") + 1
+        line = bytes(buf[:end])
+        del buf[:end]
         return line
 
 
