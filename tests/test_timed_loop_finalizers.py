@@ -499,9 +499,18 @@ def test_a_name_of_the_loops_module_replaced_from_forward_is_never_read_after_th
 # its checks or the channel look up after the per-call checks, replaced from forward by a fake that
 # puts the original back as it runs. Here the channel's `dumps` (every frame's header, the report's
 # too) and the loop's `MAX_IDLE_MS` (read once the next call's answer is in).
-MODULE_GLOBAL = """\
+IN_THE_LOOP = """\
 import sys
 
+
+def _loop_frame():  # the timed loop's frame up the stack, or None (verify's trials)
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_name != "drive_calls":
+        f = f.f_back
+    return f
+"""
+
+MODULE_GLOBAL = IN_THE_LOOP + """\
 import cudagym.sandbox.worker.timed as _timed
 import cudagym.sandbox.worker.wire as _wire
 
@@ -509,10 +518,7 @@ _saw = {"report": 0}
 
 
 def _one_shot(module, name):
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_name != "drive_calls":  # only in the timed loop (verify checks it all)
-        f = f.f_back
-    if f is None or vars(module)[name].__class__.__name__ == "fake" or getattr(vars(module)[name], "_fake", 0):
+    if _loop_frame() is None or getattr(vars(module)[name], "_fake", 0):  # once, in the timed loop
         return
     original = vars(module)[name]
     if callable(original):
@@ -569,8 +575,7 @@ def test_the_globals_check_names_the_module_of_a_rebound_added_or_removed_global
 
 # Red team 30's link: the channel's reader rebinds its buffer at each read, so the channel's check
 # skipped it; a `bytearray` subclass put there ran its `__contains__` at every answer's read.
-READER_BUFFER = """\
-import sys
+READER_BUFFER = IN_THE_LOOP + """\
 
 
 class _Buf(bytearray):
@@ -579,9 +584,7 @@ class _Buf(bytearray):
 
 
 def _swap():
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_name != "drive_calls":
-        f = f.f_back
+    f = _loop_frame()
     if f is None:
         return
     ch = f.f_locals["next_call"].__closure__  # the loop's closure: its channel among the cells

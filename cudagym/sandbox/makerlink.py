@@ -49,7 +49,7 @@ class MakerLink:
         # when each timed call's worker went on (this process's clock, right before its SIGCONT, its
         # answer already written): nothing of the call's ran before (`stop_tree`)
         self.resumed_s: list[float] = []
-        self._stopped: list[int] | None = None  # the worker's processes stopped for the pending mark
+        self._held: list[int] | None = None  # the worker's processes stopped for the pending mark
         self.error: str | None = None
 
     def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
@@ -79,7 +79,7 @@ class MakerLink:
         if what != "forward" or self.pending is None:
             return None
         (seed, slot), self.pending = self.pending, None
-        self._stopped = stopped = []
+        self._held = stopped = []
         try:
             # every process of the worker's but the maker stopped while the maker writes: the time
             # is left out of the call's window (`made_in_windows`), and red team 28's a15 used it, two
@@ -100,9 +100,9 @@ class MakerLink:
         `opened` stopped go on, and a "forward" mark's call is timed from now (`resumed_s`). The
         acknowledgement waits on the pipe for the worker, so what the call's window holds of the
         hand-over (`made_in_windows`) is the worker's waking, none of this process's steps."""
-        if what != "forward" or self._stopped is None:
+        if what != "forward" or self._held is None:
             return
-        stopped, self._stopped = self._stopped, None
+        stopped, self._held = self._held, None
         self.resumed_s.append(time.perf_counter())
         _continue(stopped)
 
