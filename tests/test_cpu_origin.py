@@ -743,8 +743,11 @@ def test_call_bounds_are_the_parents_arrivals() -> None:
 
 
 # Python that writes memory through ctypes (as native code can): the timer's start, a float on the
-# close's frame, moved forward in place as forward returns. No identity changes, no hook: only the
-# kernel's samples of the worker's threads see the time the call took.
+# close's frame, moved forward in place as forward returns. No identity changes, no hook. Until
+# session 30 only the kernel's samples of the worker's threads saw the time the call took (0.6 and
+# 0.95 of each call cut: refused by `cpu_times_sampled`); the interval is now the native open's
+# and close's stamps, sent on the channel before forward ran and before the close returned
+# (tests/test_native_stamps.py): the frame's float is a diagnostic and the cut changes nothing.
 SHRINK = '''\
 
 
@@ -759,19 +762,16 @@ def _shrink(share):
 '''
 
 
-# 0.95: a twentieth, below what the CPU time allows on a loaded host (its calls read ~0.2 of their
-# time); 0.6: within that, and still far below the spread of the work's samples
-@pytest.mark.parametrize("share", [0.0, 0.6, 0.95])
-def test_a_call_time_rewritten_in_memory_is_refused_by_the_kernels_samples(evaluator: Evaluator, build_ws,
-                                                                             share: float) -> None:
-    model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None" + SHRINK)
-    model = model.replace("        return out\n", f"        _shrink({share})\n        return out\n", 1)
-    v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
-    if share:
-        assert_rejected(v, ErrorKind.TAMPER, "the reported times are not the calls'")
-    else:
+def test_a_call_time_rewritten_in_memory_changes_nothing(evaluator: Evaluator, build_ws) -> None:
+    medians = []
+    for share in (0.0, 0.95):
+        model = _model("never").replace("_GELU = _torch_gelu()", "_GELU = None" + SHRINK)
+        model = model.replace("        return out\n", f"        _shrink({share})\n        return out\n", 1)
+        v = evaluator.evaluate(GELU, build_ws(GELU, model, {"kernels/steps.cpp": TWO_STEPS_CPP}))
         assert v.reward >= 1, v.reasons
-
+        assert v.profile_result is not None and v.profile_result.candidate is not None
+        medians.append(v.profile_result.candidate.median_ms)
+    assert medians[1] > 0.7 * medians[0], medians  # cut by 0.95, the time would read about 0.05 of it
 
 
 # three processes of the candidate's own spinning beside every call: its worker's threads wait for a

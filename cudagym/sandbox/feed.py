@@ -68,6 +68,21 @@ class Call:
     idle_ms: float = 0.0  # server mode: the gap the worker idled before the call (left out of wall_ms)
 
 
+def native_raw(stamps: list[dict[str, Any]]) -> list[Any] | str:
+    """A CPU call's raw measurements (`call_ms_from`'s: its interval in ms, its close's read phase
+    in ns, the elements it projected, none strided) from its native stamps (`FrameReader.stamped`):
+    exactly one open, then one close, each once; or why they cannot be the harness's."""
+    if [s.get("what") for s in stamps] != ["open", "close"]:
+        return (f"its native stamps were {[s.get('what') for s in stamps]!r}, not one open and one close (written "
+                "on the channel by something other than the harness's timer)")
+    opened, closed = stamps
+    values = [opened.get("ns"), closed.get("ns"), closed.get("phase_ns"), closed.get("dense")]
+    ints = [v for v in values if type(v) is int and v >= 0]
+    if len(ints) != len(values) or ints[1] < ints[0]:
+        return f"its native stamps are malformed: {values!r}"
+    return [(ints[1] - ints[0]) / 1e6, ints[2], ints[3], 0]
+
+
 def _violation(violations: list[str], why: str) -> dict[str, Any]:
     violations.append(why)
     return {"refused": why}
@@ -140,6 +155,11 @@ class CallFeed:
         # elements: 0.55 of its honest time, +2). An output strided where the reference's is not
         # pays its slower close in its own time.
         self.max_close_elements: tuple[int, int] | None = None
+        # the CPU target's calls are stamped natively (`native_stamps` with the calibration, before
+        # any candidate code): each call's interval, read phase and projected measure come from the
+        # harness's native open and close, on the channel before the candidate ran again
+        # (`FrameReader.stamped`), not from the report, which the candidate's code can reach first
+        self.native_stamps = False
 
     # -- answering ---------------------------------------------------------------------------
     def __call__(self, request: dict[str, Any], arrived_s: float) -> dict[str, Any]:
@@ -189,15 +209,24 @@ class CallFeed:
         except (TypeError, ValueError):
             return _violation(self.violations, f"a malformed timer calibration: {fields!r}")
         self.calibration = cal._replace(overhead_ns=min(int(cal.overhead_ns), MAX_OVERHEAD_NS))
+        self.native_stamps = request.get("native_stamps") is True
         return {}
 
     def _take_report(self, role: _Role, request: dict[str, Any], arrived_s: float) -> str | None:
         """Record the previous call's report and the role's op counts; a reason if they do not add up."""
+        stamps = request.get("stamps") or []
+        if self.native_stamps and not role.calls and stamps:
+            return "native stamps of a timed call arrived before the role's first call was asked for"
         if role.calls:
             prev = role.calls[-1]
             ms = request.get("ms")
             if self.calibration is not None:  # the call's time from its raw measurements (`_calibrated`)
                 raw: list[Any] = [request.get(k) for k in ("span_ms", "read_ns", "dense", "strided")]
+                if self.native_stamps:
+                    stamped = native_raw(stamps)
+                    if isinstance(stamped, str):
+                        return f"call {len(role.calls) - 1}: {stamped}"
+                    raw = stamped
                 if not all(_finite(v) and v >= 0 for v in raw):
                     return f"call {len(role.calls) - 1} reported invalid measurements {raw!r}"
                 dense, strided = int(raw[2]), int(raw[3])

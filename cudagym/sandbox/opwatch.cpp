@@ -15,10 +15,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <thread>
@@ -519,7 +521,72 @@ extern "C" int64_t cudagym_cpu_flush(const int64_t* words, int64_t n, int64_t th
   return total;
 }
 
-extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* phase_ns) {
+// The channel's frames (`cudagym.sandbox.worker.wire`): a 4-byte header length, the JSON
+// header, an 8-byte payload length, the payload. Written whole (a pipe may take a long frame in
+// parts); false if the pipe refused (closed, or not a pipe the parent reads).
+static bool write_frame(int fd, const std::string& header, std::vector<struct iovec> payload) {
+  const uint32_t hl = static_cast<uint32_t>(header.size());
+  uint64_t pl = 0;
+  for (const auto& v : payload) pl += v.iov_len;
+  std::vector<struct iovec> iov = {{const_cast<uint32_t*>(&hl), sizeof hl},
+                                   {const_cast<char*>(header.data()), header.size()}, {&pl, sizeof pl}};
+  for (const auto& v : payload)
+    if (v.iov_len) iov.push_back(v);
+  size_t at = 0;
+  while (at < iov.size()) {
+    const int count = static_cast<int>(std::min<size_t>(iov.size() - at, IOV_MAX));
+    ssize_t wrote = writev(fd, iov.data() + at, count);
+    if (wrote < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    while (at < iov.size() && static_cast<size_t>(wrote) >= iov[at].iov_len) wrote -= iov[at++].iov_len;
+    if (at < iov.size()) {
+      iov[at].iov_base = static_cast<char*>(iov[at].iov_base) + wrote;
+      iov[at].iov_len -= static_cast<size_t>(wrote);
+    }
+  }
+  return true;
+}
+
+// A CPU timed call's start (`DeviceTimer.call`): the clock read, then (`fd` >= 0) sent to the
+// parent on the channel before anything of the candidate's runs; the reading, or -1 if the
+// channel refused it.
+// The close writes where its open wrote: the same descriptor, still the same file (a candidate that
+// put another pipe at that number while it ran, to send a close of its own instead, is refused).
+static int open_fd = -1;
+static dev_t open_dev = 0;
+static ino_t open_ino = 0;
+
+static bool same_channel(int fd) {
+  struct stat st;
+  return fd == open_fd && fstat(fd, &st) == 0 && st.st_dev == open_dev && st.st_ino == open_ino;
+}
+
+extern "C" int64_t cudagym_cpu_open(int fd) {
+  const int64_t t0 = now_ns();
+  open_fd = -1;
+  if (fd < 0) return t0;
+  struct stat st;
+  if (fstat(fd, &st) != 0) return -1;
+  open_fd = fd;
+  open_dev = st.st_dev;
+  open_ino = st.st_ino;
+  if (!write_frame(fd, "{\"type\": \"stamp\", \"what\": \"open\", \"ns\": " + std::to_string(t0) + "}", {})) return -1;
+  return t0;
+}
+
+// The CPU close of a timed call (`DeviceTimer._close_cpu`): every output page read, the positions
+// drawn and the values gathered, each output projected; then the clock read (`stamps[1]`; the
+// projection pass in `stamps[0]`). With `fd` >= 0, the call's end and everything the close read
+// go to the parent on the channel in one frame before this returns, so that nothing of the
+// candidate's runs between the reads and the send: the header holds `layout` (the harness's JSON
+// of what each output is, made as the outputs were registered), the stamps, the seed and each
+// output's bytes (values, positions, projections; `[0, 0, 0]`: none read); the payload, those
+// bytes in that order. Returns 0; -1 (no random bytes), -2 (an output's memory could not be read),
+// -3 (the channel refused the frame, or is not the file its open wrote on).
+extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, int fd, const char* layout,
+                                 int64_t layout_len) {
   uint64_t seed = 0;
   if (!random_bytes(&seed, sizeof seed)) return -1;
   const int64_t t0 = now_ns();
@@ -551,7 +618,36 @@ extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* phase_ns) {
     if (positions)
       for (const auto& [flat, i] : picks) positions[i] = static_cast<int64_t>(flat);
   }
-  if (phase_ns) *phase_ns = now_ns() - t0;
+  const int64_t t1 = now_ns();
+  if (stamps) {
+    stamps[0] = t1 - t0;
+    stamps[1] = t1;
+  }
+  if (code == 0 && fd >= 0) {
+    std::vector<struct iovec> payload;
+    std::string sizes;
+    int64_t dense = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const CpuClose& o = outs[k];
+      const bool everything = o.count >= o.numel;
+      const size_t v = o.count > 0 ? static_cast<size_t>(everything ? o.numel : o.count) * o.elem_size : 0;
+      const size_t p = o.count > 0 && o.positions ? static_cast<size_t>(o.count) * sizeof(int64_t) : 0;
+      const size_t j = o.count > 0 && o.proj && o.kind != 0 ? sizeof(Sums{}.a) : 0;
+      payload.push_back({reinterpret_cast<void*>(o.values), v});
+      payload.push_back({reinterpret_cast<void*>(o.positions), p});
+      payload.push_back({reinterpret_cast<void*>(o.proj), j});
+      dense += std::max<int64_t>(o.numel, o.numel * o.elem_size / 4);
+      sizes += (k ? ", [" : "[") + std::to_string(v) + ", " + std::to_string(p) + ", " + std::to_string(j) + "]";
+    }
+    // the layout first: a key it repeated comes before the close's own, which the parent's JSON reader keeps
+    std::string header = "{\"layout\": ";
+    header.append(layout && layout_len > 0 ? std::string(layout, static_cast<size_t>(layout_len)) : "null");
+    header += ", \"type\": \"stamp\", \"what\": \"close\", \"ns\": " + std::to_string(t1) +
+              ", \"phase_ns\": " + std::to_string(t1 - t0) + ", \"dense\": " + std::to_string(dense) +
+              ", \"seed\": " + std::to_string(seed) + ", \"sizes\": [" + sizes + "]}";
+    if (!same_channel(fd) || !write_frame(fd, header, payload)) code = -3;
+    open_fd = -1;
+  }
   if (code == 0)  // published last: nothing of the candidate's could read the seed while the pass ran
     for (int64_t k = 0; k < n; ++k) outs[k].seed = seed;
   seed = 0;

@@ -147,7 +147,9 @@ class OpWatch:
             ("opwatch_dump", ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
             ("opwatch_alive", ctypes.c_int, []),
             ("opwatch_callbacks_registered", ctypes.c_uint64, []),
-            ("cudagym_cpu_close", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64]),
+            ("cudagym_cpu_open", ctypes.c_int64, [ctypes.c_int]),
+            ("cudagym_cpu_close", ctypes.c_int,
+             [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64]),
             ("cudagym_cpu_flush", ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
             ("cudagym_cpu_project", ctypes.c_int,
              [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]),
@@ -161,6 +163,7 @@ class OpWatch:
         # the CPU target's close of a timed call (`cudagym.sandbox.timing.DeviceTimer.call`): plain
         # native code of the harness's, not the op counter's; here because this is the harness's library
         self.cpu_close = lib.cudagym_cpu_close
+        self.cpu_open = lib.cudagym_cpu_open  # its start (`DeviceTimer.call`: the clock, sent on the channel)
         self.cpu_flush = lib.cudagym_cpu_flush  # and its cache flush before each call (`DeviceTimer.flush`)
         self.cpu_project = lib.cudagym_cpu_project  # a reference output's projections (`reference_projection`)
         self._state_changes = lib.opwatch_state_changes()

@@ -6,7 +6,7 @@ a GPU, the native CPU close's entries).
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,6 +24,11 @@ class CpuClose(ctypes.Structure):
                 ("ndim", ctypes.c_int64), ("sizes", ctypes.c_int64 * MAX_CPU_DIMS),
                 ("strides", ctypes.c_int64 * MAX_CPU_DIMS), ("proj", ctypes.c_uint64), ("kind", ctypes.c_int64),
                 ("index", ctypes.c_int64), ("seed", ctypes.c_uint64)]
+
+
+def _ints(shape: Any) -> str:
+    """A shape as a JSON list."""
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
 class Evidence(NamedTuple):
@@ -58,6 +63,14 @@ class Reading:
         self.host_projections: torch.Tensor | None = None
         # the CPU close's outputs: its native entries (`CpuClose`) and each one's tensor and evidence
         self.cpu: list[tuple[CpuClose, tuple[torch.Tensor, Evidence | None]]] = []
+        self._layout: list[str] = []  # what each one is (`layout`)
+
+    def layout(self) -> bytes:
+        """What each CPU output of the call is, for the native close's frame (JSON, one item per
+        entry, null for one it reads without sampling): its index among the call's outputs, the
+        dtype, the sampled values' shape and the output's. Written here, not by a `json` module the
+        candidate can rebind (the frame's bytes and stamps are the close's own)."""
+        return ("[" + ", ".join(self._layout) + "]").encode()
 
     def add_cpu(self, t: torch.Tensor, count: int, kind: int) -> Evidence:
         """Register CPU output `t` for the close (`DeviceTimer.call`): `count` values at
@@ -92,4 +105,6 @@ class Reading:
                None if projections is None else projections.view(torch.uint8).numpy().data, entry)
         ev = Evidence(values.view(t.shape) if positions is None else values, positions, projections, 0, raw)
         self.cpu.append((entry, (t, ev if count else None)))  # t: alive until the close has read it
+        self._layout.append(f'{{"index": {int(entry.index)}, "dtype": "{str(t.dtype).removeprefix("torch.")}", '
+                            f'"shape": {_ints(ev.values.shape)}, "full_shape": {_ints(t.shape)}}}' if count else "null")
         return ev

@@ -27,6 +27,8 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 
 
 # Part of the baseline cache's key: a change to how calls are timed must not reuse old baselines
+# 14: a CPU call's interval is stamped by the harness's native open and close, which send the stamps
+# and the evidence on the channel themselves (the open's write is inside the interval);
 # 13: the CPU target's cache flush is the harness's native code on threads it joins (no OpenMP
 # pool left spinning into the call), its candidate's inputs made outside its process (`worker.maker`),
 # the baselines' records say what the close may project (`close_elements`);
@@ -36,7 +38,7 @@ from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAM
 # that launches nothing
 # (9: a self-stamping probe, more input sets, placements rotated; 7: outputs sampled by the close
 # kernel; 6: a 1 ms window)
-PROTOCOL_VERSION = "gated-events-13"
+PROTOCOL_VERSION = "gated-events-14"
 
 CALIBRATION_CALLS = 100  # calls that launch nothing, which measure the harness's overhead
 # then this many with a contiguous fp32 output of LARGE_CALIBRATION_ELEMENTS, and with a transposed
@@ -138,13 +140,15 @@ def touch_pages(out: Any) -> None:
             t.detach().abs().sum() if not t.is_complex() else torch.view_as_real(t.detach()).abs().sum()
 
 
-_NATIVE_CLOSE: list[Any] = []  # the harness's `cudagym_cpu_close` (`use_native_close`), for CPU timers made after
+# the harness's `cudagym_cpu_close` and `cudagym_cpu_open` (`use_native_close`), for CPU timers made after
+_NATIVE_CLOSE: list[Any] = []
 
 
-def use_native_close(fn: Any) -> None:
+def use_native_close(fn: Any, open_fn: Any = None) -> None:
     """CPU timers made from now on close their calls with `fn` (the harness's own native
-    `cudagym_cpu_close` from opwatch.cpp, through ctypes: `OpWatch.cpu_close`)."""
-    _NATIVE_CLOSE[:] = [fn]
+    `cudagym_cpu_close` from opwatch.cpp, through ctypes: `OpWatch.cpu_close`) and open them
+    with `open_fn` (`OpWatch.cpu_open`; None: the interval starts on Python's clock)."""
+    _NATIVE_CLOSE[:] = [fn, open_fn]
 
 
 class TimerTamperedError(Exception):
@@ -185,11 +189,19 @@ class DeviceTimer:
     """
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
-                 calibration: Calibration | None = None, native_close: Any = None, native_flush: Any = None) -> None:
+                 calibration: Calibration | None = None, native_close: Any = None, native_flush: Any = None,
+                 native_open: Any = None, stamp_fd: int | None = None) -> None:
         self.device = device
-        # the CPU close (`_close_cpu`): the harness's native one (a worker's timer always has it)
+        # the CPU close (`_close_cpu`): the harness's native one (a worker's timer always has it),
+        # and the interval's native start (`cudagym_cpu_open`), which it needs
         self._native_close = (None if device.type == "cuda"
                               else native_close or (_NATIVE_CLOSE[0] if _NATIVE_CLOSE else None))
+        if native_close is None and _NATIVE_CLOSE and native_open is None:
+            native_open = _NATIVE_CLOSE[1]
+        self._native_open = native_open if self._native_close is not None else None
+        # where the native open and close send each call's stamps and evidence (the worker's channel
+        # to the parent, `cudagym.sandbox.worker.wire`): None, kept for `send`
+        self.stamp_fd = stamp_fd if self._native_open is not None else None
         # and its cache flush (`flush`), on as many threads as the process may run on
         self._native_flush = None if device.type == "cuda" else native_flush
         self._flush_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -284,7 +296,11 @@ class DeviceTimer:
             reading = Reading(0, None)
             if mark is not None:
                 mark()
+            # the interval's start: the native open's clock, on the channel before the call (`stamp_fd`)
+            t0_ns = self._native_open(-1 if self.stamp_fd is None else self.stamp_fd) if self._native_open else 0
             t0 = self._perf()
+            if t0_ns < 0:
+                raise TimerTamperedError("the timer's CPU open could not write the call's start to the channel")
             out = fn(*args)
             hooks = foreign_hooks()  # read inside the interval: a hook found here is never trusted
             self._reading = reading
@@ -297,11 +313,15 @@ class DeviceTimer:
                             reading.add_cpu(t, 0, 0)  # read every page, sample none
             finally:
                 self._reading = None
-            failed, phase_ns = self._close_cpu(reading)
+            failed, phase_ns, t1_ns = self._close_cpu(reading)
             if send is not None and not failed:
                 send()
             elapsed_ms = self.host_ms = (self._perf() - t0) * 1e3
+            if self._native_open is not None:  # the interval as the native open and close stamped it
+                elapsed_ms = (t1_ns - t0_ns) / 1e6
             self._cpu_phase_ns = phase_ns
+            if failed == -3:
+                raise TimerTamperedError("the timer's CPU close could not write the call's evidence to the channel")
             if failed == -2:
                 raise TimerTamperedError("the timer's CPU close could not read an output's memory (unmapped or "
                                          "protected when the call returned)")
@@ -444,22 +464,27 @@ class DeviceTimer:
         return Evidence(host_values.view(t.shape) if everything else host_values, host_positions, host_projections,
                         seed)
 
-    def _close_cpu(self, reading: Reading) -> tuple[int, int]:
+    def _close_cpu(self, reading: Reading) -> tuple[int, int, int]:
         """The CPU close of `reading`'s outputs: the harness's native `cpu_close` where the timer
         has it (every worker's timer), else the same steps in torch (tests and tools only: its
         draw and reads are ATen ops, which a candidate's RecordFunction callback sees). Returns
-        the close's code (0; -1: no random bytes; -2: an output's memory could not be read) and
-        its projection pass's duration (ns)."""
+        the close's code (0; -1: no random bytes; -2: an output's memory could not be read; -3:
+        the channel refused the evidence), its projection pass's duration (ns) and, native, its
+        clock at the end (ns). With `stamp_fd`, the native close sends the call's end, seed and
+        evidence itself (`Reading.layout`: what each output is); the projections of a dtype it does
+        not project are made here, after it, and go with `send`."""
         entries = reading.cpu
         if self._native_close is not None:
             array = (CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
-            phase = ctypes.c_int64(0)
-            code = int(self._native_close(ctypes.addressof(array), len(entries), ctypes.byref(phase)))
+            stamps = (ctypes.c_int64 * 2)()
+            layout = reading.layout() if self.stamp_fd is not None else b""
+            code = int(self._native_close(ctypes.addressof(array), len(entries), stamps,
+                                          -1 if self.stamp_fd is None else self.stamp_fd, layout, len(layout)))
             for k, (entry, (t, ev)) in enumerate(entries):
                 entry.seed = array[k].seed
                 if code == 0 and ev is not None and ev.projections is not None and entry.kind == 0:
                     ev.projections.copy_(projection(t, entry.seed, int(entry.index))[:PROJECTIONS])
-            return code, int(phase.value)
+            return code, int(stamps[0]), int(stamps[1])
         seed = _randbits(64)
         t0 = time.perf_counter_ns()
         for entry, (t, ev) in entries:
@@ -476,7 +501,7 @@ class DeviceTimer:
                 ev.values.copy_(flat[ev.positions])
             if ev.projections is not None:
                 ev.projections.copy_(projection(t, seed, int(entry.index))[:PROJECTIONS])
-        return 0, time.perf_counter_ns() - t0
+        return 0, time.perf_counter_ns() - t0, 0
 
     def _evidence_to_host(self, reading: Reading, stream: torch.cuda.Stream) -> None:
         """Copy what the close kernel read (samples, positions, projections) to the host's

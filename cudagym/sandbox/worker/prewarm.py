@@ -74,7 +74,7 @@ def prewarm_host() -> WorkerState:
     state.opwatch = watch
     state.opwatch_changes = watch.lib.opwatch_state_changes  # bound before any candidate code
     state.opwatch_callbacks = watch.lib.opwatch_callbacks_registered
-    timing.use_native_close(watch.cpu_close)  # the CPU timers' close: native code of the harness's own
+    timing.use_native_close(watch.cpu_close, watch.cpu_open)  # the CPU timers' close and open: the harness's own
     try:  # filelock (inductor's and Triton's caches) adds an audit hook of its own when first imported
         import filelock  # noqa: F401  (on Python >= 3.12): before the refusal, not at a candidate's compile
     except ImportError:

@@ -57,7 +57,11 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after
     job's calls itself; this job neither measures it nor asks for the GPU alone for it. With
     `share_after`, a GPU job gives the GPU back once its calibration is in (its candidate then
     loads under a shared lease; `alone` asks for it again before the timed loop)."""
-    native, flush = (op_watch(state).cpu_close, op_watch(state).cpu_flush) if p.device.type == "cpu" else (None, None)
+    cpu = p.device.type == "cpu"
+    native, opener, flush = ((op_watch(state).cpu_close, op_watch(state).cpu_open, op_watch(state).cpu_flush) if cpu
+                             else (None, None, None))
+    # the CPU calls' stamps and evidence go on the channel from the native open and close (`DeviceTimer.call`)
+    stamp_fd = ch.fd if cpu else None
     known = ch.request("calibration_known").get("calibration") if p.device.type == "cuda" else None
     if isinstance(known, dict):
         calibration = Calibration(**known)
@@ -65,15 +69,16 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after
         ch.request("exclusive")
         calibration = harness_calibration.__wrapped__()
     else:
-        calibration = DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0),
-                                  native_close=native).calibrate()
+        calibration = DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0), native_close=native,
+                                  native_open=opener, stamp_fd=stamp_fd).calibrate()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
-                        calibration=calibration, native_close=native, native_flush=flush)
+                        calibration=calibration, native_close=native, native_flush=flush, native_open=opener,
+                        stamp_fd=stamp_fd)
     if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
         state.callbacks_before = state.opwatch_callbacks()
     if not isinstance(known, dict):
         # the parent computes each call's time with this copy (`CallFeed`): the worker's can be rewritten later
-        ch.request("calibration", calibration=timer.calibration._asdict())
+        ch.request("calibration", calibration=timer.calibration._asdict(), native_stamps=timer.stamp_fd is not None)
         if share_after and p.device.type == "cuda":
             ch.request("shared")  # the candidate loads beside checks (`share_after`)
     return timer
@@ -195,6 +200,8 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.extend((o.shape, timer.read_at_end(o, SAMPLE_SIZE)) for o in as_outputs(out, who, p.device))
         return {}
 
+    natively = timer.stamp_fd is not None  # the CPU close sends the evidence it read itself
+
     def send_evidence() -> None:
         # the evidence of the call goes on the pipe before the candidate's code runs again (on the
         # CPU target, from inside the call's interval: `DeviceTimer.call`'s `send`); the CPU
@@ -206,6 +213,9 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                 for what, t, raw, extra in (("sample", ev.values, ev.raw[0], {"full_shape": list(shape)}),
                                             ("positions", ev.positions, ev.raw[1], {}),
                                             ("projection", ev.projections, ev.raw[2], {"seed": seed})):
+                    # the native close sent them (`stamp_fd`), but for the projections of a dtype it does not project
+                    if natively and (what != "projection" or ev.raw[3].kind != 0):
+                        continue
                     if t is not None and raw is not None:  # raw is None exactly when t is
                         ch.send({"type": "tensor", "role": what, "trial": made[0] - 1, "index": j,
                                  "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), **extra}, raw)

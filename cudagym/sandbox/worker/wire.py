@@ -331,6 +331,11 @@ class Channel:
         raw = c.reshape(-1).view(torch.uint8).numpy().data.cast("B") if c.numel() else b""
         self.send(header, raw)
 
+    @property
+    def fd(self) -> int:
+        """The pipe's descriptor (the CPU timer's native open and close write on it too)."""
+        return self._fd
+
     def final(self, body: dict[str, Any]) -> None:
         self.send({"type": "final", "nonce": self._nonce, **body})
 
@@ -422,6 +427,10 @@ class FrameReader:
         self.on_acked: Callable[[str], None] | None = None  # run once that acknowledgement is written (or failed)
         self.answer_fd: int | None = None
         self.requests = 0
+        # the CPU target's native stamps of timed calls since the last request (`stamped`), and the
+        # call the next ones belong to: (role, index) of the last call request not answered "stop"
+        self._stamps: list[dict[str, Any]] = []
+        self._calling: tuple[Any, int] | None = None
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
         # and request (`Channel.mark`): where the job's forward calls began and ended
         self.marks: list[tuple[str, Any, float]] = []
@@ -447,8 +456,11 @@ class FrameReader:
             view = view[n:]
         return True
 
-    def _answer(self, request: dict[str, Any], arrived: float) -> None:
-        """Answer one request on the worker's stdin (a worker that stopped reading gets none)."""
+    def _answer(self, request: dict[str, Any], arrived: float) -> dict[str, Any]:
+        """Answer one request on the worker's stdin (a worker that stopped reading gets none); the
+        answer. The request carries, under "stamps", the native stamps that arrived since the last
+        one (`stamped`; whatever the worker put there is replaced)."""
+        request["stamps"], self._stamps = self._stamps, []
         self.requests += 1
         if self.responder is None or self.answer_fd is None:
             answer: dict[str, Any] = {"refused": "this job takes no requests"}
@@ -462,6 +474,52 @@ class FrameReader:
                 write_all(self.answer_fd, (json.dumps(answer) + "\n").encode())
             except OSError:
                 pass
+        return answer
+
+    def stamped(self, header: dict[str, Any], payload: memoryview,
+                arrived: float) -> list[tuple[dict[str, Any], memoryview]]:
+        """A native stamp of a CPU timed call (`cudagym_cpu_open`/`cudagym_cpu_close` in opwatch.cpp,
+        written by the harness's native code before anything of the candidate's ran after the
+        clock's reading): kept for the next request ("stamps": {"what", "ns", "arrived_s"}, and
+        the close's "phase_ns", "dense" and "seed"); a close's evidence comes back as the tensor
+        frames the worker's `Channel.send_tensor` would have sent (role "sample", "positions",
+        "projection"), of the call asked for last (none outside a call: the calibration's).
+        FrameError for a stamp that is not the close's layout."""
+        what = header.get("what")
+        stamp: dict[str, Any] = {"what": what, "ns": header.get("ns"), "arrived_s": arrived}
+        if what == "close":
+            stamp.update({k: header.get(k) for k in ("phase_ns", "dense", "seed")})
+        elif what != "open" or len(payload):
+            raise FrameError(f"a stamp frame of unknown kind {what!r}")
+        self._stamps.append(stamp)
+        if what != "close":
+            return []
+        layout, sizes, seed = header.get("layout"), header.get("sizes"), header.get("seed")
+        if set(header) != {"layout", "type", "what", "ns", "phase_ns", "dense", "seed", "sizes"} \
+                or not isinstance(layout, list) or not isinstance(sizes, list) or len(layout) != len(sizes) \
+                or not all(isinstance(z, list) and len(z) == 3 and all(type(b) is int and b >= 0 for b in z)
+                           for z in sizes) or sum(map(sum, sizes)) != len(payload):
+            raise FrameError("a close stamp whose layout does not match its payload")
+        if self._calling is None:
+            return []  # the calibration's calls (before any call was asked for)
+        out, at = [], 0
+        for meta, (v, p, j) in zip(layout, sizes):
+            if meta is None or not isinstance(meta, dict):
+                if v or p or j:
+                    raise FrameError("a close stamp with bytes for an output it does not describe")
+                continue
+            head = {"type": "tensor", "trial": self._calling[1], "index": meta.get("index"), "dtype": meta.get("dtype")}
+            out.append(({**head, "role": "sample", "shape": meta.get("shape"), "full_shape": meta.get("full_shape")},
+                        payload[at:at + v]))
+            at += v
+            if p:
+                out.append(({**head, "role": "positions", "dtype": "int64", "shape": [p // 8]}, payload[at:at + p]))
+                at += p
+            if j:
+                out.append(({**head, "role": "projection", "dtype": "float64", "shape": [j // 8], "seed": seed},
+                            payload[at:at + j]))
+                at += j
+        return out
 
     def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
         def set_() -> None:
@@ -506,7 +564,13 @@ class FrameReader:
                     continue
                 if kind == "request":
                     self.marks.append((f"request:{frame[0].get('what')}", None, arrived))
-                    self._answer(frame[0], arrived)
+                    answer = self._answer(frame[0], arrived)
+                    index = frame[0].get("index")
+                    self._calling = ((frame[0].get("role"), index) if frame[0].get("what") == "call"
+                                     and type(index) is int and not answer.get("stop") else None)
+                    continue
+                if kind == "stamp":
+                    self.frames.extend(self.stamped(frame[0], frame[1], arrived))
                     continue
                 self.frames.append(frame)
                 if kind == "final":

@@ -1,0 +1,195 @@
+"""A CPU timed call's stamps and evidence leave from the harness's native code (CPU target, real
+workers, builds and pipes).
+
+The native open reads the clock and writes it on the channel before the candidate's forward runs;
+the native close reads the outputs, reads the clock and writes the end, the seed and everything it
+read before it returns (`cudagym_cpu_open`/`cudagym_cpu_close` in opwatch.cpp). The parent computes
+each call's time from those stamps (`FrameReader.stamped`, `CallFeed`), not from the report the
+worker's Python sends after its per-call checks. Red team 30's a19 rewrote that report's floats in
+place, through `ctypes`, from a one-shot link that ran after the close and before the report left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cudagym.core.verdict import ErrorKind
+from cudagym.rewards.evaluator import Evaluator
+from cudagym.sandbox.feed import native_raw
+from cudagym.sandbox.opwatch import OpWatch
+from cudagym.sandbox.protocol import Calibration
+from cudagym.sandbox.timing import DeviceTimer
+from cudagym.rewards.compare import decode_tensor
+from cudagym.sandbox.worker.wire import FrameReader, encode_frame
+
+from test_reward_hacking import GELU, GELU_KERNELS, assert_rejected, gelu_model
+from test_timed_loop_finalizers import IN_THE_LOOP
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache: Path) -> None:
+    """A real timer on a real pipe, read by the parent's real frame reader: the open's stamp, then
+    the close's, whose payload comes back as the sample, positions and projection frames of the
+    call asked for last; the stamps are the interval the timer reports."""
+    watch = OpWatch.load(eval_cache)
+    read_fd, write_fd = os.pipe()
+    answers_r, answers_w = os.pipe()
+    loop = asyncio.new_event_loop()
+    reader = FrameReader(read_fd, loop, 1 << 26)
+    requests: list[dict[str, Any]] = []
+    reader.responder = lambda request, arrived: requests.append(dict(request)) or {}
+    reader.answer_fd = answers_w
+    try:
+        os.write(write_fd, encode_frame({"type": "ready"}))
+        os.write(write_fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 0}))
+        timer = DeviceTimer(torch.device("cpu"), flush_l2=False, calibration=Calibration(0, 0),
+                            native_close=watch.cpu_close, native_open=watch.cpu_open, stamp_fd=write_fd)
+        out = torch.randn(5000)
+        evidence = []
+        _, ms = timer.call(lambda: out, [], lambda o: evidence.append(timer.read_at_end(o, 64)))
+        os.write(write_fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 1,
+                                         "stamps": "forged"}))
+        os.close(write_fd)
+        loop.run_until_complete(asyncio.wait_for(reader.done, 30))
+    finally:
+        reader.stop()
+        loop.close()
+        os.close(answers_w)
+        _read_all(answers_r)
+        os.close(answers_r)
+    assert [r.get("stamps") for r in requests][0] == []
+    stamps = requests[1]["stamps"]  # what the worker put there is replaced
+    assert [s["what"] for s in stamps] == ["open", "close"]
+    raw = native_raw(stamps)
+    assert not isinstance(raw, str)
+    assert raw[0] == pytest.approx(ms, abs=1e-9)  # the timer's own time is the stamps' interval
+    assert raw[2] == 5000
+    frames = {h["role"]: (h, p) for h, p in reader.frames}
+    assert set(frames) == {"sample", "positions", "projection"}
+    (ev,) = evidence
+    for role, want in (("sample", ev.values), ("positions", ev.positions), ("projection", ev.projections)):
+        h, p = frames[role]
+        assert h["trial"] == 0 and h["index"] == 0
+        assert torch.equal(decode_tensor(h, p), want), role
+    assert frames["projection"][0]["seed"] == ev.cpu_seed() != 0
+    assert frames["sample"][0]["full_shape"] == [5000]
+
+
+def test_a_calls_stamps_must_be_one_open_then_one_close() -> None:
+    opened = {"what": "open", "ns": 1_000, "arrived_s": 0.0}
+    closed = {"what": "close", "ns": 6_000, "phase_ns": 10, "dense": 7, "seed": 3, "arrived_s": 0.0}
+    assert native_raw([opened, closed]) == [0.005, 10, 7, 0]
+    for stamps in ([], [opened], [closed], [opened, opened, closed], [opened, closed, closed], [closed, opened]):
+        assert "not one open and one close" in str(native_raw(stamps))
+    assert "malformed" in str(native_raw([opened, {**closed, "ns": 500}]))
+    assert "malformed" in str(native_raw([opened, {**closed, "dense": 1.5}]))
+
+
+# Red team 30's a19, through a link this test keeps open on purpose: `builtins.type`, replaced from
+# forward by a fake that puts the original back when the loop's `returned()` calls it, after the
+# call's close and before its report leaves. There it halves the report's floats in place.
+REPORT_REWRITE = IN_THE_LOOP + """\
+import builtins
+import ctypes
+
+_real_type = builtins.type
+_done = {"rewrites": 0, "calls": 0}
+
+
+def _fake_type(*args):
+    if len(args) == 1 and sys._getframe(1).f_code.co_name == "returned":
+        builtins.type = _real_type
+        report = sys._getframe(2).f_locals.get("report")
+        for name, value in report or ():
+            if name in ("ms", "span_ms", "host_ms") and _real_type(value) is float:
+                ctypes.c_double.from_address(id(value) + 16).value = value / 2
+                _done["rewrites"] += 1
+    return _real_type(*args)
+
+
+def _link():
+    if _loop_frame() is None:
+        return
+    _done["calls"] += 1
+    if _done["calls"] > 3 and not _done["rewrites"]:
+        raise RuntimeError("the link never ran")
+    if builtins.type is _real_type:
+        builtins.type = _fake_type
+"""
+
+
+def test_a_report_rewritten_after_the_close_does_not_change_the_calls_time(evaluator: Evaluator, build_ws) -> None:
+    """The link runs (the rewrites happen: the candidate raises otherwise), and the kernel is
+    rewarded and timed as the honest one: the parent takes each call's time from the native stamps,
+    so the halved report changes nothing (the old loop refused it: its time was under the parent's
+    window by more than the window rule allows, and a cut within that bound would have passed)."""
+    honest = evaluator.evaluate(GELU, build_ws(GELU, gelu_model("return run_kernel(x, self.bias, self.scale)"),
+                                               GELU_KERNELS))
+    body = "_link()\nreturn run_kernel(x, self.bias, self.scale)"
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=REPORT_REWRITE), GELU_KERNELS))
+    assert "never ran" not in (v.error or "") + "".join(v.reasons)
+    assert v.reward >= 1 and honest.reward >= 1, (v.reasons, honest.reasons)
+    assert v.profile_result is not None and honest.profile_result is not None
+    assert v.profile_result.candidate is not None and honest.profile_result.candidate is not None
+    ratio = v.profile_result.candidate.median_ms / honest.profile_result.candidate.median_ms
+    assert ratio > 0.7, (ratio, v.reasons)  # the halved report would read about 0.5
+
+
+# The candidate writes a close of its own on the channel during forward (the descriptor is the
+# timer's, up the stack), claiming the call ended at once.
+FORGED_CLOSE = IN_THE_LOOP + """\
+import json
+import os
+import struct
+import time
+
+
+def _forge():
+    f = sys._getframe(1)
+    while f is not None and not (f.f_code.co_name == "call" and f.f_code.co_filename.endswith("timer.py")):
+        f = f.f_back
+    if f is None or _loop_frame() is None:
+        return
+    fd = f.f_locals["self"].stamp_fd
+    head = json.dumps({"layout": [], "type": "stamp", "what": "close", "ns": time.monotonic_ns(), "phase_ns": 0,
+                       "dense": 0, "seed": 1, "sizes": []}).encode()
+    os.write(fd, struct.pack("<I", len(head)) + head + struct.pack("<Q", 0))
+"""
+
+# Or it puts another pipe at the timer's descriptor for the close, to send its own close instead.
+REDIRECTED = IN_THE_LOOP + """\
+import os
+
+_spare = os.pipe()
+
+
+def _redirect():
+    f = sys._getframe(1)
+    while f is not None and not (f.f_code.co_name == "call" and f.f_code.co_filename.endswith("timer.py")):
+        f = f.f_back
+    if f is not None and _loop_frame() is not None:
+        timer = f.f_locals["self"]
+        vars(timer)["stamp_fd"] = _spare[1]
+"""
+
+
+@pytest.mark.parametrize("how", ["forged", "redirected"])
+def test_a_close_written_or_redirected_by_the_candidate_is_refused(evaluator: Evaluator, build_ws,
+                                                                   how: str) -> None:
+    extra, call, needle = ((FORGED_CLOSE, "_forge()", "not one open and one close") if how == "forged"
+                           else (REDIRECTED, "_redirect()", "could not write the call's evidence"))
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(f"{call}\nreturn run_kernel(x, self.bias, self.scale)",
+                                                            extra=extra), GELU_KERNELS))
+    assert_rejected(v, ErrorKind.TAMPER, needle)
