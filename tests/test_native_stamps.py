@@ -19,16 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from cudagym.core.verdict import ErrorKind
 from cudagym.rewards.evaluator import Evaluator
 from cudagym.sandbox.feed import native_raw
-from cudagym.sandbox.opwatch import OpWatch
+from cudagym.sandbox.opwatch import CHANNEL_FD, OpWatch
 from cudagym.sandbox.protocol import Calibration
 from cudagym.sandbox.timing import DeviceTimer
 from cudagym.rewards.compare import decode_tensor
-from cudagym.sandbox.worker.wire import FrameReader, encode_frame
+from cudagym.sandbox.worker.wire import FrameReader, encode_frame, native_layout
 
-from test_reward_hacking import GELU, GELU_KERNELS, assert_rejected, gelu_model
+from test_reward_hacking import GELU, GELU_KERNELS, gelu_model
 from test_timed_loop_finalizers import IN_THE_LOOP
 
 
@@ -40,9 +39,9 @@ def _read_all(fd: int) -> bytes:
 
 
 def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache: Path) -> None:
-    """A real timer on a real pipe, read by the parent's real frame reader: the open's stamp, then
-    the close's, whose payload comes back as the sample, positions and projection frames of the
-    call asked for last; the stamps are the interval the timer reports."""
+    """A real timer with the channel at `CHANNEL_FD`, read by the parent's real frame reader: the
+    open's stamp, then the close's, whose payload comes back as the sample, positions and
+    projection frames of the call asked for last; the stamps are the interval the timer reports."""
     watch = OpWatch.load(eval_cache)
     read_fd, write_fd = os.pipe()
     answers_r, answers_w = os.pipe()
@@ -51,17 +50,22 @@ def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache
     requests: list[dict[str, Any]] = []
     reader.responder = lambda request, arrived: requests.append(dict(request)) or {}
     reader.answer_fd = answers_w
+    os.dup2(write_fd, CHANNEL_FD)
     try:
         os.write(write_fd, encode_frame({"type": "ready"}))
+        os.write(write_fd, encode_frame({"type": "request", "what": "calibration", "native_stamps": True}))
         os.write(write_fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 0}))
         timer = DeviceTimer(torch.device("cpu"), flush_l2=False, calibration=Calibration(0, 0),
-                            native_close=watch.cpu_close, native_open=watch.cpu_open, stamp_fd=write_fd)
+                            native_close=watch.cpu_close, native_open=watch.cpu_open, native_channel=True)
         out = torch.randn(5000)
         evidence = []
-        _, ms = timer.call(lambda: out, [], lambda o: evidence.append(timer.read_at_end(o, 64)))
+        _, ms = timer.call(lambda: out, [], lambda o: evidence.append(timer.read_at_end(o)))
         os.write(write_fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 1,
                                          "stamps": "forged"}))
+    finally:
+        os.close(CHANNEL_FD)
         os.close(write_fd)
+    try:
         loop.run_until_complete(asyncio.wait_for(reader.done, 30))
     finally:
         reader.stop()
@@ -69,8 +73,9 @@ def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache
         os.close(answers_w)
         _read_all(answers_r)
         os.close(answers_r)
-    assert [r.get("stamps") for r in requests][0] == []
-    stamps = requests[1]["stamps"]  # what the worker put there is replaced
+    assert reader.error is None
+    assert [r.get("stamps") for r in requests][:2] == [[], []]
+    stamps = requests[2]["stamps"]  # what the worker put there is replaced
     assert [s["what"] for s in stamps] == ["open", "close"]
     raw = native_raw(stamps)
     assert not isinstance(raw, str)
@@ -85,6 +90,27 @@ def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache
         assert torch.equal(decode_tensor(h, p), want), role
     assert frames["projection"][0]["seed"] == ev.cpu_seed() != 0
     assert frames["sample"][0]["full_shape"] == [5000]
+
+
+def test_a_close_whose_bytes_are_not_its_layouts_is_refused() -> None:
+    """A close written by the candidate cannot carry the harness's own close inside its payload:
+    every byte of a close is an output's samples, positions or projections, as many as its layout
+    says (red team 31's reading of the frame format)."""
+    meta = {"index": 0, "dtype": "float32", "shape": [2048], "full_shape": [64, 64]}
+    pieces = native_layout([meta], [[8192, 16384, 32]], 8192 + 16384 + 32)
+    assert not isinstance(pieces, str)
+    assert [(h["role"], n) for h, n in pieces] == [("sample", 8192), ("positions", 16384), ("projection", 32)]
+    small = {"index": 0, "dtype": "float32", "shape": [4, 4], "full_shape": [4, 4]}
+    assert not isinstance(native_layout([small, None], [[64, 0, 32], [0, 0, 0]], 96), str)
+    for layout, sizes, payload in (
+            ([meta], [[8192, 16384, 32]], 8192 + 16384 + 32 + 200),  # 200 bytes more than the outputs take
+            ([meta], [[8192 + 200, 16384, 32]], 8192 + 16384 + 32 + 200),  # hidden among the samples
+            ([{**meta, "shape": [2098]}], [[8392, 16784, 32]], 8392 + 16784 + 32),  # more samples than drawn
+            ([meta, meta], [[8192, 16384, 32]] * 2, 2 * (8192 + 16384 + 32)),  # output 0 twice
+            ([small], [[64, 0, 64]], 128),  # projections of 8 doubles
+            ([None], [[8, 0, 0]], 8),  # bytes of an output read without samples
+            ([{**small, "dtype": "float33"}], [[64, 0, 32]], 96)):
+        assert isinstance(native_layout(layout, sizes, payload), str), (layout, sizes)
 
 
 def test_a_calls_stamps_must_be_one_open_then_one_close() -> None:
@@ -147,8 +173,8 @@ def test_a_report_rewritten_after_the_close_does_not_change_the_calls_time(evalu
     assert ratio > 0.7, (ratio, v.reasons)  # the halved report would read about 0.5
 
 
-# The candidate writes a close of its own on the channel during forward (the descriptor is the
-# timer's, up the stack), claiming the call ended at once.
+# The candidate writes a close of its own on the channel during forward, claiming the call ended
+# at once; the harness's own close follows it.
 FORGED_CLOSE = IN_THE_LOOP + """\
 import json
 import os
@@ -157,39 +183,80 @@ import time
 
 
 def _forge():
-    f = sys._getframe(1)
-    while f is not None and not (f.f_code.co_name == "call" and f.f_code.co_filename.endswith("timer.py")):
-        f = f.f_back
-    if f is None or _loop_frame() is None:
+    if _loop_frame() is None:
         return
-    fd = f.f_locals["self"].stamp_fd
     head = json.dumps({"layout": [], "type": "stamp", "what": "close", "ns": time.monotonic_ns(), "phase_ns": 0,
                        "dense": 0, "seed": 1, "sizes": []}).encode()
-    os.write(fd, struct.pack("<I", len(head)) + head + struct.pack("<Q", 0))
+    os.write(1000, struct.pack("<I", len(head)) + head + struct.pack("<Q", 0))
 """
 
-# Or it puts another pipe at the timer's descriptor for the close, to send its own close instead.
-REDIRECTED = IN_THE_LOOP + """\
+# Or a frame of another kind whose payload would take in the harness's close that follows it.
+SWALLOW = IN_THE_LOOP + """\
+import json
 import os
+import struct
 
-_spare = os.pipe()
 
-
-def _redirect():
-    f = sys._getframe(1)
-    while f is not None and not (f.f_code.co_name == "call" and f.f_code.co_filename.endswith("timer.py")):
-        f = f.f_back
-    if f is not None and _loop_frame() is not None:
-        timer = f.f_locals["self"]
-        vars(timer)["stamp_fd"] = _spare[1]
+def _swallow():
+    if _loop_frame() is None:
+        return
+    head = json.dumps({"type": "tensor", "role": "log", "trial": 0, "index": 9, "dtype": "uint8",
+                       "shape": [1 << 16]}).encode()
+    os.write(1000, struct.pack("<I", len(head)) + head + struct.pack("<Q", 1 << 16))
 """
 
 
-@pytest.mark.parametrize("how", ["forged", "redirected"])
-def test_a_close_written_or_redirected_by_the_candidate_is_refused(evaluator: Evaluator, build_ws,
-                                                                   how: str) -> None:
-    extra, call, needle = ((FORGED_CLOSE, "_forge()", "not one open and one close") if how == "forged"
-                           else (REDIRECTED, "_redirect()", "could not write the call's evidence"))
+@pytest.mark.parametrize("how", ["forged", "swallow"])
+def test_a_frame_the_candidate_writes_in_a_call_is_refused(evaluator: Evaluator, build_ws, how: str) -> None:
+    extra, call = (FORGED_CLOSE, "_forge()") if how == "forged" else (SWALLOW, "_swallow()")
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(f"{call}\nreturn run_kernel(x, self.bias, self.scale)",
                                                             extra=extra), GELU_KERNELS))
-    assert_rejected(v, ErrorKind.TAMPER, needle)
+    assert v.reward < 0, v.reasons
+    text = "\n".join([*v.reasons, v.error or ""])
+    assert ("not one open and one close" if how == "forged" else "inside a natively stamped call") in text, text
+
+
+# To send its own close instead of the harness's, the candidate would put another pipe at the
+# channel's descriptor (or at the worker's own channel or answers descriptor) while forward runs.
+REDIRECT = IN_THE_LOOP + """\
+import ctypes
+import errno
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_tried = {"refused": 0}
+
+
+def _redirect(target):
+    if _loop_frame() is None:
+        return
+    spare = os.pipe()
+    for how in ("dup2", "dup3", "close", "close_range"):
+        if how == "dup2":
+            rc = _libc.dup2(spare[1], target)
+        elif how == "dup3":
+            rc = _libc.dup3(spare[1], target, 0)
+        elif how == "close":
+            rc = _libc.close(target)
+        else:
+            rc = _libc.syscall(436, target, target, 0)  # close_range (x86_64)
+        if rc >= 0:
+            raise RuntimeError(f"redirected the channel with {how}")
+        if ctypes.get_errno() != errno.EPERM:
+            raise RuntimeError(f"{how}: errno {ctypes.get_errno()}")
+        _tried["refused"] += 1
+    if _libc.syscall(425, 8, None) >= 0 or ctypes.get_errno() != errno.EPERM:  # io_uring_setup
+        raise RuntimeError("io_uring was set up")
+    os.close(spare[0])
+    os.close(spare[1])
+"""
+
+
+@pytest.mark.parametrize("target", ["1000", "0"])
+def test_the_channels_descriptors_cannot_be_replaced_or_closed(evaluator: Evaluator, build_ws, target: str) -> None:
+    """The channel guard (a seccomp filter installed before the candidate loads) refuses every way
+    to put another file at the native channel's descriptor or at the answers' (stdin), or to close
+    them: the candidate stays honest and is rewarded as such."""
+    body = f"_redirect({target})\nreturn run_kernel(x, self.bias, self.scale)"
+    v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=REDIRECT), GELU_KERNELS))
+    assert v.reward >= 1, (v.reasons, v.error)

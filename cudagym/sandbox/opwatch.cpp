@@ -16,10 +16,15 @@
 #include <cstdint>
 #include <cerrno>
 #include <climits>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -552,40 +557,110 @@ static bool write_frame(int fd, const std::string& header, std::vector<struct io
 // A CPU timed call's start (`DeviceTimer.call`): the clock read, then (`fd` >= 0) sent to the
 // parent on the channel before anything of the candidate's runs; the reading, or -1 if the
 // channel refused it.
-// The close writes where its open wrote: the same descriptor, still the same file (a candidate that
-// put another pipe at that number while it ran, to send a close of its own instead, is refused).
-static int open_fd = -1;
-static dev_t open_dev = 0;
-static ino_t open_ino = 0;
+// Where a CPU timed call's stamps and evidence go: the worker's result pipe, put at this fixed
+// descriptor by the harness before any candidate code (`timed.job_timer`), where the channel guard
+// (`cudagym_guard_channel`) keeps it. A number in the code, not in data the candidate could rewrite;
+// nothing is sent where it is not a pipe (a process that is not a timing job's worker).
+static constexpr int CHANNEL_FD = 1000;
 
-static bool same_channel(int fd) {
+static bool channel_open() {
   struct stat st;
-  return fd == open_fd && fstat(fd, &st) == 0 && st.st_dev == open_dev && st.st_ino == open_ino;
+  return fstat(CHANNEL_FD, &st) == 0 && S_ISFIFO(st.st_mode);
 }
 
-extern "C" int64_t cudagym_cpu_open(int fd) {
+// A CPU timed call's start (`DeviceTimer.call`): the clock read, then sent to the parent on the
+// channel (where there is one) before anything of the candidate's runs; the reading, or -1 if the
+// channel refused it.
+extern "C" int64_t cudagym_cpu_open() {
   const int64_t t0 = now_ns();
-  open_fd = -1;
-  if (fd < 0) return t0;
-  struct stat st;
-  if (fstat(fd, &st) != 0) return -1;
-  open_fd = fd;
-  open_dev = st.st_dev;
-  open_ino = st.st_ino;
-  if (!write_frame(fd, "{\"type\": \"stamp\", \"what\": \"open\", \"ns\": " + std::to_string(t0) + "}", {})) return -1;
+  if (channel_open() &&
+      !write_frame(CHANNEL_FD, "{\"type\": \"stamp\", \"what\": \"open\", \"ns\": " + std::to_string(t0) + "}", {}))
+    return -1;
   return t0;
+}
+
+// The channel guard of a CPU profile job (`timed.run_profile`, before the candidate's code loads):
+// a seccomp filter on this process and all it starts from then on that refuses (EPERM) to put
+// anything else at the descriptors `fds` (`dup2`, `dup3`) or to close them (`close`,
+// `close_range` over one), io_uring (whose operations pass no filter), and any syscall of another
+// ABI (i386's `int 0x80`, x32). The channel's frames then reach the parent through the descriptors
+// the harness opened. Returns 0, or -errno (no filter installed).
+extern "C" int cudagym_guard_channel(const int* fds, int n) {
+#if defined(__x86_64__)
+  constexpr uint32_t arch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+  constexpr uint32_t arch = AUDIT_ARCH_AARCH64;
+#else
+  return -ENOSYS;
+#endif
+  if (n < 1 || n > 8) return -EINVAL;
+  const uint32_t deny = SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA);
+  std::vector<struct sock_filter> f;
+  auto jump = [&](uint16_t code, uint32_t k, uint8_t jt, uint8_t jf) { f.push_back(sock_filter{code, jt, jf, k}); };
+  auto stmt = [&](uint16_t code, uint32_t k) { f.push_back(sock_filter{code, 0, 0, k}); };
+  auto lo = [](int i) { return static_cast<uint32_t>(offsetof(struct seccomp_data, args) + 8 * i); };
+  // each check is a block that ends in `ret`: a compare against every protected descriptor
+  auto deny_if_arg = [&](int i) {
+    stmt(BPF_LD | BPF_W | BPF_ABS, lo(i));  // the low half: the kernel reads these arguments as 32-bit
+    for (int k = 0; k < n; ++k) {
+      jump(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(fds[k]), 0, 1);
+      stmt(BPF_RET | BPF_K, deny);
+    }
+    stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+  };
+  stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch));
+  jump(BPF_JMP | BPF_JEQ | BPF_K, arch, 1, 0);
+  stmt(BPF_RET | BPF_K, deny);
+  stmt(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr));
+#if defined(__x86_64__)
+  jump(BPF_JMP | BPF_JGE | BPF_K, 0x40000000u, 0, 1);  // x32
+  stmt(BPF_RET | BPF_K, deny);
+#endif
+  // the dispatch: each syscall jumps to its block, laid out below in this order
+  std::vector<std::pair<uint32_t, int>> blocks = {
+#ifdef __NR_dup2
+      {__NR_dup2, 1},
+#endif
+      {__NR_dup3, 1}, {__NR_close, 0}, {__NR_close_range, -1}, {__NR_io_uring_setup, -2}};
+  const size_t dispatch = f.size();
+  for (size_t b = 0; b < blocks.size(); ++b) jump(BPF_JMP | BPF_JEQ | BPF_K, blocks[b].first, 0, 0);
+  stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const size_t at = f.size(), from = dispatch + b + 1;
+    f[dispatch + b].jt = static_cast<uint8_t>(at - from);
+    if (blocks[b].second >= 0) {
+      deny_if_arg(blocks[b].second);
+    } else if (blocks[b].second == -1) {  // close_range(first, last, flags): one of them in [first, last]
+      for (int k = 0; k < n; ++k) {
+        const uint32_t fd = static_cast<uint32_t>(fds[k]);
+        stmt(BPF_LD | BPF_W | BPF_ABS, lo(0));
+        jump(BPF_JMP | BPF_JGT | BPF_K, fd, 3, 0);  // first > fd: not this one
+        stmt(BPF_LD | BPF_W | BPF_ABS, lo(1));
+        jump(BPF_JMP | BPF_JGE | BPF_K, fd, 0, 1);  // last >= fd
+        stmt(BPF_RET | BPF_K, deny);
+      }
+      stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    } else {
+      stmt(BPF_RET | BPF_K, deny);
+    }
+  }
+  if (f.size() > 255) return -E2BIG;  // the dispatch's jumps are 8-bit
+  struct sock_fprog prog = {static_cast<unsigned short>(f.size()), f.data()};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -errno;
+  if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) != 0) return -errno;
+  return 0;
 }
 
 // The CPU close of a timed call (`DeviceTimer._close_cpu`): every output page read, the positions
 // drawn and the values gathered, each output projected; then the clock read (`stamps[1]`; the
-// projection pass in `stamps[0]`). With `fd` >= 0, the call's end and everything the close read
-// go to the parent on the channel in one frame before this returns, so that nothing of the
-// candidate's runs between the reads and the send: the header holds `layout` (the harness's JSON
-// of what each output is, made as the outputs were registered), the stamps, the seed and each
-// output's bytes (values, positions, projections; `[0, 0, 0]`: none read); the payload, those
-// bytes in that order. Returns 0; -1 (no random bytes), -2 (an output's memory could not be read),
-// -3 (the channel refused the frame, or is not the file its open wrote on).
-extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, int fd, const char* layout,
+// projection pass in `stamps[0]`). Where the channel is open (`CHANNEL_FD`), the call's end and
+// everything the close read go to the parent on it in one frame before this returns (`stamps[2]`:
+// 1), so that nothing of the candidate's runs between the reads and the send: the header holds
+// `layout` (the harness's JSON of what each output is, made as the outputs were registered), the
+// stamps, the seed and each output's bytes (values, positions, projections; `[0, 0, 0]`: none
+// read); the payload, those bytes in that order. Returns 0; -1 (no random bytes), -2 (an output's
+// memory could not be read), -3 (the channel refused the frame).
+extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, const char* layout,
                                  int64_t layout_len) {
   uint64_t seed = 0;
   if (!random_bytes(&seed, sizeof seed)) return -1;
@@ -619,11 +694,13 @@ extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, int
       for (const auto& [flat, i] : picks) positions[i] = static_cast<int64_t>(flat);
   }
   const int64_t t1 = now_ns();
+  const bool send = code == 0 && channel_open();
   if (stamps) {
     stamps[0] = t1 - t0;
     stamps[1] = t1;
+    stamps[2] = send;
   }
-  if (code == 0 && fd >= 0) {
+  if (send) {
     std::vector<struct iovec> payload;
     std::string sizes;
     int64_t dense = 0;
@@ -632,7 +709,7 @@ extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, int
       const bool everything = o.count >= o.numel;
       const size_t v = o.count > 0 ? static_cast<size_t>(everything ? o.numel : o.count) * o.elem_size : 0;
       const size_t p = o.count > 0 && o.positions ? static_cast<size_t>(o.count) * sizeof(int64_t) : 0;
-      const size_t j = o.count > 0 && o.proj && o.kind != 0 ? sizeof(Sums{}.a) : 0;
+      const size_t j = o.proj && o.kind != 0 ? sizeof(Sums{}.a) : 0;
       payload.push_back({reinterpret_cast<void*>(o.values), v});
       payload.push_back({reinterpret_cast<void*>(o.positions), p});
       payload.push_back({reinterpret_cast<void*>(o.proj), j});
@@ -645,8 +722,7 @@ extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, int
     header += ", \"type\": \"stamp\", \"what\": \"close\", \"ns\": " + std::to_string(t1) +
               ", \"phase_ns\": " + std::to_string(t1 - t0) + ", \"dense\": " + std::to_string(dense) +
               ", \"seed\": " + std::to_string(seed) + ", \"sizes\": [" + sizes + "]}";
-    if (!same_channel(fd) || !write_frame(fd, header, payload)) code = -3;
-    open_fd = -1;
+    if (!write_frame(CHANNEL_FD, header, payload)) code = -3;
   }
   if (code == 0)  // published last: nothing of the candidate's could read the seed while the pass ran
     for (int64_t k = 0; k < n; ++k) outs[k].seed = seed;

@@ -47,11 +47,16 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from cudagym.errors import ToolchainError
 from cudagym.sandbox.native import CXX, build_shared
+
+# where a timing job's worker puts its result pipe for the native open and close of CPU calls
+# (`CHANNEL_FD` in opwatch.cpp: they write there, wherever it is a pipe)
+CHANNEL_FD = 1000
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +152,10 @@ class OpWatch:
             ("opwatch_dump", ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
             ("opwatch_alive", ctypes.c_int, []),
             ("opwatch_callbacks_registered", ctypes.c_uint64, []),
-            ("cudagym_cpu_open", ctypes.c_int64, [ctypes.c_int]),
+            ("cudagym_cpu_open", ctypes.c_int64, []),
             ("cudagym_cpu_close", ctypes.c_int,
-             [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64]),
+             [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]),
+            ("cudagym_guard_channel", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
             ("cudagym_cpu_flush", ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
             ("cudagym_cpu_project", ctypes.c_int,
              [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]),
@@ -164,9 +170,16 @@ class OpWatch:
         # native code of the harness's, not the op counter's; here because this is the harness's library
         self.cpu_close = lib.cudagym_cpu_close
         self.cpu_open = lib.cudagym_cpu_open  # its start (`DeviceTimer.call`: the clock, sent on the channel)
+        self._guard_channel = lib.cudagym_guard_channel
         self.cpu_flush = lib.cudagym_cpu_flush  # and its cache flush before each call (`DeviceTimer.flush`)
         self.cpu_project = lib.cudagym_cpu_project  # a reference output's projections (`reference_projection`)
         self._state_changes = lib.opwatch_state_changes()
+
+    def guard_channel(self, fds: Sequence[int]) -> int:
+        """Keep the descriptors `fds` (the channel's) where they are for the rest of this process and
+        all it starts (`cudagym_guard_channel`: a seccomp filter refusing to replace or close them);
+        0, or -errno where no filter could be installed."""
+        return int(self._guard_channel((ctypes.c_int * len(fds))(*fds), len(fds)))
 
     @classmethod
     def load(cls, cache_dir: Path) -> OpWatch:

@@ -15,6 +15,9 @@ from pydantic import BaseModel, Field, field_validator
 # What a timer leaves out of a call (`Calibration`; the timing protocol: `cudagym.sandbox.timing`)
 CALIBRATION_ELEMENTS = 1 << 18  # the fp32 output the GPU calibration's calls' close reads (and projects)
 READ_SLACK_REL = 0.1  # a call's read phase is left out up to its projections' share of it plus this
+# elements of each output of a timed call its close reads at random positions (all, if it has no more;
+# `DeviceTimer.read_at_end`), as the parent checks a native close's evidence (`wire.native_layout`)
+EVIDENCE_SAMPLES = 2048
 MAX_OVERHEAD_NS = 30_000  # the most overhead a timer leaves out: a measurement above it is capped (H100: 4.3 us)
 # A call's read phase is left out up to the calibration's plus this (H100: 9.5-11.2 us, calibration 10.6-11.5)
 READ_SLACK_NS = 2_000

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from cudagym.sandbox.protocol import CALIBRATION_ELEMENTS, TAIL_ALLOWANCE_MS, Calibration, call_ms_from
+from cudagym.sandbox.protocol import (CALIBRATION_ELEMENTS, EVIDENCE_SAMPLES, TAIL_ALLOWANCE_MS, Calibration,
+                                      call_ms_from)
 from cudagym.sandbox.timing.evidence import CpuClose, Evidence, Reading
 from cudagym.sandbox.timing.gate import (CLOSE_TIMEOUT_NS, GATE_THREADS, MAX_SAMPLED_DIMS, MAX_SAMPLED_OUTPUTS,
                                          PROJECTED_KINDS, Samples, cuda_driver, cudart, gate_kernels)
@@ -55,7 +56,7 @@ CPU_CALIBRATION = (30, 1 << 16, 1 << 21, 1 << 16, 3)
 # microseconds reads 0.3-0.7 us more or less from one process to the next with its placement
 # (H100, `benchmarks/probe_stamps.py`), and a job's median should not hang on one placement.
 PLACEMENT_BYTES = (0, 2**18, 2**19, 3 * 2**18, 2**20, 3 * 2**19, 5 * 2**19, 2**22)
-SAMPLE_SIZE = 2048  # elements of each output of a call read at its end (`DeviceTimer.read_at_end`; all, if fewer)
+SAMPLE_SIZE = EVIDENCE_SAMPLES  # elements of each output of a call read at its end (`DeviceTimer.read_at_end`)
 PROJECTIONS = 4  # secret +-1 projections of every output of a GPU call (`projection`)
 
 
@@ -190,7 +191,7 @@ class DeviceTimer:
 
     def __init__(self, device: torch.device, flush_l2: bool = True, launch_window_us: float = 1000.0,
                  calibration: Calibration | None = None, native_close: Any = None, native_flush: Any = None,
-                 native_open: Any = None, stamp_fd: int | None = None) -> None:
+                 native_open: Any = None, native_channel: bool = False) -> None:
         self.device = device
         # the CPU close (`_close_cpu`): the harness's native one (a worker's timer always has it),
         # and the interval's native start (`cudagym_cpu_open`), which it needs
@@ -199,9 +200,9 @@ class DeviceTimer:
         if native_close is None and _NATIVE_CLOSE and native_open is None:
             native_open = _NATIVE_CLOSE[1]
         self._native_open = native_open if self._native_close is not None else None
-        # where the native open and close send each call's stamps and evidence (the worker's channel
-        # to the parent, `cudagym.sandbox.worker.wire`): None, kept for `send`
-        self.stamp_fd = stamp_fd if self._native_open is not None else None
+        # whether the native open and close send each call's stamps and evidence themselves (a timing
+        # job's worker, its channel at `opwatch.CHANNEL_FD`): `send` then sends only what they did not
+        self.native_channel = native_channel and self._native_open is not None
         # and its cache flush (`flush`), on as many threads as the process may run on
         self._native_flush = None if device.type == "cuda" else native_flush
         self._flush_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -296,8 +297,8 @@ class DeviceTimer:
             reading = Reading(0, None)
             if mark is not None:
                 mark()
-            # the interval's start: the native open's clock, on the channel before the call (`stamp_fd`)
-            t0_ns = self._native_open(-1 if self.stamp_fd is None else self.stamp_fd) if self._native_open else 0
+            # the interval's start: the native open's clock, on the channel (where there is one) before the call
+            t0_ns = self._native_open() if self._native_open else 0
             t0 = self._perf()
             if t0_ns < 0:
                 raise TimerTamperedError("the timer's CPU open could not write the call's start to the channel")
@@ -470,16 +471,15 @@ class DeviceTimer:
         draw and reads are ATen ops, which a candidate's RecordFunction callback sees). Returns
         the close's code (0; -1: no random bytes; -2: an output's memory could not be read; -3:
         the channel refused the evidence), its projection pass's duration (ns) and, native, its
-        clock at the end (ns). With `stamp_fd`, the native close sends the call's end, seed and
-        evidence itself (`Reading.layout`: what each output is); the projections of a dtype it does
-        not project are made here, after it, and go with `send`."""
+        clock at the end (ns). In a timing job's worker (`native_channel`) the native close sends the
+        call's end, seed and evidence itself (`Reading.layout`: what each output is); the
+        projections of a dtype it does not project are made here, after it, and go with `send`."""
         entries = reading.cpu
         if self._native_close is not None:
             array = (CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
-            stamps = (ctypes.c_int64 * 2)()
-            layout = reading.layout() if self.stamp_fd is not None else b""
-            code = int(self._native_close(ctypes.addressof(array), len(entries), stamps,
-                                          -1 if self.stamp_fd is None else self.stamp_fd, layout, len(layout)))
+            stamps = (ctypes.c_int64 * 3)()
+            layout = reading.layout()
+            code = int(self._native_close(ctypes.addressof(array), len(entries), stamps, layout, len(layout)))
             for k, (entry, (t, ev)) in enumerate(entries):
                 entry.seed = array[k].seed
                 if code == 0 and ev is not None and ev.projections is not None and entry.kind == 0:

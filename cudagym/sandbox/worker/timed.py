@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cudagym.sandbox.inline import inline_problems
+from cudagym.sandbox.opwatch import CHANNEL_FD
 from cudagym.sandbox.origin import MODEL_CALLS_KEY, records_as_counts
 from cudagym.sandbox.protocol import MAX_IDLE_MS
 from cudagym.sandbox.timing import (PROJECTIONS, SAMPLE_SIZE, Calibration, DeviceTimer, Evidence, TimerTamperedError,
@@ -60,8 +61,15 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after
     cpu = p.device.type == "cpu"
     native, opener, flush = ((op_watch(state).cpu_close, op_watch(state).cpu_open, op_watch(state).cpu_flush) if cpu
                              else (None, None, None))
-    # the CPU calls' stamps and evidence go on the channel from the native open and close (`DeviceTimer.call`)
-    stamp_fd = ch.fd if cpu else None
+    # the CPU calls' stamps and evidence go on the channel from the native open and close (`DeviceTimer.call`),
+    # which write at a fixed descriptor: the channel's pipe is put there now, before any candidate code
+    native_channel = False
+    if cpu:
+        try:
+            os.dup2(ch.fd, CHANNEL_FD, inheritable=False)
+            native_channel = True
+        except OSError:
+            pass
     known = ch.request("calibration_known").get("calibration") if p.device.type == "cuda" else None
     if isinstance(known, dict):
         calibration = Calibration(**known)
@@ -70,15 +78,15 @@ def job_timer(p: Problem, job: Job, state: WorkerState, ch: Channel, share_after
         calibration = harness_calibration.__wrapped__()
     else:
         calibration = DeviceTimer(p.device, flush_l2=False, calibration=Calibration(0, 0), native_close=native,
-                                  native_open=opener, stamp_fd=stamp_fd).calibrate()
+                                  native_open=opener, native_channel=native_channel).calibrate()
     timer = DeviceTimer(p.device, job.timing.flush_l2, launch_window_us=job.timing.launch_window_us,
                         calibration=calibration, native_close=native, native_flush=flush, native_open=opener,
-                        stamp_fd=stamp_fd)
+                        native_channel=native_channel)
     if state.opwatch_callbacks is not None:  # before any candidate code loads (`timing_run` compares after each call)
         state.callbacks_before = state.opwatch_callbacks()
     if not isinstance(known, dict):
         # the parent computes each call's time with this copy (`CallFeed`): the worker's can be rewritten later
-        ch.request("calibration", calibration=timer.calibration._asdict(), native_stamps=timer.stamp_fd is not None)
+        ch.request("calibration", calibration=timer.calibration._asdict(), native_stamps=timer.native_channel)
         if share_after and p.device.type == "cuda":
             ch.request("shared")  # the candidate loads beside checks (`share_after`)
     return timer
@@ -200,7 +208,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
         pending.extend((o.shape, timer.read_at_end(o, SAMPLE_SIZE)) for o in as_outputs(out, who, p.device))
         return {}
 
-    natively = timer.stamp_fd is not None  # the CPU close sends the evidence it read itself
+    natively = timer.native_channel  # the CPU close sends the evidence it read itself
 
     def send_evidence() -> None:
         # the evidence of the call goes on the pipe before the candidate's code runs again (on the
@@ -213,7 +221,7 @@ def timing_run(p: Problem, fn: Any, job: Job, ch: Channel, role: str, ph: Phases
                 for what, t, raw, extra in (("sample", ev.values, ev.raw[0], {"full_shape": list(shape)}),
                                             ("positions", ev.positions, ev.raw[1], {}),
                                             ("projection", ev.projections, ev.raw[2], {"seed": seed})):
-                    # the native close sent them (`stamp_fd`), but for the projections of a dtype it does not project
+                    # the native close sent them (`native_channel`), but the projections of a dtype it does not project
                     if natively and (what != "projection" or ev.raw[3].kind != 0):
                         continue
                     if t is not None and raw is not None:  # raw is None exactly when t is
@@ -372,6 +380,8 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     ph.mark("problem")
     timer = job_timer(p, job, state, ch, share_after=True)
     ph.mark("calibration")
+    if timer.native_channel:  # the channel's descriptors stay the harness's pipes (`OpWatch.guard_channel`)
+        ph.extra["channel_guard"] = op_watch(state).guard_channel((CHANNEL_FD, ch.fd, 0))
 
     def loading() -> None:  # the threads started from here on are the candidate's (`cpusamples.attribute`)
         threads = torch.get_num_threads()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import mmap
 import os
 import select
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field
 
 from cudagym.core.verdict import AuditMode
-from cudagym.sandbox.protocol import LimitsConfig, TimingConfig, VerifyConfig
+from cudagym.sandbox.protocol import EVIDENCE_SAMPLES, LimitsConfig, TimingConfig, VerifyConfig
 from cudagym.sandbox.worker.failures import CandidateError
 
 if TYPE_CHECKING:
@@ -219,9 +220,11 @@ class FrameError(Exception):
     """A malformed frame: the result channel was written by something other than the harness."""
 
 
-def read_frame(read_into: Callable[[memoryview], bool], max_payload: int) -> tuple[dict[str, Any], memoryview] | None:
+def read_frame(read_into: Callable[[memoryview], bool], max_payload: int,
+               admit: Callable[[dict[str, Any], int], None] | None = None) -> tuple[dict[str, Any], memoryview] | None:
     """One frame from a stream; `read_into(view)` fills `view` completely or returns False at
-    the end of the stream. None at a clean end; FrameError for a malformed or truncated frame.
+    the end of the stream. None at a clean end; FrameError for a malformed or truncated frame, or
+    one `admit(header, payload length)` refuses (before its payload is read).
     The payload is read straight into its own buffer (one copy from the pipe, none after)."""
     head = bytearray(_HDR.size)
     if not read_into(memoryview(head)):
@@ -241,6 +244,8 @@ def read_frame(read_into: Callable[[memoryview], bool], max_payload: int) -> tup
     (pl,) = _LEN.unpack_from(hbuf, hl)
     if pl > max_payload:
         raise FrameError(f"a frame payload of {pl} bytes exceeds the limit of {max_payload}")
+    if admit is not None:
+        admit(header, pl)
     payload = bytearray(pl)
     if pl and not read_into(memoryview(payload)):
         raise FrameError("truncated frame payload")
@@ -401,6 +406,54 @@ def map_shared(fd: int, size: int, offset: int = 0) -> mmap.mmap:
 
 
 # -- the parent's end ---------------------------------------------------------------------------
+# the bytes of one element of each dtype the evidence of a CPU call may hold (`native_layout`)
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "uint8": 1, "bool": 1, "int8": 1, "int16": 2,
+             "int32": 4, "int64": 8, "complex32": 4, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4,
+             "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+
+
+def native_layout(layout: Any, sizes: Any, payload: int) -> list[tuple[dict[str, Any], int]] | str:
+    """The tensor headers (but "type" and "trial") and byte counts of a native close's evidence, in
+    payload order; or why its layout (the worker's, per output: "index", "dtype", the samples'
+    "shape", the output's "full_shape"; null for an output read but not sampled) and its sizes
+    (the close's, per output: [values, positions, projection] bytes) do not take exactly `payload`
+    bytes: outputs numbered 0, 1, ... in order, `EVIDENCE_SAMPLES` values each (all of an output
+    that has no more, in its shape, without positions), 8 bytes a position, 32 for 4 projections."""
+    if not isinstance(layout, list) or not isinstance(sizes, list) or len(layout) != len(sizes):
+        return "not one size for each output"
+    pieces: list[tuple[dict[str, Any], int]] = []
+    index = 0
+    for meta, size in zip(layout, sizes):
+        if not (isinstance(size, list) and len(size) == 3 and all(type(b) is int and b >= 0 for b in size)):
+            return f"malformed sizes {size!r}"
+        v, p, j = size
+        if meta is None:
+            if v or p or j:
+                return "bytes for an output it does not describe"
+            continue
+        if not isinstance(meta, dict) or set(meta) != {"index", "dtype", "shape", "full_shape"}:
+            return f"malformed output {meta!r}"
+        shape, full, itemsize = meta["shape"], meta["full_shape"], _ITEMSIZE.get(str(meta["dtype"]))
+        if not all(isinstance(t, list) and all(type(d) is int and d >= 0 for d in t) for t in (shape, full)):
+            return f"malformed shapes {meta!r}"
+        numel = math.prod(full)
+        count = min(numel, EVIDENCE_SAMPLES)
+        sampled = numel > EVIDENCE_SAMPLES
+        if meta["index"] != index or itemsize is None or (shape != [count] if sampled else shape != full) \
+                or v != count * itemsize or p != (8 * count if sampled else 0) or j not in (0, 32):
+            return f"output {index}: {meta!r} does not take {size!r} bytes"
+        index += 1
+        head = {"index": meta["index"], "dtype": meta["dtype"]}
+        pieces.append(({**head, "role": "sample", "shape": shape, "full_shape": full}, v))
+        if p:
+            pieces.append(({**head, "role": "positions", "dtype": "int64", "shape": [count]}, p))
+        if j:
+            pieces.append(({**head, "role": "projection", "dtype": "float64", "shape": [4]}, j))
+    if sum(n for _, n in pieces) != payload:
+        return "its sizes do not add up to its payload"
+    return pieces
+
+
 class FrameReader:
     """Reads one worker's result pipe on its own thread, frame by frame.
 
@@ -431,6 +484,7 @@ class FrameReader:
         # call the next ones belong to: (role, index) of the last call request not answered "stop"
         self._stamps: list[dict[str, Any]] = []
         self._calling: tuple[Any, int] | None = None
+        self.native_stamps = False  # the job's calibration request said its calls are stamped natively
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
         # and request (`Channel.mark`): where the job's forward calls began and ended
         self.marks: list[tuple[str, Any, float]] = []
@@ -476,6 +530,25 @@ class FrameReader:
                 pass
         return answer
 
+    def _admit(self, header: dict[str, Any], payload: int) -> None:
+        """Refuse a frame by its header, before its payload is read (`read_frame`): in a natively
+        stamped call the harness sends marks, requests, its stamps and, from the worker's Python,
+        only the projections of a dtype the close does not project (`timed.send_evidence`); a
+        close's payload is exactly what its layout's outputs take (`native_layout`). A frame
+        the candidate wrote whose payload would take in the harness's frames after it is refused
+        here, not read until the worker stalls."""
+        kind = header.get("type")
+        if kind == "stamp":
+            if header.get("what") == "close":
+                pieces = native_layout(header.get("layout"), header.get("sizes"), payload)
+                if isinstance(pieces, str):
+                    raise FrameError(f"a close stamp whose layout does not match its payload: {pieces}")
+            return
+        if self.native_stamps and self._calling is not None and kind not in ("mark", "request") and not (
+                kind == "tensor" and header.get("role") == "projection" and header.get("dtype") == "float64"
+                and header.get("shape") == [4] and payload == 32):
+            raise FrameError(f"a {kind!r} frame inside a natively stamped call")
+
     def stamped(self, header: dict[str, Any], payload: memoryview,
                 arrived: float) -> list[tuple[dict[str, Any], memoryview]]:
         """A native stamp of a CPU timed call (`cudagym_cpu_open`/`cudagym_cpu_close` in opwatch.cpp,
@@ -484,41 +557,35 @@ class FrameReader:
         the close's "phase_ns", "dense" and "seed"); a close's evidence comes back as the tensor
         frames the worker's `Channel.send_tensor` would have sent (role "sample", "positions",
         "projection"), of the call asked for last (none outside a call: the calibration's).
-        FrameError for a stamp that is not the close's layout."""
+
+        FrameError for a stamp in a job whose timer declared none (with the calibration, the job's
+        first request: the calibration's own calls come before it), or a close whose bytes are not
+        exactly what its layout's outputs take (`native_layout`): a frame written on the channel by
+        the candidate cannot hide the harness's own close that follows it in its payload."""
         what = header.get("what")
+        if not self.native_stamps and self.requests:  # before the first request: the calibration's calls
+            raise FrameError("a stamp frame in a job whose timer stamps no call natively")
         stamp: dict[str, Any] = {"what": what, "ns": header.get("ns"), "arrived_s": arrived}
         if what == "close":
             stamp.update({k: header.get(k) for k in ("phase_ns", "dense", "seed")})
-        elif what != "open" or len(payload):
+        elif what != "open" or len(payload) or set(header) != {"type", "what", "ns"}:
             raise FrameError(f"a stamp frame of unknown kind {what!r}")
         self._stamps.append(stamp)
         if what != "close":
             return []
-        layout, sizes, seed = header.get("layout"), header.get("sizes"), header.get("seed")
-        if set(header) != {"layout", "type", "what", "ns", "phase_ns", "dense", "seed", "sizes"} \
-                or not isinstance(layout, list) or not isinstance(sizes, list) or len(layout) != len(sizes) \
-                or not all(isinstance(z, list) and len(z) == 3 and all(type(b) is int and b >= 0 for b in z)
-                           for z in sizes) or sum(map(sum, sizes)) != len(payload):
-            raise FrameError("a close stamp whose layout does not match its payload")
+        if set(header) != {"layout", "type", "what", "ns", "phase_ns", "dense", "seed", "sizes"}:
+            raise FrameError("a close stamp with other fields than the harness's")
+        pieces = native_layout(header.get("layout"), header.get("sizes"), len(payload))
+        if isinstance(pieces, str):
+            raise FrameError(f"a close stamp whose layout does not match its payload: {pieces}")
         if self._calling is None:
             return []  # the calibration's calls (before any call was asked for)
         out, at = [], 0
-        for meta, (v, p, j) in zip(layout, sizes):
-            if meta is None or not isinstance(meta, dict):
-                if v or p or j:
-                    raise FrameError("a close stamp with bytes for an output it does not describe")
-                continue
-            head = {"type": "tensor", "trial": self._calling[1], "index": meta.get("index"), "dtype": meta.get("dtype")}
-            out.append(({**head, "role": "sample", "shape": meta.get("shape"), "full_shape": meta.get("full_shape")},
-                        payload[at:at + v]))
-            at += v
-            if p:
-                out.append(({**head, "role": "positions", "dtype": "int64", "shape": [p // 8]}, payload[at:at + p]))
-                at += p
-            if j:
-                out.append(({**head, "role": "projection", "dtype": "float64", "shape": [j // 8], "seed": seed},
-                            payload[at:at + j]))
-                at += j
+        for head, n in pieces:
+            if head.get("role") == "projection":
+                head["seed"] = header.get("seed")
+            out.append(({"type": "tensor", "trial": self._calling[1], **head}, payload[at:at + n]))
+            at += n
         return out
 
     def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
@@ -542,12 +609,13 @@ class FrameReader:
                 self.startup_s["wall"] = time.perf_counter() - self._started
             self._resolve(self.ready, ok)
             while ok:
-                frame = read_frame(self._read_into, self._budget)
+                frame = read_frame(self._read_into, self._budget, self._admit)
                 arrived = time.perf_counter()
                 if frame is None:
                     break
-                self._budget -= len(frame[1])
                 kind = frame[0].get("type")
+                if kind != "stamp" or self._calling is not None:  # the calibration's evidence is not kept
+                    self._budget -= len(frame[1])
                 if kind == "mark":  # answered here: no responder sees it
                     what = str(frame[0].get("what"))
                     self.marks.append((what, frame[0].get("at"), arrived))
@@ -564,6 +632,9 @@ class FrameReader:
                     continue
                 if kind == "request":
                     self.marks.append((f"request:{frame[0].get('what')}", None, arrived))
+                    if frame[0].get("what") == "calibration" and not self.requests:
+                        # declared by the worker before any candidate code loads (`timed.job_timer`)
+                        self.native_stamps = frame[0].get("native_stamps") is True
                     answer = self._answer(frame[0], arrived)
                     index = frame[0].get("index")
                     self._calling = ((frame[0].get("role"), index) if frame[0].get("what") == "call"
