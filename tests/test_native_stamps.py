@@ -113,6 +113,59 @@ def test_a_close_whose_bytes_are_not_its_layouts_is_refused() -> None:
         assert isinstance(native_layout(layout, sizes, payload), str), (layout, sizes)
 
 
+def _frames_read(frames: list[dict[str, Any]], payloads: dict[int, bytes] | None = None) -> FrameReader:
+    """The parent's frame reader after it read `frames` (each a header; `payloads[i]` for frame i)."""
+    read_fd, write_fd = os.pipe()
+    answers_r, answers_w = os.pipe()
+    loop = asyncio.new_event_loop()
+    reader = FrameReader(read_fd, loop, 1 << 26)
+    reader.responder = lambda request, arrived: {}
+    reader.answer_fd = answers_w
+    try:
+        os.write(write_fd, encode_frame({"type": "ready"}))
+        for i, head in enumerate(frames):
+            os.write(write_fd, encode_frame(head, (payloads or {}).get(i, b"")))
+        os.close(write_fd)
+        loop.run_until_complete(asyncio.wait_for(reader.done, 30))
+    finally:
+        reader.stop()
+        loop.close()
+        os.close(answers_w)
+        _read_all(answers_r)
+        os.close(answers_r)
+    return reader
+
+
+def test_a_natively_stamped_calls_frames_come_in_the_harnesss_order() -> None:
+    """Start mark, open, close, (projections), end mark, request: a mark or stamp of the candidate's
+    anywhere else in the call is refused as it arrives."""
+    calibration = {"type": "request", "what": "calibration", "native_stamps": True}
+    ask = {"type": "request", "what": "call", "role": "candidate", "index": 0}
+    forward, returned = {"type": "mark", "what": "forward"}, {"type": "mark", "what": "returned"}
+    opened = {"type": "stamp", "what": "open", "ns": 5}
+    closed = {"type": "stamp", "what": "close", "layout": [], "ns": 9, "phase_ns": 1, "dense": 0, "seed": 3,
+              "sizes": []}
+    kind0 = {"type": "tensor", "role": "projection", "trial": 0, "index": 0, "dtype": "float64", "shape": [4]}
+    again = {**ask, "index": 1}
+    honest = [calibration, ask, forward, opened, closed, kind0, returned, again]
+    assert _frames_read(honest, {5: bytes(32)}).error is None
+    assert _frames_read([calibration, ask, opened, closed, again]).error is None  # a baseline's call: no marks
+    for frames in ([calibration, ask, forward, opened, returned, closed, again],  # the window ended before the close
+                   [calibration, ask, forward, opened, closed, again],  # no end mark
+                   [calibration, ask, forward, forward, opened, closed, returned, again],
+                   [calibration, ask, forward, opened, opened, closed, returned, again],
+                   [calibration, ask, forward, opened, closed, closed, returned, again],
+                   [calibration, ask, forward, opened, closed, returned, returned, again],
+                   [calibration, ask, forward, opened, closed, {"type": "mark", "what": "other"}, returned, again],
+                   [calibration, ask, opened, closed, returned, again]):
+        reader = _frames_read(frames)
+        assert reader.error is not None and "order" in reader.error, frames
+    assert "out of the harness's order" in str(_frames_read([calibration, ask, forward, opened, closed,
+                                                              {**kind0, "shape": [8]}, returned, again],
+                                                             {5: bytes(64)}).error)
+    assert _frames_read([calibration, ask, forward, opened, {"type": "final", "ok": False}]).error is None
+
+
 def test_a_calls_stamps_must_be_one_open_then_one_close() -> None:
     opened = {"what": "open", "ns": 1_000, "arrived_s": 0.0}
     closed = {"what": "close", "ns": 6_000, "phase_ns": 10, "dense": 7, "seed": 3, "arrived_s": 0.0}
@@ -206,14 +259,30 @@ def _swallow():
 """
 
 
-@pytest.mark.parametrize("how", ["forged", "swallow"])
+# Or an end mark of its own, sent before the harness's close, which would end the parent's window there.
+RETURNED = IN_THE_LOOP + """\
+import json
+import os
+import struct
+
+
+def _returned():
+    if _loop_frame() is None:
+        return
+    head = json.dumps({"type": "mark", "what": "returned", "wait": False, "at": 0.0}).encode()
+    os.write(1000, struct.pack("<I", len(head)) + head + struct.pack("<Q", 0))
+"""
+
+
+@pytest.mark.parametrize("how", ["forged", "swallow", "returned"])
 def test_a_frame_the_candidate_writes_in_a_call_is_refused(evaluator: Evaluator, build_ws, how: str) -> None:
-    extra, call = (FORGED_CLOSE, "_forge()") if how == "forged" else (SWALLOW, "_swallow()")
+    extra, call = {"forged": (FORGED_CLOSE, "_forge()"), "swallow": (SWALLOW, "_swallow()"),
+                   "returned": (RETURNED, "_returned()")}[how]
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(f"{call}\nreturn run_kernel(x, self.bias, self.scale)",
                                                             extra=extra), GELU_KERNELS))
     assert v.reward < 0, v.reasons
     text = "\n".join([*v.reasons, v.error or ""])
-    assert ("not one open and one close" if how == "forged" else "inside a natively stamped call") in text, text
+    assert "out of the harness's order in a natively stamped call" in text, text
 
 
 # To send its own close instead of the harness's, the candidate would put another pipe at the
@@ -247,6 +316,16 @@ def _redirect(target):
         _tried["refused"] += 1
     if _libc.syscall(425, 8, None) >= 0 or ctypes.get_errno() != errno.EPERM:  # io_uring_setup
         raise RuntimeError("io_uring was set up")
+    # a filter of its own (here one that allows everything), by either call, or tracing
+    allow = (ctypes.c_uint16 * 4)(0x06, 0, 0, 0)  # BPF_RET | BPF_K, SECCOMP_RET_ALLOW (0x7fff0000)
+    allow_k = ctypes.c_uint32.from_buffer(allow, 4)
+    allow_k.value = 0x7FFF0000
+    prog = (ctypes.c_uint64 * 2)(1, ctypes.addressof(allow))
+    for name, rc in (("seccomp", _libc.syscall(317, 1, 0, ctypes.byref(prog))),
+                     ("prctl", _libc.prctl(22, 2, ctypes.byref(prog), 0, 0)),
+                     ("ptrace", _libc.ptrace(0, 0, None, None))):
+        if rc >= 0 or ctypes.get_errno() != errno.EPERM:
+            raise RuntimeError(f"{name}: {rc}, errno {ctypes.get_errno()}")
     os.close(spare[0])
     os.close(spare[1])
 """
@@ -256,7 +335,8 @@ def _redirect(target):
 def test_the_channels_descriptors_cannot_be_replaced_or_closed(evaluator: Evaluator, build_ws, target: str) -> None:
     """The channel guard (a seccomp filter installed before the candidate loads) refuses every way
     to put another file at the native channel's descriptor or at the answers' (stdin), or to close
-    them: the candidate stays honest and is rewarded as such."""
+    them, and a filter of the candidate's own (red team 32's held the harness's writes for a thread
+    of its own to rewrite) or tracing: the candidate stays honest and is rewarded as such."""
     body = f"_redirect({target})\nreturn run_kernel(x, self.bias, self.scale)"
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=REDIRECT), GELU_KERNELS))
     assert v.reward >= 1, (v.reasons, v.error)

@@ -582,9 +582,11 @@ extern "C" int64_t cudagym_cpu_open() {
 // The channel guard of a CPU profile job (`timed.run_profile`, before the candidate's code loads):
 // a seccomp filter on this process and all it starts from then on that refuses (EPERM) to put
 // anything else at the descriptors `fds` (`dup2`, `dup3`) or to close them (`close`,
-// `close_range` over one), io_uring (whose operations pass no filter), and any syscall of another
-// ABI (i386's `int 0x80`, x32). The channel's frames then reach the parent through the descriptors
-// the harness opened. Returns 0, or -errno (no filter installed).
+// `close_range` over one), io_uring (whose operations pass no filter), another seccomp filter
+// (`seccomp`, `prctl(PR_SET_SECCOMP)`), tracing (`ptrace`), writing another process's memory or
+// taking its descriptors (`process_vm_writev`, `pidfd_getfd`), and any syscall of another ABI
+// (i386's `int 0x80`, x32). The channel's frames then reach the parent through the descriptors
+// the harness opened, as the harness wrote them. Returns 0, or -errno (no filter installed).
 extern "C" int cudagym_guard_channel(const int* fds, int n) {
 #if defined(__x86_64__)
   constexpr uint32_t arch = AUDIT_ARCH_X86_64;
@@ -621,7 +623,11 @@ extern "C" int cudagym_guard_channel(const int* fds, int n) {
 #ifdef __NR_dup2
       {__NR_dup2, 1},
 #endif
-      {__NR_dup3, 1}, {__NR_close, 0}, {__NR_close_range, -1}, {__NR_io_uring_setup, -2}};
+      {__NR_dup3, 1}, {__NR_close, 0}, {__NR_close_range, -1}, {__NR_io_uring_setup, -2},
+      // no filter after this one (a filter of the candidate's could hold the harness's writes and hand them
+      // to a thread of its own: red team 32's user notifications), no tracing or writing of another process
+      {__NR_seccomp, -2}, {__NR_prctl, -3}, {__NR_ptrace, -2}, {__NR_process_vm_writev, -2},
+      {__NR_pidfd_getfd, -2}};
   const size_t dispatch = f.size();
   for (size_t b = 0; b < blocks.size(); ++b) jump(BPF_JMP | BPF_JEQ | BPF_K, blocks[b].first, 0, 0);
   stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
@@ -639,6 +645,11 @@ extern "C" int cudagym_guard_channel(const int* fds, int n) {
         jump(BPF_JMP | BPF_JGE | BPF_K, fd, 0, 1);  // last >= fd
         stmt(BPF_RET | BPF_K, deny);
       }
+      stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    } else if (blocks[b].second == -3) {  // prctl(PR_SET_SECCOMP, ...)
+      stmt(BPF_LD | BPF_W | BPF_ABS, lo(0));
+      jump(BPF_JMP | BPF_JEQ | BPF_K, PR_SET_SECCOMP, 0, 1);
+      stmt(BPF_RET | BPF_K, deny);
       stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
     } else {
       stmt(BPF_RET | BPF_K, deny);

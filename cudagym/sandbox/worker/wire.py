@@ -485,6 +485,7 @@ class FrameReader:
         self._stamps: list[dict[str, Any]] = []
         self._calling: tuple[Any, int] | None = None
         self.native_stamps = False  # the job's calibration request said its calls are stamped natively
+        self._call_steps: list[str] = []  # the frames of the call under way, in order (`_admit`)
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
         # and request (`Channel.mark`): where the job's forward calls began and ended
         self.marks: list[tuple[str, Any, float]] = []
@@ -531,23 +532,41 @@ class FrameReader:
         return answer
 
     def _admit(self, header: dict[str, Any], payload: int) -> None:
-        """Refuse a frame by its header, before its payload is read (`read_frame`): in a natively
-        stamped call the harness sends marks, requests, its stamps and, from the worker's Python,
-        only the projections of a dtype the close does not project (`timed.send_evidence`); a
-        close's payload is exactly what its layout's outputs take (`native_layout`). A frame
-        the candidate wrote whose payload would take in the harness's frames after it is refused
-        here, not read until the worker stalls."""
-        kind = header.get("type")
-        if kind == "stamp":
-            if header.get("what") == "close":
-                pieces = native_layout(header.get("layout"), header.get("sizes"), payload)
-                if isinstance(pieces, str):
-                    raise FrameError(f"a close stamp whose layout does not match its payload: {pieces}")
+        """Refuse a frame by its header, before its payload is read (`read_frame`). In a natively
+        stamped call the harness sends, in this order: the call's start mark (the CPU candidate's
+        calls), the open, the close, the projections of a dtype the close does not project (from
+        the worker's Python, `timed.send_evidence`), the end mark, the next request; anything else,
+        or out of that order, is not the harness's (red team 32's "returned" mark of its own, sent
+        before the harness's close, ended the parent's window early). A close's payload is exactly
+        what its layout's outputs take (`native_layout`): a frame the candidate wrote whose payload
+        would take in the harness's frames after it is refused here, not read until the worker
+        stalls. The final frame may come at any point (a job that failed mid-call)."""
+        kind, what = header.get("type"), header.get("what")
+        if kind == "stamp" and what == "close":
+            pieces = native_layout(header.get("layout"), header.get("sizes"), payload)
+            if isinstance(pieces, str):
+                raise FrameError(f"a close stamp whose layout does not match its payload: {pieces}")
+        if not self.native_stamps or self._calling is None or kind == "final":
             return
-        if self.native_stamps and self._calling is not None and kind not in ("mark", "request") and not (
-                kind == "tensor" and header.get("role") == "projection" and header.get("dtype") == "float64"
-                and header.get("shape") == [4] and payload == 32):
-            raise FrameError(f"a {kind!r} frame inside a natively stamped call")
+        # the call's frames in the harness's order: its start mark (CPU candidate), the open, the close,
+        # (the projections of a dtype the close does not project), its end mark, the next request
+        steps: dict[tuple[Any, Any], str] = {("mark", "forward"): "forward", ("stamp", "open"): "open",
+                                             ("stamp", "close"): "close", ("mark", "returned"): "returned",
+                                             ("request", what): "request"}
+        step = steps.get((kind, what))
+        if kind == "tensor" and header.get("role") == "projection" and header.get("dtype") == "float64" \
+                and header.get("shape") == [4] and payload == 32:
+            step = "projection"
+        seen = self._call_steps
+        last = seen[-1] if seen else ""
+        after = {"forward": ("",), "open": ("", "forward"), "close": ("open",), "projection": ("close", "projection"),
+                 "returned": ("close", "projection"), "request": ("close", "projection", "returned")}
+        marked = "forward" in seen  # a call that began with a mark ends with one (the CPU candidate's)
+        if step is None or last not in after[step] or (step == "returned" and not marked) \
+                or (step == "request" and marked and "returned" not in seen):
+            raise FrameError(f"a {kind!r} frame ({what or header.get('role')!r}) out of the harness's order in a "
+                             f"natively stamped call (after {seen or 'its request'})")
+        seen.append(step)
 
     def stamped(self, header: dict[str, Any], payload: memoryview,
                 arrived: float) -> list[tuple[dict[str, Any], memoryview]]:
@@ -639,6 +658,7 @@ class FrameReader:
                     index = frame[0].get("index")
                     self._calling = ((frame[0].get("role"), index) if frame[0].get("what") == "call"
                                      and type(index) is int and not answer.get("stop") else None)
+                    self._call_steps = []
                     continue
                 if kind == "stamp":
                     self.frames.extend(self.stamped(frame[0], frame[1], arrived))
