@@ -231,8 +231,8 @@ def test_a_parent_slow_to_read_verifys_end_marks_keeps_the_harness_out_of_the_wi
     next trial's reference, in torch's kernels; the dispatcher entries it reads) stays outside."""
     read = wire.read_frame
 
-    def late(read_into, max_payload):
-        frame = read(read_into, max_payload)
+    def late(read_into, max_payload, admit=None):
+        frame = read(read_into, max_payload, admit)
         if frame is not None and frame[0].get("type") == "mark" and frame[0].get("what") == "returned":
             time.sleep(0.05)  # the reader thread gets the CPU 50 ms after the mark came
         return frame

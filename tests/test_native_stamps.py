@@ -331,12 +331,33 @@ def _redirect(target):
 """
 
 
-@pytest.mark.parametrize("target", ["1000", "0"])
+@pytest.mark.parametrize("target", ["1000", "3"])
 def test_the_channels_descriptors_cannot_be_replaced_or_closed(evaluator: Evaluator, build_ws, target: str) -> None:
     """The channel guard (a seccomp filter installed before the candidate loads) refuses every way
-    to put another file at the native channel's descriptor or at the answers' (stdin), or to close
-    them, and a filter of the candidate's own (red team 32's held the harness's writes for a thread
+    to put another file at the native channel's descriptor or at the worker's result pipe (3), or to
+    close them, and a filter of the candidate's own (red team 32's held the harness's writes for a thread
     of its own to rewrite) or tracing: the candidate stays honest and is rewarded as such."""
     body = f"_redirect({target})\nreturn run_kernel(x, self.bias, self.scale)"
     v = evaluator.evaluate(GELU, build_ws(GELU, gelu_model(body, extra=REDIRECT), GELU_KERNELS))
     assert v.reward >= 1, (v.reasons, v.error)
+
+
+def test_the_address_a_native_function_of_the_timer_calls_is_checked(eval_cache: Path) -> None:
+    """Red team 33's a4 pointed the timer's native open, a ctypes function object, at a function of
+    its own (the object unchanged, so identity checks held): the per-call checks compare the
+    address it calls (`integrity.c_entries`)."""
+    import ctypes
+
+    from cudagym.sandbox.worker.integrity import c_entries, entries_changed
+
+    watch = OpWatch.load(eval_cache)
+    entries = c_entries([watch.cpu_open, watch.cpu_close])
+    assert len(entries) == 2 and not entries_changed(entries)
+    slot = ctypes.c_void_p.from_address(ctypes.addressof(watch.cpu_open))
+    original = slot.value
+    try:
+        slot.value = watch.cpu_flush and ctypes.cast(watch.cpu_flush, ctypes.c_void_p).value
+        assert entries_changed(entries)
+    finally:
+        slot.value = original
+    assert not entries_changed(entries)

@@ -87,7 +87,8 @@ def _build_flags() -> tuple[list[str], list[str], str]:
                      f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",  # noqa: SLF001 - torch's ABI
                      *(f for d in cpp.include_paths() for f in ("-isystem", d))]
     lib = cpp.TORCH_LIB_PATH
-    link_flags = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    # bound at load and read-only after (full RELRO): no slot of the library's own is plain writable data
+    link_flags = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-Wl,-z,now", "-Wl,-z,relro"]
     return compile_flags, link_flags, f"{torch.__version__}\n{lib}"
 
 

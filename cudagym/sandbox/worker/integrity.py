@@ -545,16 +545,21 @@ def c_entries(functions: list[Any]) -> list[tuple[int, int, int]]:
         if isinstance(f, types.BuiltinFunctionType):
             definition = _word(id(f) + 2 * _WORD).value or 0
             out.append((id(f), definition, (_word(definition + _WORD).value or 0) if definition else 0))
+        elif isinstance(f, _CFUNC):  # a ctypes function (the native close): the address it calls (-1)
+            out.append((ctypes.addressof(f), _word(ctypes.addressof(f)).value or 0, -1))
     return out
 
 
 def entries_changed(entries: list[tuple[int, int, int]]) -> bool:
-    """Whether a definition `c_entries` read has been pointed elsewhere since."""
-    return any(_word(obj + 2 * _WORD).value != definition or _word(definition + _WORD).value != meth
+    """Whether a definition `c_entries` read, or the address a ctypes function calls (red team 33's
+    native open swapped inside its object), has been pointed elsewhere since."""
+    return any(_word(obj).value != definition if meth == -1 else
+               _word(obj + 2 * _WORD).value != definition or _word(definition + _WORD).value != meth
                for obj, definition, meth in entries)
 
 
 _word = ctypes.c_void_p.from_address  # bound before any candidate code
+_CFUNC: type[Any] = ctypes.CFUNCTYPE(None).__mro__[1]  # ctypes' function pointer base (`_CFuncPtr`)
 _WORD = ctypes.sizeof(ctypes.c_void_p)
 _CLOCK_CALLS = ("clock_gettime", "clock_gettime64", "__clock_gettime", "__clock_gettime64")
 

@@ -381,7 +381,9 @@ def run_profile(job: Job, ch: Channel, state: WorkerState) -> None:
     timer = job_timer(p, job, state, ch, share_after=True)
     ph.mark("calibration")
     if timer.native_channel:  # the channel's descriptors stay the harness's pipes (`OpWatch.guard_channel`)
-        ph.extra["channel_guard"] = op_watch(state).guard_channel((CHANNEL_FD, ch.fd, 0))
+        # (not stdin, where the answers arrive: a process the candidate starts puts its own stdin there)
+        os.set_inheritable(ch.fd, False)
+        ph.extra["channel_guard"] = op_watch(state).guard_channel((CHANNEL_FD, ch.fd))
 
     def loading() -> None:  # the threads started from here on are the candidate's (`cpusamples.attribute`)
         threads = torch.get_num_threads()
