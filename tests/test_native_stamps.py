@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,11 +39,9 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache: Path) -> None:
-    """A real timer with the channel at `CHANNEL_FD`, read by the parent's real frame reader: the
-    open's stamp, then the close's, whose payload comes back as the sample, positions and
-    projection frames of the call asked for last; the stamps are the interval the timer reports."""
-    watch = OpWatch.load(eval_cache)
+def _read_by_parent(write: Callable[[int], None]) -> tuple[FrameReader, list[dict[str, Any]]]:
+    """The parent's real frame reader after `write(fd)` wrote a worker's frames on a pipe (after
+    its ready frame), and the requests it answered (with `{}`)."""
     read_fd, write_fd = os.pipe()
     answers_r, answers_w = os.pipe()
     loop = asyncio.new_event_loop()
@@ -50,22 +49,12 @@ def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache
     requests: list[dict[str, Any]] = []
     reader.responder = lambda request, arrived: requests.append(dict(request)) or {}
     reader.answer_fd = answers_w
-    os.dup2(write_fd, CHANNEL_FD)
     try:
-        os.write(write_fd, encode_frame({"type": "ready"}))
-        os.write(write_fd, encode_frame({"type": "request", "what": "calibration", "native_stamps": True}))
-        os.write(write_fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 0}))
-        timer = DeviceTimer(torch.device("cpu"), flush_l2=False, calibration=Calibration(0, 0),
-                            native_close=watch.cpu_close, native_open=watch.cpu_open, native_channel=True)
-        out = torch.randn(5000)
-        evidence = []
-        _, ms = timer.call(lambda: out, [], lambda o: evidence.append(timer.read_at_end(o)))
-        os.write(write_fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 1,
-                                         "stamps": "forged"}))
-    finally:
-        os.close(CHANNEL_FD)
-        os.close(write_fd)
-    try:
+        try:
+            os.write(write_fd, encode_frame({"type": "ready"}))
+            write(write_fd)
+        finally:
+            os.close(write_fd)
         loop.run_until_complete(asyncio.wait_for(reader.done, 30))
     finally:
         reader.stop()
@@ -73,6 +62,42 @@ def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache
         os.close(answers_w)
         _read_all(answers_r)
         os.close(answers_r)
+    return reader, requests
+
+
+def _frames_read(frames: list[dict[str, Any]], payloads: dict[int, bytes] | None = None) -> FrameReader:
+    """The parent's frame reader after it read `frames` (each a header; `payloads[i]` for frame i)."""
+    def write(fd: int) -> None:
+        for i, head in enumerate(frames):
+            os.write(fd, encode_frame(head, (payloads or {}).get(i, b"")))
+
+    return _read_by_parent(write)[0]
+
+
+def test_the_native_open_and_close_send_the_calls_stamps_and_evidence(eval_cache: Path) -> None:
+    """A real timer with the channel at `CHANNEL_FD`, read by the parent's real frame reader: the
+    open's stamp, then the close's, whose payload comes back as the sample, positions and
+    projection frames of the call asked for last; the stamps are the interval the timer reports."""
+    watch = OpWatch.load(eval_cache)
+    timer = DeviceTimer(torch.device("cpu"), flush_l2=False, calibration=Calibration(0, 0),
+                        native_close=watch.cpu_close, native_open=watch.cpu_open, native_channel=True)
+    out = torch.randn(5000)
+    evidence: list[Any] = []
+    times: list[float] = []
+
+    def worker(fd: int) -> None:
+        os.write(fd, encode_frame({"type": "request", "what": "calibration", "native_stamps": True}))
+        os.write(fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 0}))
+        os.dup2(fd, CHANNEL_FD)
+        try:
+            times.append(timer.call(lambda: out, [], lambda o: evidence.append(timer.read_at_end(o)))[1])
+        finally:
+            os.close(CHANNEL_FD)
+        os.write(fd, encode_frame({"type": "request", "what": "call", "role": "candidate", "index": 1,
+                                   "stamps": "forged"}))
+
+    reader, requests = _read_by_parent(worker)
+    (ms,) = times
     assert reader.error is None
     assert [r.get("stamps") for r in requests][:2] == [[], []]
     stamps = requests[2]["stamps"]  # what the worker put there is replaced
@@ -111,29 +136,6 @@ def test_a_close_whose_bytes_are_not_its_layouts_is_refused() -> None:
             ([None], [[8, 0, 0]], 8),  # bytes of an output read without samples
             ([{**small, "dtype": "float33"}], [[64, 0, 32]], 96)):
         assert isinstance(native_layout(layout, sizes, payload), str), (layout, sizes)
-
-
-def _frames_read(frames: list[dict[str, Any]], payloads: dict[int, bytes] | None = None) -> FrameReader:
-    """The parent's frame reader after it read `frames` (each a header; `payloads[i]` for frame i)."""
-    read_fd, write_fd = os.pipe()
-    answers_r, answers_w = os.pipe()
-    loop = asyncio.new_event_loop()
-    reader = FrameReader(read_fd, loop, 1 << 26)
-    reader.responder = lambda request, arrived: {}
-    reader.answer_fd = answers_w
-    try:
-        os.write(write_fd, encode_frame({"type": "ready"}))
-        for i, head in enumerate(frames):
-            os.write(write_fd, encode_frame(head, (payloads or {}).get(i, b"")))
-        os.close(write_fd)
-        loop.run_until_complete(asyncio.wait_for(reader.done, 30))
-    finally:
-        reader.stop()
-        loop.close()
-        os.close(answers_w)
-        _read_all(answers_r)
-        os.close(answers_r)
-    return reader
 
 
 def test_a_natively_stamped_calls_frames_come_in_the_harnesss_order() -> None:
