@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's commands, one per device call (each fits its 10-minute limit):
-#   OUT=$OUT bash benchmarks/run_gpu_suite.sh tests   # `pytest -m gpu` (over 9.5 min on an H100 since session 19:
-#       split it over two calls, e.g. `tests tests/test_[a-g]*.py` then `tests tests/test_[h-z]*.py`)
+#   OUT=$OUT bash benchmarks/run_gpu_suite.sh tests   # `pytest -m gpu` (over 15 min on an H100 since session 30:
+#       split it over three calls, `tests tests/test_[a-f]*.py`, `tests tests/test_g*.py`, `tests tests/test_[h-z]*.py`;
+#       `test_[a-g]*` alone took 563 s, and its teardown ran past a 570 s limit)
 #   OUT=$OUT bash benchmarks/run_gpu_suite.sh bench   # benchmarks/bench_baselines.py (3 min on an H100, 4+ on an H200)
 #   OUT=$OUT bash benchmarks/run_gpu_suite.sh verl    # benchmarks/verl_gpu_path.py (carry .whl and .whl_verl)
 # Logs and the benchmark's raw numbers go to $OUT: pytest_gpu.log, bench_baselines.log,
