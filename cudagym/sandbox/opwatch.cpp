@@ -679,8 +679,7 @@ extern "C" int cudagym_guard_channel(const int* fds, int n) {
 // The CPU close of a timed call (`DeviceTimer._close_cpu`): every output page read, the positions
 // drawn and the values gathered, each output projected; then the clock read (`stamps[1]`; the
 // projection pass in `stamps[0]`). Where the channel is open (`CHANNEL_FD`), the call's end and
-// everything the close read go to the parent on it in one frame before this returns (`stamps[2]`:
-// 1), so that nothing of the candidate's runs between the reads and the send: the header holds
+// everything the close read go to the parent on it in one frame before this returns, so that nothing of the candidate's runs between the reads and the send: the header holds
 // `layout` (the harness's JSON of what each output is, made as the outputs were registered), the
 // stamps, the seed and each output's bytes (values, positions, projections; `[0, 0, 0]`: none
 // read); the payload, those bytes in that order. Returns 0; -1 (no random bytes), -2 (an output's
@@ -719,13 +718,11 @@ extern "C" int cudagym_cpu_close(CpuClose* outs, int64_t n, int64_t* stamps, con
       for (const auto& [flat, i] : picks) positions[i] = static_cast<int64_t>(flat);
   }
   const int64_t t1 = now_ns();
-  const bool send = code == 0 && channel_open();
   if (stamps) {
     stamps[0] = t1 - t0;
     stamps[1] = t1;
-    stamps[2] = send;
   }
-  if (send) {
+  if (code == 0 && channel_open()) {
     std::vector<struct iovec> payload;
     std::string sizes;
     int64_t dense = 0;

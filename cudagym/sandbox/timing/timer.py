@@ -477,7 +477,7 @@ class DeviceTimer:
         entries = reading.cpu
         if self._native_close is not None:
             array = (CpuClose * max(len(entries), 1))(*(e for e, _ in entries))
-            stamps = (ctypes.c_int64 * 3)()
+            stamps = (ctypes.c_int64 * 2)()
             layout = reading.layout()
             code = int(self._native_close(ctypes.addressof(array), len(entries), stamps, layout, len(layout)))
             for k, (entry, (t, ev)) in enumerate(entries):

@@ -486,6 +486,7 @@ class FrameReader:
         self._calling: tuple[Any, int] | None = None
         self.native_stamps = False  # the job's calibration request said its calls are stamped natively
         self._call_steps: list[str] = []  # the frames of the call under way, in order (`_admit`)
+        self._close_pieces: list[tuple[dict[str, Any], int]] = []  # the last close's evidence (`_admit`)
         # (what, the worker's clock it reported, arrival on this process's clock) of each mark
         # and request (`Channel.mark`): where the job's forward calls began and ended
         self.marks: list[tuple[str, Any, float]] = []
@@ -542,10 +543,13 @@ class FrameReader:
         would take in the harness's frames after it is refused here, not read until the worker
         stalls. The final frame may come at any point (a job that failed mid-call)."""
         kind, what = header.get("type"), header.get("what")
-        if kind == "stamp" and what == "close":
+        if kind == "stamp" and what == "close":  # its pieces, for `stamped`
+            if set(header) != {"layout", "type", "what", "ns", "phase_ns", "dense", "seed", "sizes"}:
+                raise FrameError("a close stamp with other fields than the harness's")
             pieces = native_layout(header.get("layout"), header.get("sizes"), payload)
             if isinstance(pieces, str):
                 raise FrameError(f"a close stamp whose layout does not match its payload: {pieces}")
+            self._close_pieces = pieces
         if not self.native_stamps or self._calling is None or kind == "final":
             return
         # the call's frames in the harness's order: its start mark (CPU candidate), the open, the close,
@@ -578,9 +582,8 @@ class FrameReader:
         "projection"), of the call asked for last (none outside a call: the calibration's).
 
         FrameError for a stamp in a job whose timer declared none (with the calibration, the job's
-        first request: the calibration's own calls come before it), or a close whose bytes are not
-        exactly what its layout's outputs take (`native_layout`): a frame written on the channel by
-        the candidate cannot hide the harness's own close that follows it in its payload."""
+        first request: the calibration's own calls come before it); a close's header and bytes were
+        checked by `_admit` before its payload was read."""
         what = header.get("what")
         if not self.native_stamps and self.requests:  # before the first request: the calibration's calls
             raise FrameError("a stamp frame in a job whose timer stamps no call natively")
@@ -592,11 +595,7 @@ class FrameReader:
         self._stamps.append(stamp)
         if what != "close":
             return []
-        if set(header) != {"layout", "type", "what", "ns", "phase_ns", "dense", "seed", "sizes"}:
-            raise FrameError("a close stamp with other fields than the harness's")
-        pieces = native_layout(header.get("layout"), header.get("sizes"), len(payload))
-        if isinstance(pieces, str):
-            raise FrameError(f"a close stamp whose layout does not match its payload: {pieces}")
+        pieces = self._close_pieces  # as `_admit` read them from this frame's header
         if self._calling is None:
             return []  # the calibration's calls (before any call was asked for)
         out, at = [], 0
