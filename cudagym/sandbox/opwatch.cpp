@@ -679,8 +679,8 @@ extern "C" int cudagym_guard_channel(const int* fds, int n) {
 // The CPU close of a timed call (`DeviceTimer._close_cpu`): every output page read, the positions
 // drawn and the values gathered, each output projected; then the clock read (`stamps[1]`; the
 // projection pass in `stamps[0]`). Where the channel is open (`CHANNEL_FD`), the call's end and
-// everything the close read go to the parent on it in one frame before this returns, so that nothing of the candidate's runs between the reads and the send: the header holds
-// `layout` (the harness's JSON of what each output is, made as the outputs were registered), the
+// everything the close read go to the parent on it in one frame before this returns, so that
+// nothing of the candidate's runs between the reads and the send: the header holds `layout` (the harness's JSON of what each output is, made as the outputs were registered), the
 // stamps, the seed and each output's bytes (values, positions, projections; `[0, 0, 0]`: none
 // read); the payload, those bytes in that order. Returns 0; -1 (no random bytes), -2 (an output's
 // memory could not be read), -3 (the channel refused the frame).
